@@ -1,0 +1,59 @@
+"""The `sluice` command: one subcommand per role, each defined by the module that implements it.
+
+Each subcommand module exposes ``configure_parser(parser)`` and ``run(args) -> int``; modules are
+imported lazily so that ``sluice --help`` stays fast and one role's dependencies never load for another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from sluice import __version__
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("sluice.serve", "run the whole system in one process: gateway, broker and dispatcher"),
+    "sim": ("sluice.sim_server", "run an engine simulator with the OpenAI API (continuous batching model)"),
+    "bench": ("sluice.bench", "open-loop load experiment against an engine or a Sluice gateway"),
+    "engine": ("sluice.engine", "build, start or inspect the local llama-server engine"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="Sluice: a queue-scheduling gateway for LLM inference.",
+    )
+    parser.add_argument("--version", action="version", version=f"sluice {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or only == name:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:
+                    raise
+                continue
+            module.configure_parser(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(first if first in SUBCOMMANDS else None)
+    args = parser.parse_args(args_list)
+    module = getattr(args, "_module", None)
+    if module is None:
+        parser.print_help()
+        return 2
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
