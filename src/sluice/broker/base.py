@@ -1,0 +1,229 @@
+"""The Broker interface: the queue between gateways and dispatchers.
+
+Every implementation runs the same conformance suite (``tests/broker_conformance.py``). Time is
+read from ``settings.clock`` (seconds since the epoch) so that tests can move it; waits that block
+(claim, wait, events) use real time with a bound.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from sluice.core.admission import Limits
+from sluice.core.job import Job, JobError, JobState
+from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
+
+
+class EventType(StrEnum):
+    """Events of one job's stream, in the order a client sees them."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    TOKEN = "token"
+    #: a failed attempt will be retried; tokens already streamed for it are void
+    RETRY = "retry"
+    #: terminal: the job succeeded; data is the job view with its result
+    DONE = "done"
+    #: terminal: failed, cancelled or expired; data carries the state and the error
+    ERROR = "error"
+
+
+TERMINAL_EVENTS = frozenset({EventType.DONE, EventType.ERROR})
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a job's event stream. ``id`` increases from 1 and is the SSE event id."""
+
+    id: int
+    type: EventType
+    data: dict[str, Any]
+
+
+@dataclass
+class BrokerSettings:
+    """What every broker needs to know.
+
+    Args:
+        classes: the priority classes, highest first.
+        limits: the queue bounds of each model; ``default_limits`` for models not named.
+        lease_s: how long a claimed job stays with its worker without a heartbeat.
+        result_ttl_s: how long finished jobs, their results and events are kept.
+        idempotency_ttl_s: how long an ``Idempotency-Key`` maps to its first job.
+        drain_prior_per_slot: the service rate assumed for a model before any job finished there.
+        clock: wall-clock time in seconds; injected so tests can move time.
+    """
+
+    classes: Sequence[ClassSpec] = DEFAULT_CLASSES
+    limits: Mapping[str, Limits] = field(default_factory=dict)
+    default_limits: Limits = field(default_factory=Limits)
+    lease_s: float = 30.0
+    result_ttl_s: float = 3600.0
+    idempotency_ttl_s: float = 86400.0
+    drain_prior_per_slot: float = 50.0
+    clock: Callable[[], float] = time.time
+
+    def limits_for(self, model: str) -> Limits:
+        return self.limits.get(model, self.default_limits)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The broker's answer to a successful admit."""
+
+    job: Job
+    #: True when the idempotency key matched an earlier job: ``job`` is that job, nothing was queued
+    duplicate: bool
+    position: int
+    estimated_start_s: float
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    queued_jobs: int
+    queued_tokens: int
+    running_jobs: int
+    slots: int
+    drain_rate: float  # cost units (tokens) per second
+    measured: bool
+
+
+class Broker(ABC):
+    """Admitted jobs, their queues, leases, results and event streams."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+        self.classes = [c.name for c in settings.classes]
+
+    def now(self) -> float:
+        return self.settings.clock()
+
+    async def start(self) -> None:
+        """Connect and start background maintenance."""
+
+    async def close(self) -> None:
+        """Stop background work and release connections."""
+
+    async def __aenter__(self) -> Broker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- gateway side -------------------------------------------------------------------------
+
+    @abstractmethod
+    async def admit(self, job: Job) -> Admission:
+        """Queue ``job`` or raise :class:`sluice.core.admission.Refused`.
+
+        Idempotency, bounds and the deadline prediction are decided atomically with the enqueue.
+        """
+
+    @abstractmethod
+    async def get(self, job_id: str) -> Job | None:
+        """The job's record, or None if unknown or expired."""
+
+    @abstractmethod
+    async def wait(self, job_id: str, timeout: float) -> Job | None:
+        """The job once terminal, or as it is after ``timeout`` seconds; None if unknown."""
+
+    @abstractmethod
+    def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
+        """Events with id > ``after``, then new ones as they come, ending after the terminal event.
+
+        Ends early, without error, after ``timeout`` seconds without a new event.
+        """
+
+    @abstractmethod
+    async def cancel(self, job_id: str) -> Job | None:
+        """Cancel a queued or running job; a running one is aborted by its worker.
+
+        Returns the record as it is after the request (unchanged if it was terminal), None if unknown.
+        """
+
+    @abstractmethod
+    async def position(self, job_id: str) -> int | None:
+        """Jobs ahead of a queued job; None when it is not queued."""
+
+    @abstractmethod
+    async def stats(self) -> dict[str, ModelStats]:
+        """Per model: queue depth, running jobs, slots and drain rate."""
+
+    # --- worker side --------------------------------------------------------------------------
+
+    @abstractmethod
+    async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
+        """Announce (and keep alive) the models a worker serves and how many slots each has."""
+
+    @abstractmethod
+    async def unregister(self, worker_id: str) -> None:
+        """Withdraw a worker's capacity."""
+
+    @abstractmethod
+    async def served_models(self) -> dict[str, int]:
+        """Models some live worker serves, with their total slots."""
+
+    @abstractmethod
+    async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+        """Take the next job of one of ``models`` (in dispatch order), waiting at most ``timeout``.
+
+        The job turns RUNNING with a lease for ``worker_id``; its STARTED event is published.
+        """
+
+    @abstractmethod
+    async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
+        """Renew the leases of ``job_ids``; return those the worker must abort (cancelled or lost)."""
+
+    @abstractmethod
+    async def wait_abort_signal(self, timeout: float) -> None:
+        """Return early when a running job may have been cancelled, else after ``timeout``."""
+
+    @abstractmethod
+    async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
+        """Append an event to a running job's stream. The first TOKEN sets ``first_token_at``."""
+
+    @abstractmethod
+    async def finish(
+        self,
+        job_id: str,
+        worker_id: str,
+        state: JobState,
+        *,
+        result: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
+        error: JobError | None = None,
+        attempts: int | None = None,
+        backend: str | None = None,
+    ) -> Job | None:
+        """Settle a running job in a terminal state and publish its terminal event.
+
+        Ignored (returns None) when the worker no longer holds the job's lease.
+        """
+
+    @abstractmethod
+    async def maintain(self) -> None:
+        """One round of upkeep: expire queued jobs past their deadline, re-queue jobs whose lease
+        expired (or dead-letter them after ``max_attempts``), drop results past their TTL."""
+
+
+def job_view(job: Job) -> dict[str, Any]:
+    """The public JSON view of a job (``GET /v1/jobs/{id}`` and the terminal events)."""
+    return {
+        "id": job.id,
+        "object": "job",
+        "model": job.model,
+        "status": job.state.value,
+        "priority": job.priority,
+        "created_at": job.created_at,
+        "timings": job.timings(),
+        "attempts": job.attempts,
+        "result": job.result,
+        "usage": job.usage,
+        "error": job.error.to_dict() if job.error else None,
+    }

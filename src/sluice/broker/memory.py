@@ -1,0 +1,395 @@
+"""The embedded broker: asyncio structures in one process. Nothing survives a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.broker.base import (
+    TERMINAL_EVENTS,
+    Admission,
+    Broker,
+    BrokerSettings,
+    Event,
+    EventType,
+    ModelStats,
+    job_view,
+)
+from sluice.core import admission
+from sluice.core.capacity import DrainRate
+from sluice.core.job import Job, JobError, JobState
+from sluice.core.scheduler import ClassScheduler, Entry
+
+MAINTAIN_INTERVAL_S = 0.1
+
+
+class _Signal:
+    """A broadcast wake-up: waiters take the current event, the notifier swaps in a fresh one."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def current(self) -> asyncio.Event:
+        return self._event
+
+    def notify(self) -> None:
+        old, self._event = self._event, asyncio.Event()
+        old.set()
+
+
+@dataclass
+class _Record:
+    job: Job
+    events: list[Event] = field(default_factory=list)
+    signal: _Signal = field(default_factory=_Signal)
+
+
+@dataclass
+class _Lease:
+    worker_id: str
+    expires: float
+
+
+class MemoryBroker(Broker):
+    """Everything in dictionaries and heaps; one event loop; admission is atomic because it never awaits."""
+
+    def __init__(self, settings: BrokerSettings | None = None) -> None:
+        super().__init__(settings or BrokerSettings())
+        self._records: dict[str, _Record] = {}
+        self._queues: dict[str, ClassScheduler] = {}
+        self._drain: dict[str, DrainRate] = {}
+        self._running: dict[str, int] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._idempotency: dict[str, tuple[str, float]] = {}
+        self._workers: dict[str, tuple[dict[str, int], float]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._ttl: list[tuple[float, str]] = []
+        self.dead_letters: dict[str, float] = {}
+        self._work = _Signal()
+        self._abort = _Signal()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._maintain_forever(), name="memory-broker-maintain")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _maintain_forever(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTAIN_INTERVAL_S)
+            await self.maintain()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _queue(self, model: str) -> ClassScheduler:
+        q = self._queues.get(model)
+        if q is None:
+            q = self._queues[model] = ClassScheduler(self.settings.classes)
+        return q
+
+    def _drain_rate(self, model: str) -> DrainRate:
+        d = self._drain.get(model)
+        if d is None:
+            d = self._drain[model] = DrainRate(prior_per_slot=self.settings.drain_prior_per_slot)
+        d.slots = self._slots().get(model, 0)
+        return d
+
+    def _slots(self) -> dict[str, int]:
+        now = self.now()
+        total: dict[str, int] = {}
+        for slots, expires in self._workers.values():
+            if expires >= now:
+                for model, n in slots.items():
+                    total[model] = total.get(model, 0) + n
+        return total
+
+    def _emit(self, rec: _Record, type: EventType, data: dict[str, Any]) -> None:
+        rec.events.append(Event(len(rec.events) + 1, type, data))
+        rec.signal.notify()
+
+    def _settle(self, rec: _Record, state: JobState, error: JobError | None = None) -> None:
+        """Put a job in a terminal state and publish its terminal event."""
+        job = rec.job
+        if job.state is JobState.RUNNING:
+            self._running[job.model] -= 1
+        job.state = state
+        job.finished_at = self.now()
+        if error is not None:
+            job.error = error
+        heapq.heappush(self._ttl, (job.finished_at + self.settings.result_ttl_s, job.id))
+        self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
+
+    def _entry(self, job: Job) -> Entry:
+        return Entry(job.id, job.tenant, job.cost)
+
+    # --- gateway side -------------------------------------------------------------------------
+
+    async def admit(self, job: Job) -> Admission:
+        now = self.now()
+        idem = f"{job.tenant}:{job.idempotency_key}" if job.idempotency_key else None
+        if idem is not None:
+            hit = self._idempotency.get(idem)
+            if hit is not None and hit[1] > now and hit[0] in self._records:
+                first = self._records[hit[0]].job
+                pos = await self.position(first.id)
+                return Admission(first, True, pos or 0, 0.0)
+        if job.priority not in self.classes:
+            raise ValueError(f"unknown priority class {job.priority!r}")
+        q = self._queue(job.model)
+        cls_q = q.queues[job.priority]
+        ahead_jobs, ahead_tokens = q.ahead(job.priority)
+        view = admission.QueueView(q.jobs, q.tokens, cls_q.jobs, cls_q.tokens, ahead_jobs, ahead_tokens)
+        ok = admission.check(
+            cost=job.cost,
+            priority=job.priority,
+            now=now,
+            deadline=job.deadline,
+            view=view,
+            limits=self.settings.limits_for(job.model),
+            drain=self._drain_rate(job.model),
+        )
+        job.state = JobState.QUEUED
+        rec = self._records[job.id] = _Record(job)
+        q.push(job.priority, self._entry(job))
+        heapq.heappush(self._deadlines, (job.deadline, job.id))
+        if idem is not None:
+            self._idempotency[idem] = (job.id, now + self.settings.idempotency_ttl_s)
+        self._emit(
+            rec, EventType.QUEUED, {"position": ok.position, "estimated_start_s": ok.estimated_start_s}
+        )
+        self._work.notify()
+        return Admission(job, False, ok.position, ok.estimated_start_s)
+
+    async def get(self, job_id: str) -> Job | None:
+        rec = self._records.get(job_id)
+        return rec.job if rec else None
+
+    async def wait(self, job_id: str, timeout: float) -> Job | None:
+        rec = self._records.get(job_id)
+        if rec is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while not rec.job.terminal:
+                    await rec.signal.current().wait()
+        return rec.job
+
+    async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
+        rec = self._records.get(job_id)
+        if rec is None:
+            return
+        sent = max(after, 0)
+        while True:
+            while sent < len(rec.events):
+                event = rec.events[sent]
+                sent += 1
+                yield event
+                if event.type in TERMINAL_EVENTS:
+                    return
+            if rec.events and rec.events[-1].type in TERMINAL_EVENTS:
+                return  # resumed after the terminal event: nothing more will come
+            try:
+                async with asyncio.timeout(timeout):
+                    await rec.signal.current().wait()
+            except TimeoutError:
+                return
+
+    async def cancel(self, job_id: str) -> Job | None:
+        rec = self._records.get(job_id)
+        if rec is None:
+            return None
+        job = rec.job
+        if job.state is JobState.QUEUED:
+            self._queue(job.model).remove(job.priority, job.id, job.tenant)
+        elif job.state is JobState.RUNNING:
+            self._abort.notify()  # the lease stays until the worker hears of it and lets go
+        else:
+            return job
+        self._settle(rec, JobState.CANCELLED, JobError("The job was cancelled.", "cancelled", "cancelled"))
+        return job
+
+    async def position(self, job_id: str) -> int | None:
+        rec = self._records.get(job_id)
+        if rec is None or rec.job.state is not JobState.QUEUED:
+            return None
+        job = rec.job
+        return self._queue(job.model).position(job.priority, job.id, job.tenant)
+
+    async def stats(self) -> dict[str, ModelStats]:
+        models = set(self._queues) | set(self._slots())
+        out = {}
+        for model in sorted(models):
+            q = self._queue(model)
+            d = self._drain_rate(model)
+            out[model] = ModelStats(
+                q.jobs, q.tokens, self._running.get(model, 0), d.slots, d.rate, d.measured
+            )
+        return out
+
+    # --- worker side --------------------------------------------------------------------------
+
+    async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
+        self._workers[worker_id] = (dict(slots), self.now() + max(self.settings.lease_s, 1.0))
+
+    async def unregister(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    async def served_models(self) -> dict[str, int]:
+        return self._slots()
+
+    def _pop(self, models: Sequence[str]) -> Job | None:
+        now = self.now()
+        while True:
+            best: tuple[int, float, str] | None = None
+            for model in models:
+                q = self._queues.get(model)
+                cls = q.next_class() if q else None
+                if q is None or cls is None:
+                    continue
+                head = q.queues[cls].peek()
+                assert head is not None
+                rank = (self.classes.index(cls), self._records[head.job_id].job.created_at, model)
+                if best is None or rank < best:
+                    best = rank
+            if best is None:
+                return None
+            popped = self._queues[best[2]].pop()
+            assert popped is not None
+            rec = self._records[popped[1].job_id]
+            if rec.job.deadline <= now:
+                self._settle(rec, JobState.EXPIRED, _expired_error())
+                continue
+            return rec.job
+
+    async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    signal = self._work.current()
+                    job = self._pop(models)
+                    if job is not None:
+                        break
+                    await signal.wait()
+        except TimeoutError:
+            return None
+        now = self.now()
+        job.state = JobState.RUNNING
+        job.started_at = now
+        job.attempts += 1
+        self._running[job.model] = self._running.get(job.model, 0) + 1
+        self._leases[job.id] = _Lease(worker_id, now + self.settings.lease_s)
+        self._emit(self._records[job.id], EventType.STARTED, {"attempt": job.attempts})
+        return job
+
+    async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
+        now = self.now()
+        abort = set()
+        for job_id in job_ids:
+            lease = self._leases.get(job_id)
+            rec = self._records.get(job_id)
+            if lease is None or lease.worker_id != worker_id or rec is None or rec.job.terminal:
+                abort.add(job_id)
+                if lease is not None and lease.worker_id == worker_id:
+                    del self._leases[job_id]
+                continue
+            lease.expires = now + self.settings.lease_s
+        return abort
+
+    async def wait_abort_signal(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._abort.current().wait()
+
+    async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
+        rec = self._records.get(job_id)
+        if rec is None or rec.job.state is not JobState.RUNNING:
+            return
+        if type is EventType.TOKEN and rec.job.first_token_at is None:
+            rec.job.first_token_at = self.now()
+        self._emit(rec, type, data)
+
+    async def finish(
+        self,
+        job_id: str,
+        worker_id: str,
+        state: JobState,
+        *,
+        result: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
+        error: JobError | None = None,
+        attempts: int | None = None,
+        backend: str | None = None,
+    ) -> Job | None:
+        lease = self._leases.get(job_id)
+        if lease is None or lease.worker_id != worker_id:
+            return None
+        del self._leases[job_id]
+        rec = self._records.get(job_id)
+        if rec is None or rec.job.state is not JobState.RUNNING:
+            return None
+        job = rec.job
+        job.result, job.usage = result, usage
+        if attempts is not None:
+            job.attempts = attempts
+        if backend is not None:
+            job.backend = backend
+        self._settle(rec, state, error)
+        if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
+            self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
+        return job
+
+    async def maintain(self) -> None:
+        now = self.now()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, job_id = heapq.heappop(self._deadlines)
+            rec = self._records.get(job_id)
+            if rec is not None and rec.job.state is JobState.QUEUED:
+                job = rec.job
+                self._queue(job.model).remove(job.priority, job.id, job.tenant)
+                self._settle(rec, JobState.EXPIRED, _expired_error())
+        for job_id, lease in list(self._leases.items()):
+            if lease.expires > now:
+                continue
+            del self._leases[job_id]
+            rec = self._records.get(job_id)
+            if rec is None or rec.job.state is not JobState.RUNNING:
+                continue
+            job = rec.job
+            if job.attempts >= job.max_attempts:
+                self.dead_letters[job.id] = now
+                self._settle(
+                    rec,
+                    JobState.FAILED,
+                    JobError(
+                        f"The worker running the job was lost {job.attempts} times; giving up.",
+                        "server_error",
+                        "attempts_exhausted",
+                    ),
+                )
+                continue
+            self._running[job.model] -= 1
+            job.state = JobState.QUEUED
+            self._queue(job.model).push(job.priority, self._entry(job), front=True)
+            self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
+            self._work.notify()
+        while self._ttl and self._ttl[0][0] <= now:
+            _, job_id = heapq.heappop(self._ttl)
+            self._records.pop(job_id, None)
+            self.dead_letters.pop(job_id, None)
+        for key, (_, expires) in list(self._idempotency.items()):
+            if expires <= now:
+                del self._idempotency[key]
+
+
+def _expired_error() -> JobError:
+    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")

@@ -1,0 +1,136 @@
+"""Admission: does a job fit in its queue, and can it finish before its deadline?
+
+Refuse early rather than accept work that cannot finish in time. Every refusal carries a
+Retry-After computed from the same measurements as the prediction, so that a client that waits
+that long finds room.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sluice.core.capacity import DrainRate
+
+# Retry-After is a promise to the client; keep it inside what the official SDKs honour (≤ 120 s)
+# and never zero, which would invite a tight retry loop.
+MIN_RETRY_AFTER_S = 0.5
+MAX_RETRY_AFTER_S = 120.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Queued-work bounds; None means unbounded."""
+
+    max_jobs: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds admission checks for one model: the model's own and each class's."""
+
+    model: Bounds = Bounds(max_jobs=1000, max_tokens=None)
+    classes: dict[str, Bounds] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What admission needs to know about the queue at this instant."""
+
+    model_jobs: int
+    model_tokens: int
+    class_jobs: int
+    class_tokens: int
+    ahead_jobs: int  # queued in the job's class and the classes above it
+    ahead_tokens: int
+
+
+class Refused(Exception):
+    """A job the queue will not take, with the HTTP answer to give."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        retry_after_s: float,
+        *,
+        should_retry: bool = True,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.should_retry = should_retry
+
+
+@dataclass(frozen=True)
+class Admitted:
+    position: int
+    estimated_start_s: float
+
+
+def clamp_retry_after(seconds: float) -> float:
+    if not math.isfinite(seconds):
+        return MAX_RETRY_AFTER_S
+    return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+
+
+def check(
+    *,
+    cost: int,
+    priority: str,
+    now: float,
+    deadline: float,
+    view: QueueView,
+    limits: Limits,
+    drain: DrainRate,
+) -> Admitted:
+    """Admit or raise :class:`Refused`. Pure: the caller applies the result atomically."""
+    rate = drain.rate
+    avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
+
+    def over(bounds: Bounds, jobs: int, tokens: int, scope: str) -> None:
+        excess_tokens = 0.0
+        if bounds.max_jobs is not None and jobs + 1 > bounds.max_jobs:
+            excess_tokens = (jobs + 1 - bounds.max_jobs) * avg_cost
+        if bounds.max_tokens is not None and tokens + cost > bounds.max_tokens:
+            excess_tokens = max(excess_tokens, tokens + cost - bounds.max_tokens)
+        if excess_tokens > 0:
+            raise Refused(
+                429,
+                "queue_full",
+                f"The {scope} queue is full; retry later.",
+                clamp_retry_after(excess_tokens / rate),
+            )
+
+    over(limits.model, view.model_jobs, view.model_tokens, "model's")
+    class_bounds = limits.classes.get(priority)
+    if class_bounds is not None:
+        over(class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's")
+
+    wait = drain.wait_s(view.ahead_tokens)
+    service = drain.service_s(cost)
+    budget = deadline - now
+    # Before the first measurement the rate is a guess: only the bounds protect the queue then.
+    if drain.measured and wait + service > budget:
+        if service > budget:
+            raise Refused(
+                503,
+                "deadline_unmeetable",
+                f"The request needs about {service:.1f} s of generation but its deadline is in "
+                f"{max(budget, 0):.1f} s; raise the timeout or lower max_tokens.",
+                clamp_retry_after(service),
+                should_retry=False,
+            )
+        fits_ahead = (budget - service) * rate
+        raise Refused(
+            503,
+            "deadline_unmeetable",
+            f"The queue ahead needs about {wait:.1f} s; the request could not finish within its "
+            f"deadline ({budget:.1f} s).",
+            clamp_retry_after((view.ahead_tokens - fits_ahead) / rate),
+        )
+    return Admitted(position=view.ahead_jobs, estimated_start_s=wait)

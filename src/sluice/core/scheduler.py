@@ -1,0 +1,232 @@
+"""Dispatch order inside one model's queue.
+
+Two levels, as DESIGN.md §4 asks:
+
+* between priority classes, strict priority, except that a class whose recent share of dispatches
+  (while classes compete) fell under its configured minimum is served first, so that a low class is
+  never starved forever;
+* inside a class, start-time fair queuing (SFQ) between tenants, weighted, with jobs costed in tokens:
+  a tenant that floods the queue gets ever later start tags, so another tenant's occasional request
+  starts after at most about one job.
+
+The structures here hold only ids, tenants and costs; the job records live in the broker.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A priority class. ``min_share`` is the fraction of dispatches it keeps while others compete."""
+
+    name: str
+    min_share: float = 0.0
+
+
+DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
+    ClassSpec("high", 0.0),
+    ClassSpec("normal", 0.1),
+    ClassSpec("low", 0.05),
+)
+
+
+@dataclass
+class Entry:
+    job_id: str
+    tenant: str
+    cost: int
+    weight: float = 1.0
+
+
+@dataclass
+class _Tenant:
+    jobs: deque[Entry] = field(default_factory=deque)
+    tag: float = 0.0  # start tag of the head job while backlogged
+    finish: float = 0.0  # finish tag of the job dispatched last
+
+
+class FairQueue:
+    """Start-time fair queuing between tenants, by cost (tokens) over weight."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self.vtime = 0.0
+        self.jobs = 0
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return self.jobs
+
+    def _schedule(self, name: str, t: _Tenant) -> None:
+        heapq.heappush(self._heap, (t.tag, next(self._seq), name))
+
+    def push(self, entry: Entry, *, front: bool = False) -> None:
+        t = self._tenants.get(entry.tenant)
+        if t is None:
+            t = self._tenants[entry.tenant] = _Tenant(finish=self.vtime)
+        was_idle = not t.jobs
+        if front:
+            t.jobs.appendleft(entry)
+            # A job handed back (lease lost, retry) has waited already: it goes next for its tenant,
+            # at the current virtual time, not behind the tenant's later work.
+            t.tag = self.vtime if was_idle else min(t.tag, self.vtime)
+            self._schedule(entry.tenant, t)
+        else:
+            t.jobs.append(entry)
+            if was_idle:
+                t.tag = max(self.vtime, t.finish)
+                self._schedule(entry.tenant, t)
+        self.jobs += 1
+        self.tokens += entry.cost
+
+    def _head(self) -> tuple[str, _Tenant] | None:
+        while self._heap:
+            tag, _, name = self._heap[0]
+            t = self._tenants.get(name)
+            if t is None or not t.jobs or t.tag != tag:
+                heapq.heappop(self._heap)  # stale: the tenant was re-tagged or emptied
+                continue
+            return name, t
+        return None
+
+    def peek(self) -> Entry | None:
+        head = self._head()
+        return head[1].jobs[0] if head else None
+
+    def pop(self) -> Entry | None:
+        head = self._head()
+        if head is None:
+            return None
+        name, t = head
+        heapq.heappop(self._heap)
+        entry = t.jobs.popleft()
+        self.vtime = t.tag
+        t.finish = t.tag + entry.cost / entry.weight
+        if t.jobs:
+            t.tag = t.finish
+            self._schedule(name, t)
+        elif t.finish <= self.vtime:
+            del self._tenants[name]  # nothing to remember: max(vtime, finish) is vtime anyway
+        self.jobs -= 1
+        self.tokens -= entry.cost
+        return entry
+
+    def remove(self, job_id: str, tenant: str) -> Entry | None:
+        t = self._tenants.get(tenant)
+        if t is None:
+            return None
+        for entry in t.jobs:
+            if entry.job_id == job_id:
+                t.jobs.remove(entry)
+                self.jobs -= 1
+                self.tokens -= entry.cost
+                return entry
+        return None
+
+    def position(self, job_id: str, tenant: str) -> int | None:
+        """How many jobs of this class would be dispatched before it (an estimate for clients)."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            return None
+        for i, entry in enumerate(t.jobs):
+            if entry.job_id == job_id:
+                own_tag = t.tag + sum(e.cost / e.weight for e in itertools.islice(t.jobs, i))
+                ahead = i
+                for name, other in self._tenants.items():
+                    if name == tenant or not other.jobs:
+                        continue
+                    tag = other.tag
+                    for e in other.jobs:
+                        if tag >= own_tag:
+                            break
+                        ahead += 1
+                        tag += e.cost / e.weight
+                return ahead
+        return None
+
+    def __iter__(self) -> Iterator[Entry]:
+        for t in self._tenants.values():
+            yield from t.jobs
+
+
+class ClassScheduler:
+    """The queue of one model: its priority classes, each a :class:`FairQueue`."""
+
+    # Weight of the latest dispatch in each class's running share: about the last 32 dispatches count.
+    SHARE_ALPHA = 1 / 32
+
+    def __init__(self, classes: Sequence[ClassSpec] = DEFAULT_CLASSES) -> None:
+        if not classes:
+            raise ValueError("at least one priority class is needed")
+        self.classes = list(classes)
+        self.queues: dict[str, FairQueue] = {c.name: FairQueue() for c in self.classes}
+        # Start every class at its minimum, so that nobody jumps the queue before competition starts.
+        self.share: dict[str, float] = {c.name: c.min_share for c in self.classes}
+
+    @property
+    def jobs(self) -> int:
+        return sum(q.jobs for q in self.queues.values())
+
+    @property
+    def tokens(self) -> int:
+        return sum(q.tokens for q in self.queues.values())
+
+    def push(self, cls: str, entry: Entry, *, front: bool = False) -> None:
+        self.queues[cls].push(entry, front=front)
+
+    def next_class(self) -> str | None:
+        waiting = [c for c in self.classes if self.queues[c.name].jobs]
+        if not waiting:
+            return None
+        if len(waiting) > 1:
+            starving = [c for c in waiting if self.share[c.name] < c.min_share]
+            if starving:
+                return max(starving, key=lambda c: c.min_share - self.share[c.name]).name
+        return waiting[0].name
+
+    def pop(self) -> tuple[str, Entry] | None:
+        cls = self.next_class()
+        if cls is None:
+            return None
+        contended = sum(1 for q in self.queues.values() if q.jobs) > 1
+        entry = self.queues[cls].pop()
+        assert entry is not None
+        if contended:
+            # Shares only move while classes compete; an idle class neither earns nor loses credit.
+            for name in self.share:
+                hit = 1.0 if name == cls else 0.0
+                self.share[name] += self.SHARE_ALPHA * (hit - self.share[name])
+        return cls, entry
+
+    def remove(self, cls: str, job_id: str, tenant: str) -> Entry | None:
+        return self.queues[cls].remove(job_id, tenant)
+
+    def ahead(self, cls: str) -> tuple[int, int]:
+        """Jobs and tokens queued in ``cls`` and every class above it."""
+        jobs = tokens = 0
+        for c in self.classes:
+            q = self.queues[c.name]
+            jobs += q.jobs
+            tokens += q.tokens
+            if c.name == cls:
+                break
+        return jobs, tokens
+
+    def position(self, cls: str, job_id: str, tenant: str) -> int | None:
+        own = self.queues[cls].position(job_id, tenant)
+        if own is None:
+            return None
+        above = 0
+        for c in self.classes:
+            if c.name == cls:
+                break
+            above += self.queues[c.name].jobs
+        return above + own

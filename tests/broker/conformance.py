@@ -1,0 +1,287 @@
+"""The Broker conformance suite: every broker implementation subclasses :class:`BrokerConformance`.
+
+A subclass provides two fixtures: ``clock`` (a :class:`tests.helpers.FakeClock` the broker reads)
+and ``broker`` (a started broker built with ``make_settings(clock)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from sluice.broker.base import Broker, BrokerSettings, EventType
+from sluice.core.admission import Bounds, Limits, Refused
+from sluice.core.job import JobError, JobState
+from tests.helpers import FakeClock, make_job
+
+W = "worker-1"
+
+
+def make_settings(clock: FakeClock) -> BrokerSettings:
+    return BrokerSettings(
+        limits={"small": Limits(model=Bounds(max_jobs=3, max_tokens=1000))},
+        default_limits=Limits(model=Bounds(max_jobs=10_000)),
+        lease_s=5.0,
+        result_ttl_s=60.0,
+        clock=clock,
+    )
+
+
+async def drain_events(broker: Broker, job_id: str, after: int = 0) -> list[Any]:
+    return [e async for e in broker.events(job_id, after=after, timeout=2.0)]
+
+
+class BrokerConformance:
+    async def test_admit_claim_finish(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        adm = await broker.admit(job)
+        assert not adm.duplicate and adm.position == 0
+        assert (await broker.get(job.id)).state is JobState.QUEUED  # type: ignore[union-attr]
+        claimed = await broker.claim(W, ["m"], timeout=1.0)
+        assert claimed is not None and claimed.id == job.id
+        assert claimed.state is JobState.RUNNING and claimed.attempts == 1
+        await broker.publish(job.id, EventType.TOKEN, {"choices": [{"index": 0, "delta": {"content": "a"}}]})
+        clock.advance(2.0)
+        done = await broker.finish(
+            job.id, W, JobState.SUCCEEDED, result={"object": "chat.completion"}, usage={"total_tokens": 3}
+        )
+        assert done is not None and done.state is JobState.SUCCEEDED
+        got = await broker.get(job.id)
+        assert got is not None and got.result == {"object": "chat.completion"}
+        assert got.first_token_at is not None and got.finished_at is not None
+        types = [e.type for e in await drain_events(broker, job.id)]
+        assert types == [EventType.QUEUED, EventType.STARTED, EventType.TOKEN, EventType.DONE]
+
+    async def test_events_replay_and_resume(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        for i in range(3):
+            await broker.publish(job.id, EventType.TOKEN, {"i": i})
+        await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+        events = await drain_events(broker, job.id)
+        assert [e.id for e in events] == [1, 2, 3, 4, 5, 6]
+        resumed = await drain_events(broker, job.id, after=3)
+        assert [e.id for e in resumed] == [4, 5, 6]
+        assert [e.data.get("i") for e in resumed[:2]] == [1, 2]
+        assert await drain_events(broker, job.id, after=6) == []
+
+    async def test_events_follow_live_job(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+
+        async def produce() -> None:
+            await broker.claim(W, ["m"], timeout=1.0)
+            await broker.publish(job.id, EventType.TOKEN, {"i": 0})
+            await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+
+        reader = asyncio.create_task(drain_events(broker, job.id))
+        await asyncio.sleep(0)
+        await produce()
+        events = await asyncio.wait_for(reader, 5.0)
+        assert events[-1].type is EventType.DONE and len(events) == 4
+
+    async def test_claim_waits_bounded(self, broker: Broker) -> None:
+        assert await broker.claim(W, ["m"], timeout=0.2) is None
+
+    async def test_claim_wakes_on_admit(self, broker: Broker, clock: FakeClock) -> None:
+        waiter = asyncio.create_task(broker.claim(W, ["m"], timeout=5.0))
+        await asyncio.sleep(0.05)
+        job = make_job(clock)
+        await broker.admit(job)
+        claimed = await asyncio.wait_for(waiter, 5.0)
+        assert claimed is not None and claimed.id == job.id
+
+    async def test_claim_only_requested_models(self, broker: Broker, clock: FakeClock) -> None:
+        await broker.admit(make_job(clock, model="other"))
+        assert await broker.claim(W, ["m"], timeout=0.1) is None
+        claimed = await broker.claim(W, ["m", "other"], timeout=1.0)
+        assert claimed is not None and claimed.model == "other"
+
+    async def test_priority_order(self, broker: Broker, clock: FakeClock) -> None:
+        low = make_job(clock, priority="low")
+        normal = make_job(clock, priority="normal")
+        high = make_job(clock, priority="high")
+        for job in (low, normal, high):
+            await broker.admit(job)
+        order = [(await broker.claim(W, ["m"], timeout=1.0)).id for _ in range(3)]  # type: ignore[union-attr]
+        assert order == [high.id, normal.id, low.id]
+
+    async def test_fair_between_tenants(self, broker: Broker, clock: FakeClock) -> None:
+        flood = [make_job(clock, tenant="flood") for _ in range(20)]
+        for job in flood:
+            await broker.admit(job)
+        first = await broker.claim(W, ["m"], timeout=1.0)
+        assert first is not None and first.tenant == "flood"
+        clock.advance(0.1)
+        polite = make_job(clock, tenant="polite")
+        await broker.admit(polite)
+        order = [(await broker.claim(W, ["m"], timeout=1.0)).tenant for _ in range(3)]  # type: ignore[union-attr]
+        # The flooder already holds the virtual clock for its next job: at most one more goes first.
+        assert "polite" in order[:2]
+
+    async def test_queue_full(self, broker: Broker, clock: FakeClock) -> None:
+        for _ in range(3):
+            await broker.admit(make_job(clock, model="small"))
+        with pytest.raises(Refused) as info:
+            await broker.admit(make_job(clock, model="small"))
+        assert info.value.status == 429 and info.value.code == "queue_full"
+        assert 0 < info.value.retry_after_s <= 120
+        assert (await broker.stats())["small"].queued_jobs == 3
+
+    async def test_queue_full_by_tokens(self, broker: Broker, clock: FakeClock) -> None:
+        await broker.admit(make_job(clock, model="small", prompt_tokens=400, max_tokens=400))
+        with pytest.raises(Refused) as info:
+            await broker.admit(make_job(clock, model="small", prompt_tokens=100, max_tokens=200))
+        assert info.value.code == "queue_full"
+
+    async def test_idempotency(self, broker: Broker, clock: FakeClock) -> None:
+        first = make_job(clock, idempotency_key="k1")
+        await broker.admit(first)
+        again = await broker.admit(make_job(clock, idempotency_key="k1"))
+        assert again.duplicate and again.job.id == first.id
+        other_tenant = await broker.admit(make_job(clock, idempotency_key="k1", tenant="someone-else"))
+        assert not other_tenant.duplicate and other_tenant.job.id != first.id
+        assert (await broker.stats())["m"].queued_jobs == 2
+
+    async def test_cancel_queued(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        cancelled = await broker.cancel(job.id)
+        assert cancelled is not None and cancelled.state is JobState.CANCELLED
+        assert await broker.claim(W, ["m"], timeout=0.1) is None
+        events = await drain_events(broker, job.id)
+        assert events[-1].type is EventType.ERROR and events[-1].data["status"] == "cancelled"
+
+    async def test_cancel_running_reaches_worker(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        assert await broker.heartbeat(W, [job.id]) == set()
+        cancelled = await broker.cancel(job.id)
+        assert cancelled is not None and cancelled.state is JobState.CANCELLED
+        assert await broker.heartbeat(W, [job.id]) == {job.id}
+        # The worker's late answer does not resurrect the job.
+        assert await broker.finish(job.id, W, JobState.SUCCEEDED, result={}) is None
+        assert (await broker.get(job.id)).state is JobState.CANCELLED  # type: ignore[union-attr]
+
+    async def test_cancel_terminal_is_unchanged(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+        after = await broker.cancel(job.id)
+        assert after is not None and after.state is JobState.SUCCEEDED
+        assert await broker.cancel("job_unknown") is None
+
+    async def test_queued_job_expires(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock, timeout=10)
+        await broker.admit(job)
+        clock.advance(11)
+        await broker.maintain()
+        got = await broker.get(job.id)
+        assert got is not None and got.state is JobState.EXPIRED
+        assert await broker.claim(W, ["m"], timeout=0.1) is None
+
+    async def test_expired_job_is_never_claimed(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock, timeout=10)
+        await broker.admit(job)
+        clock.advance(11)  # no maintenance round in between: claim itself must check
+        assert await broker.claim(W, ["m"], timeout=0.1) is None
+        assert (await broker.get(job.id)).state is JobState.EXPIRED  # type: ignore[union-attr]
+
+    async def test_lease_expiry_redelivers(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock, max_attempts=2)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        clock.advance(6)
+        await broker.maintain()
+        assert (await broker.get(job.id)).state is JobState.QUEUED  # type: ignore[union-attr]
+        again = await broker.claim("worker-2", ["m"], timeout=1.0)
+        assert again is not None and again.id == job.id and again.attempts == 2
+        # The first worker's lease is gone: its late result is refused.
+        assert await broker.finish(job.id, W, JobState.SUCCEEDED, result={}) is None
+        clock.advance(6)
+        await broker.maintain()
+        dead = await broker.get(job.id)
+        assert dead is not None and dead.state is JobState.FAILED
+        assert dead.error is not None and dead.error.code == "attempts_exhausted"
+        types = [e.type for e in await drain_events(broker, job.id)]
+        assert types.count(EventType.RETRY) == 1 and types[-1] is EventType.ERROR
+
+    async def test_heartbeat_keeps_lease(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        for _ in range(4):
+            clock.advance(3)
+            assert await broker.heartbeat(W, [job.id]) == set()
+            await broker.maintain()
+        got = await broker.get(job.id)
+        assert got is not None and got.state is JobState.RUNNING and got.attempts == 1
+        assert await broker.heartbeat("intruder", [job.id]) == {job.id}
+
+    async def test_results_expire(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        await broker.finish(job.id, W, JobState.FAILED, error=JobError("boom", "server_error", "x"))
+        clock.advance(30)
+        await broker.maintain()
+        assert (await broker.get(job.id)) is not None
+        clock.advance(31)
+        await broker.maintain()
+        assert await broker.get(job.id) is None
+
+    async def test_wait(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        pending = await broker.wait(job.id, timeout=0.1)
+        assert pending is not None and pending.state is JobState.QUEUED
+        waiter = asyncio.create_task(broker.wait(job.id, timeout=5.0))
+        await broker.claim(W, ["m"], timeout=1.0)
+        await broker.finish(job.id, W, JobState.SUCCEEDED, result={"ok": True})
+        done = await asyncio.wait_for(waiter, 5.0)
+        assert done is not None and done.state is JobState.SUCCEEDED
+        assert await broker.wait("job_unknown", timeout=0.1) is None
+
+    async def test_registry(self, broker: Broker, clock: FakeClock) -> None:
+        await broker.register("w1", {"m": 4})
+        await broker.register("w2", {"m": 2, "x": 1})
+        assert await broker.served_models() == {"m": 6, "x": 1}
+        await broker.unregister("w2")
+        assert await broker.served_models() == {"m": 4}
+        clock.advance(60)  # no heartbeat for longer than a lease: the worker is presumed dead
+        assert await broker.served_models() == {}
+
+    async def test_position(self, broker: Broker, clock: FakeClock) -> None:
+        jobs = [make_job(clock, tenant="a") for _ in range(3)]
+        for job in jobs:
+            await broker.admit(job)
+        assert [await broker.position(j.id) for j in jobs] == [0, 1, 2]
+        await broker.claim(W, ["m"], timeout=1.0)
+        assert await broker.position(jobs[0].id) is None
+        assert await broker.position(jobs[2].id) == 1
+
+    async def test_deadline_unmeetable_after_measuring(self, broker: Broker, clock: FakeClock) -> None:
+        await broker.register(W, {"m": 1})
+        # Teach the broker the drain rate: 100 cost units per second on one slot.
+        for _ in range(3):
+            job = make_job(clock, prompt_tokens=50, max_tokens=50)
+            await broker.admit(job)
+            await broker.claim(W, ["m"], timeout=1.0)
+            clock.advance(1.0)
+            await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+            await broker.register(W, {"m": 1})
+        for _ in range(10):
+            await broker.admit(make_job(clock, prompt_tokens=50, max_tokens=50, timeout=600))
+        with pytest.raises(Refused) as info:
+            await broker.admit(make_job(clock, prompt_tokens=50, max_tokens=50, timeout=5))
+        assert info.value.status == 503 and info.value.code == "deadline_unmeetable"
+        # 10 queued seconds of work ahead, 5 s of budget, 1 s of own service: about 6 s until it fits.
+        assert 4 <= info.value.retry_after_s <= 8
+        with pytest.raises(Refused) as hopeless:
+            await broker.admit(make_job(clock, prompt_tokens=500, max_tokens=500, timeout=5))
+        assert hopeless.value.should_retry is False

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from sluice.broker.memory import MemoryBroker
+from tests.broker.conformance import BrokerConformance, make_settings
+from tests.helpers import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def broker(clock: FakeClock) -> AsyncIterator[MemoryBroker]:
+    async with MemoryBroker(make_settings(clock)) as b:
+        yield b
+
+
+class TestMemoryBroker(BrokerConformance):
+    pass
