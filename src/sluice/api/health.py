@@ -1,0 +1,40 @@
+"""Liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sluice.api.intake import Gateway
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    gw: Gateway = request.app.state.gateway
+    try:
+        served = await gw.broker.served_models()
+    except Exception as exc:
+        return JSONResponse(
+            {"status": "unavailable", "reason": f"broker: {type(exc).__name__}"}, status_code=503
+        )
+    if not served:
+        return JSONResponse(
+            {"status": "unavailable", "reason": "no backend serves any model"}, status_code=503
+        )
+    return JSONResponse({"status": "ready", "models": served})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    stats = await gw.broker.stats()
+    gw.metrics.update_queues(stats)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

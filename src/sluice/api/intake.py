@@ -1,0 +1,152 @@
+"""Turning a validated request into a job: options, defaults, caps, tenant, cost, and admission."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from sluice.api.errors import APIError
+from sluice.api.schemas import SchedulingOptions
+from sluice.broker.base import Admission, Broker
+from sluice.config import Settings
+from sluice.core.admission import Refused
+from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
+from sluice.core.job import Endpoint, Job, new_job_id
+from sluice.metrics import Metrics
+
+log = logging.getLogger("sluice.gateway")
+
+# Fields that are Sluice's, not the engine's.
+OWN_FIELDS = ("priority", "timeout")
+
+
+@dataclass
+class Gateway:
+    """What the routes share; built once in the app's lifespan."""
+
+    settings: Settings
+    broker: Broker
+    metrics: Metrics
+
+    async def resolve_model(self, requested: str | None) -> str:
+        served = await self.broker.served_models()
+        if requested is None:
+            if len(served) == 1:
+                return next(iter(served))
+            raise APIError(
+                400, "Missing required parameter: 'model'.", "missing_required_parameter", param="model"
+            )
+        if requested in served:
+            return requested
+        if requested in self.settings.models:
+            raise APIError(
+                503,
+                f"No backend serving '{requested}' is available right now.",
+                "no_backend",
+                retry_after_s=5.0,
+            )
+        raise APIError(404, f"The model '{requested}' does not exist.", "model_not_found", param="model")
+
+    def tenant(self, request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        # Open mode: callers are told apart by their bearer token, never stored in clear.
+        return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
+
+    def priority(self, request: Request, opts: SchedulingOptions) -> str:
+        value = opts.priority or request.headers.get("x-priority") or self.settings.default_priority
+        names = [c.name for c in self.settings.classes]
+        if value not in names:
+            raise APIError(
+                400, f"Unknown priority '{value}'; use one of {', '.join(names)}.", param="priority"
+            )
+        return value
+
+    def timeout(self, request: Request, opts: SchedulingOptions) -> float:
+        value: float | None = opts.timeout
+        header = request.headers.get("x-request-timeout")
+        if value is None and header is not None:
+            try:
+                value = float(header)
+            except ValueError:
+                value = -1
+            if not value > 0 or value == float("inf"):
+                raise APIError(
+                    400, "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
+                )
+        return min(value or self.settings.default_timeout_s, self.settings.max_timeout_s)
+
+    def max_tokens(self, opts: SchedulingOptions) -> int:
+        s = self.settings
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(opts, name)
+            if value is None:
+                continue
+            if value <= 0:
+                raise APIError(400, f"'{name}' must be at least 1.", "invalid_value", param=name)
+            if value > s.max_tokens_cap:
+                raise APIError(
+                    400,
+                    f"'{name}' must be at most {s.max_tokens_cap} on this server.",
+                    "invalid_value",
+                    param=name,
+                )
+            return int(value)
+        return s.default_max_tokens
+
+    async def build_job(self, request: Request, endpoint: Endpoint, body: dict[str, Any]) -> Job:
+        opts = SchedulingOptions.model_validate(body)
+        model = await self.resolve_model(opts.model)
+        n = opts.n or 1
+        if n > self.settings.max_n:
+            raise APIError(400, f"'n' must be at most {self.settings.max_n} on this server.", param="n")
+        max_tokens = self.max_tokens(opts)
+        engine_body = {k: v for k, v in body.items() if k not in OWN_FIELDS and k != "max_completion_tokens"}
+        engine_body["model"] = model
+        engine_body["max_tokens"] = max_tokens
+        if endpoint is Endpoint.CHAT:
+            prompt_tokens = estimate_chat_tokens(body["messages"])
+        else:
+            prompt_tokens = estimate_prompt_tokens(body["prompt"])
+        now = time.time()
+        return Job(
+            id=new_job_id(),
+            model=model,
+            endpoint=endpoint,
+            body=engine_body,
+            tenant=self.tenant(request),
+            priority=self.priority(request, opts),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens * n,
+            created_at=now,
+            deadline=now + self.timeout(request, opts),
+            max_attempts=self.settings.max_attempts,
+            idempotency_key=request.headers.get("idempotency-key") or None,
+        )
+
+    async def admit(self, job: Job) -> Admission:
+        try:
+            admission = await self.broker.admit(job)
+        except Refused as refused:
+            self.metrics.admissions.labels("refused", refused.code).inc()
+            log.info(
+                "request refused",
+                extra={
+                    "fields": {
+                        "model": job.model,
+                        "tenant": job.tenant,
+                        "priority": job.priority,
+                        "status": refused.status,
+                        "code": refused.code,
+                        "retry_after_s": round(refused.retry_after_s, 3),
+                    }
+                },
+            )
+            raise APIError.from_refused(refused) from None
+        self.metrics.admissions.labels("duplicate" if admission.duplicate else "admitted", "").inc()
+        return admission

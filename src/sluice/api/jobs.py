@@ -1,0 +1,142 @@
+"""Asynchronous jobs: submit, poll (or long-poll), stream events, cancel; and the article's aliases."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from sluice.api.errors import APIError
+from sluice.api.intake import Gateway
+from sluice.api.schemas import JobRequest, SubmitRequest
+from sluice.broker.base import job_view
+from sluice.core.job import Endpoint, Job, JobState
+
+router = APIRouter(tags=["jobs"])
+
+PING_S = 15
+
+
+def gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def _job_or_404(gw: Gateway, job_id: str) -> Job:
+    job = await gw.broker.get(job_id)
+    if job is None:
+        raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
+    return job
+
+
+async def _view(gw: Gateway, job: Job) -> dict[str, Any]:
+    view = job_view(job)
+    if job.state is JobState.QUEUED:
+        view["position"] = await gw.broker.position(job.id)
+    return view
+
+
+@router.post("/v1/jobs", status_code=202)
+async def submit_job(request: Request, body: JobRequest) -> JSONResponse:
+    gw = gateway(request)
+    data = body.model_dump(exclude_none=True, mode="json")
+    if (body.messages is None) == (body.prompt is None):
+        raise APIError(
+            400, "A job needs either 'messages' (chat) or 'prompt' (completions), not both.", "invalid_value"
+        )
+    endpoint = Endpoint.CHAT if body.messages is not None else Endpoint.COMPLETIONS
+    data.pop("stream", None)  # a job's output is read through its events, never inline
+    job = await gw.build_job(request, endpoint, data)
+    admission = await gw.admit(job)
+    job = admission.job
+    payload = {
+        "id": job.id,
+        "object": "job",
+        "status": job.state.value,
+        "position": admission.position,
+        "estimated_start_s": round(admission.estimated_start_s, 3),
+    }
+    return JSONResponse(
+        payload, status_code=200 if admission.duplicate else 202, headers={"Location": f"/v1/jobs/{job.id}"}
+    )
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(
+    request: Request,
+    job_id: str,
+    wait: float = Query(default=0, ge=0, description="Long-poll: seconds to wait for the job to finish."),
+) -> JSONResponse:
+    gw = gateway(request)
+    job = await _job_or_404(gw, job_id)
+    if wait > 0 and not job.terminal:
+        job = await gw.broker.wait(job_id, min(wait, gw.settings.max_poll_wait_s)) or job
+    return JSONResponse(await _view(gw, job))
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(request: Request, job_id: str) -> EventSourceResponse:
+    gw = gateway(request)
+    await _job_or_404(gw, job_id)
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    try:
+        after = int(raw)
+    except ValueError:
+        raise APIError(
+            400, "Last-Event-ID must be an event id (an integer).", param="Last-Event-ID"
+        ) from None
+
+    async def stream() -> AsyncIterator[dict[str, Any]]:
+        async for event in gw.broker.events(job_id, after=after):
+            yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
+
+    return EventSourceResponse(stream(), ping=PING_S, sep="\n")
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(request: Request, job_id: str) -> JSONResponse:
+    gw = gateway(request)
+    before = await _job_or_404(gw, job_id)
+    if before.terminal:
+        raise APIError(
+            409, f"The job already ended ({before.state.value}); nothing to cancel.", "job_finished"
+        )
+    job = await gw.broker.cancel(job_id)
+    if job is None:
+        raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
+    if job.state is not JobState.CANCELLED:
+        raise APIError(409, f"The job already ended ({job.state.value}); nothing to cancel.", "job_finished")
+    return JSONResponse(await _view(gw, job))
+
+
+# --- the article's endpoints, so its clients can switch without changes -------------------------
+
+
+@router.post("/submit", tags=["article"])
+async def submit(request: Request, body: SubmitRequest) -> JSONResponse:
+    gw = gateway(request)
+    data = body.model_dump(exclude_none=True, mode="json")
+    prompt = data.pop("prompt")
+    data["messages"] = [{"role": "user", "content": prompt}]
+    job = await gw.build_job(request, Endpoint.CHAT, data)
+    admission = await gw.admit(job)
+    return JSONResponse({"job_id": admission.job.id, "status": "queued"})
+
+
+@router.get("/result/{job_id}", tags=["article"])
+async def result(request: Request, job_id: str) -> JSONResponse:
+    job = await _job_or_404(gateway(request), job_id)
+    if job.state is JobState.SUCCEEDED and job.result:
+        choices = job.result.get("choices") or [{}]
+        first = choices[0]
+        text = first.get("message", {}).get("content") if "message" in first else first.get("text")
+        return JSONResponse({"status": "done", "result": {"answer": text}})
+    if job.terminal:
+        return JSONResponse(
+            {"status": "failed", "result": None, "error": job.error.to_dict() if job.error else None}
+        )
+    return JSONResponse({"status": "processing", "result": None})

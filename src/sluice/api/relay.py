@@ -1,0 +1,110 @@
+"""Waiting on a job for a synchronous client, and turning a finished job into an HTTP answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from sluice.api.errors import APIError
+from sluice.broker.base import Broker, EventType
+from sluice.core.job import Job, JobState
+from sluice.protocol import chunk
+
+# How long past its deadline a synchronous client keeps waiting for the dispatcher's final word.
+DEADLINE_SLACK_S = 5.0
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read already, so the next message is the disconnect, whenever it comes.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_quietly(broker: Broker, job_id: str) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.shield(broker.cancel(job_id))
+
+
+async def wait_for_client(request: Request, broker: Broker, job: Job) -> Job | None:
+    """Wait until the job is terminal; cancel it and return None if the client goes away first."""
+    budget = max(job.deadline - job.created_at, 0) + DEADLINE_SLACK_S
+    waiter = asyncio.create_task(broker.wait(job.id, budget))
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiter, watcher):
+            task.cancel()
+    if waiter in done and not waiter.cancelled():
+        return waiter.result()
+    await cancel_quietly(broker, job.id)
+    return None
+
+
+def failure(job: Job) -> APIError:
+    """The HTTP error for a job that ended without a result."""
+    err = job.error
+    message = err.message if err else f"The job ended in state {job.state.value}."
+    code = err.code if err else None
+    if job.state is JobState.EXPIRED:
+        return APIError(504, message, code or "deadline_exceeded", type="timeout", should_retry=False)
+    if job.state is JobState.CANCELLED:
+        return APIError(409, message, code or "cancelled", should_retry=False)
+    if err is not None and err.type == "invalid_request_error":
+        return APIError(400, message, code)
+    return APIError(502, message, code or "engine_error", type="server_error")
+
+
+def answer(job: Job | None) -> JSONResponse:
+    if job is None:
+        raise APIError(404, "The job no longer exists.", "job_not_found")
+    if job.state is JobState.SUCCEEDED and job.result is not None:
+        return JSONResponse(job.result)
+    if not job.terminal:
+        raise APIError(504, "The job did not finish in time.", "deadline_exceeded", should_retry=False)
+    raise failure(job)
+
+
+async def openai_stream(broker: Broker, job: Job, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves."""
+    sent_tokens = False
+    finished = False
+    try:
+        async for event in broker.events(job.id):
+            if event.type is EventType.TOKEN:
+                sent_tokens = True
+                yield {"data": json.dumps(chunk(job, event.data["choices"]))}
+            elif event.type is EventType.RETRY and sent_tokens:
+                # Tokens already sent cannot be taken back: end this stream with an error.
+                finished = True
+                err = {"message": "The engine failed mid-answer; retry the request.", "code": "engine_error"}
+                yield {"data": json.dumps({"error": {**err, "type": "server_error"}})}
+                await cancel_quietly(broker, job.id)
+                return
+            elif event.type is EventType.DONE:
+                finished = True
+                if include_usage:
+                    yield {"data": json.dumps(chunk(job, [], usage=event.data.get("usage")))}
+                yield {"data": "[DONE]"}
+                return
+            elif event.type is EventType.ERROR:
+                finished = True
+                final = await broker.get(job.id)
+                error = failure(final or job)
+                yield {
+                    "data": json.dumps(
+                        {"error": {"message": error.message, "type": error.type, "code": error.code}}
+                    )
+                }
+                return
+    finally:
+        if not finished:
+            await cancel_quietly(broker, job.id)

@@ -1,0 +1,1 @@
+"""Backends: the inference engines jobs run on."""

@@ -1,0 +1,78 @@
+"""The Backend interface: stream a completion, abort it by closing the stream, report models and health."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sluice.core.job import Job
+
+
+class BackendError(Exception):
+    """An engine failed a request.
+
+    Args:
+        retryable: another attempt (on this or another backend) may succeed: connection errors, 5xx,
+            429. False when the engine rejected the request itself (4xx): retrying cannot help.
+        status: the engine's HTTP status, when it answered.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        status: int | None = None,
+        type: str = "server_error",
+        code: str | None = "engine_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+        self.status = status
+        self.type = type
+        self.code = code
+
+
+class Backend(ABC):
+    """One inference engine endpoint.
+
+    Args:
+        name: unique, for logs, metrics and the job's ``backend`` field.
+        max_concurrency: sequences the engine runs at once (vLLM's ``max_num_seqs``, llama-server's
+            ``-np``); the dispatcher never sends more, so the engine's own waiting queue stays empty.
+        max_inflight_tokens: optional budget of in-flight cost (prompt + max_tokens) on this engine,
+            e.g. its KV-cache size in tokens, so long requests do not cause preemption.
+        models: the models it serves; empty means "ask the engine" (``/v1/models``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_concurrency: int,
+        max_inflight_tokens: int | None = None,
+        models: list[str] | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        self.name = name
+        self.max_concurrency = max_concurrency
+        self.max_inflight_tokens = max_inflight_tokens
+        self.models: list[str] = list(models or [])
+
+    @abstractmethod
+    async def discover_models(self) -> list[str]:
+        """The models the engine lists; raises :class:`BackendError` when it cannot be reached."""
+
+    @abstractmethod
+    def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        """Run the job, yielding OpenAI stream chunks. Closing the iterator aborts the request."""
+
+    @abstractmethod
+    async def healthy(self) -> bool:
+        """Whether the engine answers at all."""
+
+    async def aclose(self) -> None:
+        """Release connections."""

@@ -1,0 +1,126 @@
+"""Engines that speak the OpenAI API: vLLM, llama-server, TGI, Ollama, and the simulator."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from sluice.backends.base import Backend, BackendError
+from sluice.core.job import Job
+
+# Errors the engine may recover from, or that another engine may not have.
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+MAX_ERROR_BODY = 4096
+
+
+class OpenAIBackend(Backend):
+    """An OpenAI-compatible engine at ``url`` (with or without a trailing ``/v1``).
+
+    Every job is sent with ``stream: true`` and ``stream_options.include_usage``, whatever the
+    client asked for: streaming gives the time of the first token, relays tokens as they come, and
+    lets an abort close the connection, which vLLM and llama-server treat as "stop generating".
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        max_concurrency: int = 8,
+        max_inflight_tokens: int | None = None,
+        models: list[str] | None = None,
+        api_key: str | None = None,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 120.0,
+    ) -> None:
+        base = url.rstrip("/").removesuffix("/v1")
+        super().__init__(
+            name or base,
+            max_concurrency=max_concurrency,
+            max_inflight_tokens=max_inflight_tokens,
+            models=models,
+        )
+        self.url = base
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=base,
+            headers=headers,
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(max_concurrency, 8)),
+        )
+
+    async def discover_models(self) -> list[str]:
+        try:
+            r = await self._client.get("/v1/models", timeout=5.0)
+            r.raise_for_status()
+            data = r.json().get("data", [])
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise BackendError(f"cannot list models of {self.name}: {exc}", retryable=True) from exc
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    async def healthy(self) -> bool:
+        try:
+            r = await self._client.get("/v1/models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        body = dict(job.body)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        try:
+            async with self._client.stream("POST", job.endpoint.path, json=body) as response:
+                if response.status_code != 200:
+                    raw = b""
+                    async for part in response.aiter_bytes():
+                        raw += part
+                        if len(raw) > MAX_ERROR_BODY:
+                            break
+                    raise _status_error(response.status_code, raw)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    try:
+                        data = json.loads(payload)
+                    except ValueError as exc:
+                        raise BackendError(
+                            "the engine sent a malformed stream chunk", retryable=True
+                        ) from exc
+                    if isinstance(data, dict) and "error" in data:
+                        raise BackendError(_message(data), retryable=False)
+                    if isinstance(data, dict):
+                        yield data
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{type(exc).__name__} talking to {self.name}: {exc}", retryable=True) from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _message(data: Any) -> str:
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    if isinstance(err, str):
+        return err
+    return "the engine reported an error"
+
+
+def _status_error(status: int, raw: bytes) -> BackendError:
+    try:
+        message = _message(json.loads(raw))
+    except ValueError:
+        message = raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+    if status in RETRYABLE_STATUS or status >= 500:
+        return BackendError(f"engine answered {status}: {message}", retryable=True, status=status)
+    # The engine refused the request itself (context too long, bad parameter): the client's fault.
+    return BackendError(
+        message, retryable=False, status=status, type="invalid_request_error", code="engine_rejected"
+    )

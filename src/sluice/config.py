@@ -1,0 +1,169 @@
+"""Settings: defaults, then a TOML file (``--config``), then ``SLUICE_*`` environment variables, then flags.
+
+Every field can be set in the TOML file; scalar fields also by ``SLUICE_<FIELD>`` (for example
+``SLUICE_PORT=9000``) and ``SLUICE_BACKENDS`` takes a comma-separated list of engine URLs.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sluice.core.admission import Bounds, Limits
+from sluice.core.scheduler import ClassSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BackendConfig(_Strict):
+    """An OpenAI-compatible engine."""
+
+    url: str
+    name: str | None = None
+    #: models it serves; empty: ask the engine's /v1/models
+    models: list[str] = Field(default_factory=list)
+    #: sequences it runs at once (vLLM --max-num-seqs, llama-server -np); None: the global default
+    max_concurrency: int | None = Field(default=None, ge=1)
+    #: optional budget of in-flight tokens (prompt + max_tokens), e.g. the KV cache size
+    max_inflight_tokens: int | None = Field(default=None, ge=1)
+    api_key: str | None = None
+
+
+class ClassConfig(_Strict):
+    """A priority class; the list order is the priority order, highest first."""
+
+    name: str
+    #: fraction of dispatches it keeps while higher classes compete (0 = strict priority only)
+    min_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_queued_jobs: int | None = Field(default=None, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
+
+
+class ModelConfig(_Strict):
+    """Queue bounds of one model; unset fields take the global defaults."""
+
+    max_queued_jobs: int | None = Field(default=None, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
+
+
+DEFAULT_CLASSES = [
+    ClassConfig(name="high"),
+    ClassConfig(name="normal", min_share=0.1),
+    ClassConfig(name="low", min_share=0.05),
+]
+
+
+class Settings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    #: "memory" (embedded) or a redis:// URL
+    broker: str = "memory"
+    backends: list[BackendConfig] = Field(default_factory=list)
+    #: concurrency of a backend that does not set its own
+    max_concurrency: int = Field(default=8, ge=1)
+    classes: list[ClassConfig] = Field(default_factory=lambda: list(DEFAULT_CLASSES))
+    default_priority: str = "normal"
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    #: per-model bounds for models not listed in ``models``
+    max_queued_jobs: int | None = Field(default=1000, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
+    #: deadline of a request that sets none, and the most a request may ask for (seconds)
+    default_timeout_s: float = Field(default=120.0, gt=0)
+    max_timeout_s: float = Field(default=600.0, gt=0)
+    #: max_tokens of a request that sets none, and the most it may ask for
+    default_max_tokens: int = Field(default=512, ge=1)
+    max_tokens_cap: int = Field(default=4096, ge=1)
+    max_n: int = Field(default=4, ge=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_attempts: int = Field(default=3, ge=1)
+    result_ttl_s: float = Field(default=3600.0, gt=0)
+    lease_s: float = Field(default=30.0, gt=0)
+    #: longest ?wait= a poll may hold the connection (seconds)
+    max_poll_wait_s: float = Field(default=60.0, gt=0)
+    #: the per-slot service rate (tokens/s) assumed before any job has finished
+    drain_prior_per_slot: float = Field(default=50.0, gt=0)
+    log_level: str = "info"
+    log_format: str = Field(default="json", pattern="^(json|text)$")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        names = [c.name for c in self.classes]
+        if not names or len(set(names)) != len(names):
+            raise ValueError("classes must be a non-empty list of distinct names")
+        if self.default_priority not in names:
+            raise ValueError(f"default_priority {self.default_priority!r} is not one of the classes {names}")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s must not exceed max_timeout_s")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("default_max_tokens must not exceed max_tokens_cap")
+        return self
+
+    def class_specs(self) -> list[ClassSpec]:
+        return [ClassSpec(c.name, c.min_share) for c in self.classes]
+
+    def limits(self) -> tuple[dict[str, Limits], Limits]:
+        classes = {
+            c.name: Bounds(c.max_queued_jobs, c.max_queued_tokens)
+            for c in self.classes
+            if c.max_queued_jobs is not None or c.max_queued_tokens is not None
+        }
+        default = Limits(Bounds(self.max_queued_jobs, self.max_queued_tokens), classes)
+        per_model = {
+            name: Limits(
+                Bounds(
+                    m.max_queued_jobs if m.max_queued_jobs is not None else self.max_queued_jobs,
+                    m.max_queued_tokens if m.max_queued_tokens is not None else self.max_queued_tokens,
+                ),
+                classes,
+            )
+            for name, m in self.models.items()
+        }
+        return per_model, default
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        raw = environ.get(f"SLUICE_{name.upper()}")
+        if raw is None or name in ("classes", "models"):
+            continue
+        if name == "backends":
+            out[name] = [{"url": u.strip()} for u in raw.split(",") if u.strip()]
+        else:
+            out[name] = raw  # pydantic converts numbers and booleans from strings
+    return out
+
+
+def load_settings(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    data.update(_env_overrides(os.environ if environ is None else environ))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from exc

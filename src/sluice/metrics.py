@@ -1,0 +1,58 @@
+"""Prometheus metrics, in a registry owned by the app (no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sluice.broker.base import ModelStats
+from sluice.core.job import Job
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.admissions = Counter(
+            "sluice_admissions", "Admission decisions by outcome and code", ["outcome", "code"], registry=r
+        )
+        self.jobs = Counter(
+            "sluice_jobs", "Finished jobs by model and status", ["model", "status"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds", "Admission to start", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Admission to first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter("sluice_completion_tokens", "Tokens generated", ["model"], registry=r)
+        self.aborted = Counter("sluice_engine_aborts", "Generations aborted on the engine", registry=r)
+        self.queued_jobs = Gauge("sluice_queued_jobs", "Jobs waiting", ["model"], registry=r)
+        self.queued_tokens = Gauge("sluice_queued_tokens", "Cost (tokens) waiting", ["model"], registry=r)
+        self.running_jobs = Gauge("sluice_running_jobs", "Jobs on engines", ["model"], registry=r)
+        self.slots = Gauge("sluice_slots", "Engine slots serving the model", ["model"], registry=r)
+        self.drain_rate = Gauge(
+            "sluice_drain_rate_tokens_per_second", "Measured drain rate", ["model"], registry=r
+        )
+
+    def update_queues(self, stats: dict[str, ModelStats]) -> None:
+        for model, s in stats.items():
+            self.queued_jobs.labels(model).set(s.queued_jobs)
+            self.queued_tokens.labels(model).set(s.queued_tokens)
+            self.running_jobs.labels(model).set(s.running_jobs)
+            self.slots.labels(model).set(s.slots)
+            self.drain_rate.labels(model).set(s.drain_rate)
+
+    def observe_job(self, job: Job) -> None:
+        self.jobs.labels(job.model, job.state.value).inc()
+        if job.started_at is not None:
+            self.queue_wait.labels(job.model).observe(max(job.started_at - job.created_at, 0))
+        if job.first_token_at is not None:
+            self.ttft.labels(job.model).observe(max(job.first_token_at - job.created_at, 0))
+        if job.usage and isinstance(job.usage.get("completion_tokens"), int):
+            self.tokens.labels(job.model).inc(job.usage["completion_tokens"])

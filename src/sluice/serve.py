@@ -1,0 +1,159 @@
+"""``sluice serve``: gateway, embedded broker and dispatcher in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from sluice.api.app import create_app
+from sluice.backends.base import Backend
+from sluice.backends.openai import OpenAIBackend
+from sluice.config import BackendConfig, ConfigError, Settings, load_settings
+from sluice.logs import setup_logging
+
+log = logging.getLogger("sluice.serve")
+
+# flag -> (settings field, type, help)
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--host": ("host", str, "address to listen on (default 127.0.0.1)"),
+    "--port": ("port", int, "port to listen on (default 8000)"),
+    "--broker": ("broker", str, "'memory' (default, embedded) or a redis:// URL (durable)"),
+    "--max-concurrency": (
+        "max_concurrency",
+        int,
+        "requests each backend runs at once: the engine's batch size, e.g. vLLM's --max-num-seqs or "
+        "llama-server's -np (default 8)",
+    ),
+    "--default-timeout": (
+        "default_timeout_s",
+        float,
+        "deadline in seconds of a request that sets none (120)",
+    ),
+    "--max-timeout": ("max_timeout_s", float, "the longest deadline a request may ask for, in seconds (600)"),
+    "--max-queued-jobs": ("max_queued_jobs", int, "queued jobs per model before 429 queue_full (1000)"),
+    "--max-queued-tokens": (
+        "max_queued_tokens",
+        int,
+        "queued tokens per model before 429 queue_full (unbounded)",
+    ),
+    "--default-max-tokens": ("default_max_tokens", int, "max_tokens of a request that sets none (512)"),
+    "--max-tokens-cap": (
+        "max_tokens_cap",
+        int,
+        "the most max_tokens a request may ask for; more is a 400 (4096)",
+    ),
+    "--max-body-bytes": ("max_body_bytes", int, "request bodies above this size get 413 (4 MiB)"),
+    "--max-attempts": ("max_attempts", int, "attempts on backends before a job fails (3)"),
+    "--result-ttl": ("result_ttl_s", float, "seconds finished jobs and their results are kept (3600)"),
+    "--log-level": ("log_level", str, "debug, info, warning or error (info)"),
+    "--log-format": ("log_format", str, "json (one object per line, default) or text"),
+}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run the whole system in one process: the gateway (OpenAI-compatible API and async jobs), "
+        "the broker (embedded by default) and a dispatcher feeding the backends. With no backend "
+        "configured, a local llama-server with a small model is built (once) and started. "
+        "Settings come from defaults, then --config, then SLUICE_* environment variables, then flags."
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with any setting (see docs/configuration.md)"
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="an OpenAI-compatible engine, e.g. http://127.0.0.1:8001 (repeatable); it serves the models "
+        "its /v1/models lists",
+    )
+    parser.add_argument(
+        "--max-inflight-tokens",
+        type=int,
+        metavar="N",
+        help="optional budget of in-flight tokens (prompt + max_tokens) per --backend, e.g. its KV cache",
+    )
+    for flag, (_, kind, help_text) in FLAGS.items():
+        parser.add_argument(flag, type=kind, help=help_text, metavar=flag.lstrip("-").split("-")[-1].upper())
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in FLAGS.items()
+    }
+    if args.backend:
+        overrides["backends"] = [
+            BackendConfig(url=url, max_inflight_tokens=args.max_inflight_tokens).model_dump()
+            for url in args.backend
+        ]
+    return load_settings(args.config, overrides=overrides)
+
+
+def build_backends(settings: Settings) -> list[Backend]:
+    return [
+        OpenAIBackend(
+            b.url,
+            name=b.name,
+            max_concurrency=b.max_concurrency or settings.max_concurrency,
+            max_inflight_tokens=b.max_inflight_tokens,
+            models=b.models,
+            api_key=b.api_key,
+        )
+        for b in settings.backends
+    ]
+
+
+@contextlib.asynccontextmanager
+async def local_engine(settings: Settings) -> AsyncIterator[Settings]:
+    """With no backend configured, provision and supervise the local llama-server."""
+    if settings.backends:
+        yield settings
+        return
+    from sluice.engine import LocalEngine
+
+    async with LocalEngine() as engine:
+        log.info("local engine ready", extra={"fields": {"url": engine.url, "slots": engine.slots}})
+        backend = BackendConfig(
+            url=engine.url, name="local", models=[engine.model], max_concurrency=engine.slots
+        )
+        yield settings.model_copy(update={"backends": [backend]})
+
+
+async def serve(settings: Settings) -> None:
+    async with local_engine(settings) as effective:
+        app = create_app(effective, backends=lambda: build_backends(effective))
+        config = uvicorn.Config(
+            app,
+            host=effective.host,
+            port=effective.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+        )
+        server = uvicorn.Server(config)
+        log.info(
+            "sluice serving",
+            extra={
+                "fields": {"url": f"http://{effective.host}:{effective.port}", "broker": effective.broker}
+            },
+        )
+        await server.serve()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings))
+    return 0

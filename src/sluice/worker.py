@@ -1,0 +1,352 @@
+"""The dispatcher: claims a job only when a backend has a free slot, runs it, settles it.
+
+One dispatcher per process. It keeps every backend's in-flight requests below its concurrency (and
+in-flight cost below its token budget), so the engine's own waiting queue stays empty and the
+scheduling decisions stay in the broker. One heartbeat loop renews all leases, re-registers the
+capacity, and aborts the jobs the broker says were cancelled or lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sluice.backends.base import Backend, BackendError
+from sluice.broker.base import Broker, EventType
+from sluice.core.job import Job, JobError, JobState
+from sluice.metrics import Metrics
+from sluice.protocol import Assembler
+
+log = logging.getLogger("sluice.worker")
+
+# After a connection error a backend sits out this long (doubling, capped) before it gets work again.
+COOLDOWN_S = 1.0
+MAX_COOLDOWN_S = 30.0
+CLAIM_WAIT_S = 1.0
+
+
+@dataclass
+class _Slots:
+    backend: Backend
+    inflight: int = 0
+    inflight_tokens: int = 0
+    cooldown_until: float = 0.0
+    failures: int = 0
+
+    def available(self, now: float) -> bool:
+        return self.inflight < self.backend.max_concurrency and now >= self.cooldown_until
+
+    def fits(self, cost: int) -> bool:
+        budget = self.backend.max_inflight_tokens
+        # An idle engine takes any job, or a job larger than the budget would wait forever.
+        return budget is None or self.inflight == 0 or self.inflight_tokens + cost <= budget
+
+    @property
+    def free_fraction(self) -> float:
+        return 1.0 - self.inflight / self.backend.max_concurrency
+
+
+class Dispatcher:
+    """Feeds ``backends`` from ``broker``.
+
+    Args:
+        heartbeat_s: how often leases are renewed and the capacity re-registered; well under the
+            broker's lease.
+        retry_backoff_s: pause before a failed attempt is retried, doubled each time.
+        clock: wall-clock seconds, the same clock the broker uses for deadlines.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        backends: Sequence[Backend],
+        *,
+        worker_id: str | None = None,
+        heartbeat_s: float | None = None,
+        retry_backoff_s: float = 0.1,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.broker = broker
+        self.slots = [_Slots(b) for b in backends]
+        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:12]}"
+        self.heartbeat_s = heartbeat_s or max(min(broker.settings.lease_s / 3, 5.0), 0.05)
+        self.retry_backoff_s = retry_backoff_s
+        self.metrics = metrics
+        self.clock = clock
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._capacity = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for s in self.slots:
+            if not s.backend.models:
+                try:
+                    s.backend.models = await s.backend.discover_models()
+                except BackendError as exc:
+                    log.warning("backend %s: %s; will retry", s.backend.name, exc.message)
+        await self.broker.register(self.worker_id, self.capacity())
+        self._tasks = [
+            asyncio.create_task(self._dispatch_forever(), name="dispatch"),
+            asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        running = list(self.running.values())
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *running, return_exceptions=True)
+        self._tasks = []
+        with contextlib.suppress(Exception):
+            await self.broker.unregister(self.worker_id)
+
+    def capacity(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.slots:
+            for model in s.backend.models:
+                out[model] = out.get(model, 0) + s.backend.max_concurrency
+        return out
+
+    def models(self) -> list[str]:
+        return sorted(self.capacity())
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def _free_models(self) -> list[str]:
+        now = time.monotonic()
+        return sorted({m for s in self.slots if s.available(now) for m in s.backend.models})
+
+    def _pick(self, job: Job, exclude: set[str] = frozenset()) -> _Slots | None:  # type: ignore[assignment]
+        now = time.monotonic()
+        candidates = [s for s in self.slots if job.model in s.backend.models and s.available(now)]
+        preferred = [s for s in candidates if s.backend.name not in exclude] or candidates
+        fitting = [s for s in preferred if s.fits(job.cost)]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda s: s.free_fraction)
+
+    async def _wait_capacity(self, timeout: float) -> None:
+        self._capacity.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._capacity.wait()
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            models = self._free_models()
+            if not models:
+                await self._wait_capacity(CLAIM_WAIT_S)
+                continue
+            try:
+                job = await self.broker.claim(self.worker_id, models, timeout=CLAIM_WAIT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("claim failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
+            if job is None:
+                continue
+            slot = self._pick(job)
+            while slot is None:  # the token budget is full: hold the claimed job until room frees
+                await self._wait_capacity(0.5)
+                slot = self._pick(job)
+            self._reserve(slot, job)
+            self.running[job.id] = asyncio.create_task(self._run(job, slot), name=f"job-{job.id}")
+
+    def _reserve(self, slot: _Slots, job: Job) -> None:
+        slot.inflight += 1
+        slot.inflight_tokens += job.cost
+
+    def _release(self, slot: _Slots, job: Job) -> None:
+        slot.inflight -= 1
+        slot.inflight_tokens -= job.cost
+        self._capacity.set()
+
+    # --- one job ------------------------------------------------------------------------------
+
+    async def _run(self, job: Job, slot: _Slots) -> None:
+        attempts = job.attempts
+        tried: set[str] = set()
+        held: _Slots | None = slot
+        try:
+            while True:
+                assert held is not None
+                backend = held.backend
+                try:
+                    remaining = job.deadline - self.clock()
+                    async with asyncio.timeout(max(remaining, 0)):
+                        assembler = await self._generate(job, backend)
+                except BackendError as exc:
+                    self._note_failure(held, exc)
+                    tried.add(backend.name)
+                    self._release(held, job)
+                    held = None
+                    if not exc.retryable or attempts >= job.max_attempts:
+                        await self._finish(job, JobState.FAILED, attempts, backend, error=_job_error(exc))
+                        return
+                    await self.broker.publish(
+                        job.id,
+                        EventType.RETRY,
+                        {"attempt": attempts, "reason": exc.message, "backend": backend.name},
+                    )
+                    held = await self._reacquire(job, tried, attempts)
+                    if held is None:
+                        await self._finish(job, JobState.EXPIRED, attempts, backend, error=_deadline_error())
+                        return
+                    attempts += 1
+                    continue
+                except TimeoutError:
+                    await self._finish(job, JobState.EXPIRED, attempts, backend, error=_deadline_error())
+                    return
+                held.failures = 0
+                await self._finish(
+                    job,
+                    JobState.SUCCEEDED,
+                    attempts,
+                    backend,
+                    result=assembler.response(),
+                    usage=assembler.final_usage(),
+                )
+                return
+        except asyncio.CancelledError:
+            # Cancelled by the client, or the lease was lost: the broker already knows the outcome.
+            # Leaving here closes the engine stream, which aborts the generation.
+            if self.metrics:
+                self.metrics.aborted.inc()
+            raise
+        finally:
+            if held is not None:
+                self._release(held, job)
+            self.running.pop(job.id, None)
+
+    async def _reacquire(self, job: Job, tried: set[str], attempts: int) -> _Slots | None:
+        await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempts - 1), 2.0))
+        while self.clock() < job.deadline:
+            slot = self._pick(job, exclude=tried)
+            if slot is not None:
+                self._reserve(slot, job)
+                return slot
+            await self._wait_capacity(min(0.5, max(job.deadline - self.clock(), 0.01)))
+        return None
+
+    async def _generate(self, job: Job, backend: Backend) -> Assembler:
+        assembler = Assembler(job)
+        stream = backend.stream(job)
+        try:
+            async for data in stream:
+                choices = assembler.add(data)
+                if choices:
+                    await self.broker.publish(job.id, EventType.TOKEN, {"choices": choices})
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return assembler
+
+    def _note_failure(self, slot: _Slots, exc: BackendError) -> None:
+        if exc.retryable:
+            slot.failures += 1
+            slot.cooldown_until = time.monotonic() + min(
+                COOLDOWN_S * 2 ** (slot.failures - 1), MAX_COOLDOWN_S
+            )
+            log.warning("backend %s failed: %s", slot.backend.name, exc.message)
+
+    async def _finish(
+        self,
+        job: Job,
+        state: JobState,
+        attempts: int,
+        backend: Backend,
+        *,
+        result: dict[str, object] | None = None,
+        usage: dict[str, object] | None = None,
+        error: JobError | None = None,
+    ) -> None:
+        # A client disconnect must not interrupt the settlement halfway.
+        done = await asyncio.shield(
+            self.broker.finish(
+                job.id,
+                self.worker_id,
+                state,
+                result=result,
+                usage=usage,
+                error=error,
+                attempts=attempts,
+                backend=backend.name,
+            )
+        )
+        if done is not None:
+            log_outcome(done)
+            if self.metrics:
+                self.metrics.observe_job(done)
+
+    # --- heartbeat ----------------------------------------------------------------------------
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await self.broker.wait_abort_signal(self.heartbeat_s)
+            try:
+                await self.broker.register(self.worker_id, self.capacity())
+                abort = await self.broker.heartbeat(self.worker_id, list(self.running))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat failed")
+                await asyncio.sleep(self.heartbeat_s)
+                continue
+            for job_id in abort:
+                task = self.running.get(job_id)
+                if task is not None:
+                    task.cancel()
+            await self._rediscover()
+
+    async def _rediscover(self) -> None:
+        for s in self.slots:
+            if not s.backend.models:
+                with contextlib.suppress(BackendError):
+                    s.backend.models = await s.backend.discover_models()
+                    if s.backend.models:
+                        log.info("backend %s serves %s", s.backend.name, ", ".join(s.backend.models))
+                        self._capacity.set()
+
+
+def _job_error(exc: BackendError) -> JobError:
+    return JobError(exc.message, exc.type, exc.code)
+
+
+def _deadline_error() -> JobError:
+    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
+
+
+def log_outcome(job: Job) -> None:
+    """One structured line per finished request; never the prompt or the answer."""
+    started = job.started_at or job.finished_at or job.created_at
+    usage = job.usage or {}
+    log.info(
+        "job finished",
+        extra={
+            "fields": {
+                "job": job.id,
+                "model": job.model,
+                "tenant": job.tenant,
+                "priority": job.priority,
+                "status": job.state.value,
+                "code": job.error.code if job.error else None,
+                "attempts": job.attempts,
+                "backend": job.backend,
+                "queue_s": round(started - job.created_at, 4),
+                "ttft_s": round(job.first_token_at - job.created_at, 4) if job.first_token_at else None,
+                "total_s": round((job.finished_at or started) - job.created_at, 4),
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+            }
+        },
+    )
