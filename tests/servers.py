@@ -1,0 +1,75 @@
+"""Real servers on loopback for the tests: a Sluice gateway in the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from sluice.api.app import create_app
+from sluice.config import Settings, load_settings
+from sluice.serve import build_backends
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # leave the test runner's signal handlers alone
+
+
+@contextlib.asynccontextmanager
+async def run_app(app: FastAPI) -> AsyncIterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                if task.done():
+                    task.result()
+                    raise RuntimeError("the server stopped during start-up")
+                await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        try:
+            async with asyncio.timeout(10):
+                await task
+        except TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        sock.close()
+
+
+class Gateway:
+    """A running gateway: its URL and the app (for the broker behind it)."""
+
+    def __init__(self, url: str, app: FastAPI) -> None:
+        self.url = url
+        self.app = app
+
+    @property
+    def broker(self) -> Any:
+        return self.app.state.gateway.broker
+
+
+@contextlib.asynccontextmanager
+async def run_gateway(backends: list[str], **overrides: Any) -> AsyncIterator[Gateway]:
+    settings: Settings = load_settings(
+        overrides={"backends": [{"url": u} for u in backends], "log_level": "warning", **overrides}, environ={}
+    )
+    app = create_app(settings, backends=lambda: build_backends(settings))
+    async with run_app(app) as url:
+        # The dispatcher registers its models at start; wait until the gateway sees them.
+        async with asyncio.timeout(10):
+            while not await app.state.gateway.broker.served_models():
+                await asyncio.sleep(0.01)
+        yield Gateway(url, app)
