@@ -99,10 +99,15 @@ class Settings(_Strict):
             raise ValueError("classes must be a non-empty list of distinct names")
         if self.default_priority not in names:
             raise ValueError(f"default_priority {self.default_priority!r} is not one of the classes {names}")
-        if self.default_timeout_s > self.max_timeout_s:
-            raise ValueError("default_timeout_s must not exceed max_timeout_s")
-        if self.default_max_tokens > self.max_tokens_cap:
-            raise ValueError("default_max_tokens must not exceed max_tokens_cap")
+        # A default left unset follows a lowered cap; one set explicitly above its cap is a mistake.
+        for default, cap in (
+            ("default_timeout_s", "max_timeout_s"),
+            ("default_max_tokens", "max_tokens_cap"),
+        ):
+            if getattr(self, default) > getattr(self, cap):
+                if default in self.model_fields_set:
+                    raise ValueError(f"{default} must not exceed {cap}")
+                object.__setattr__(self, default, getattr(self, cap))
         return self
 
     def class_specs(self) -> list[ClassSpec]:

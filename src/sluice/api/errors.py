@@ -53,6 +53,7 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
+        self.job_id: str | None = None
 
     @classmethod
     def from_refused(cls, r: Refused) -> APIError:
@@ -66,6 +67,8 @@ class APIError(Exception):
             h["retry-after-ms"] = str(max(1, round(self.retry_after_s * 1000)))
         if self.should_retry is not None:
             h["x-should-retry"] = "true" if self.should_retry else "false"
+        if self.job_id is not None:
+            h["x-sluice-job-id"] = self.job_id
         return h
 
     def response(self) -> JSONResponse:

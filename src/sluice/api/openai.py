@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from sluice.api.errors import APIError
 from sluice.api.intake import Gateway
 from sluice.api.relay import answer, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
@@ -38,7 +39,11 @@ async def _complete(request: Request, endpoint: Endpoint, body: dict[str, Any]) 
             headers={"x-sluice-job-id": job.id},
         )
     finished = await wait_for_client(request, gw.broker, job)
-    response = answer(finished)
+    try:
+        response = answer(finished)
+    except APIError as exc:
+        exc.job_id = job.id
+        raise
     response.headers["x-sluice-job-id"] = job.id
     return response
 
