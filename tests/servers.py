@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from sluice.api.app import create_app
 from sluice.config import Settings, load_settings
 from sluice.serve import build_backends
+from tests.helpers import wait_until
 
 
 class _Server(uvicorn.Server):
@@ -64,12 +65,11 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def run_gateway(backends: list[str], **overrides: Any) -> AsyncIterator[Gateway]:
     settings: Settings = load_settings(
-        overrides={"backends": [{"url": u} for u in backends], "log_level": "warning", **overrides}, environ={}
+        overrides={"backends": [{"url": u} for u in backends], "log_level": "warning", **overrides},
+        environ={},
     )
     app = create_app(settings, backends=lambda: build_backends(settings))
     async with run_app(app) as url:
         # The dispatcher registers its models at start; wait until the gateway sees them.
-        async with asyncio.timeout(10):
-            while not await app.state.gateway.broker.served_models():
-                await asyncio.sleep(0.01)
+        await wait_until(app.state.gateway.broker.served_models)
         yield Gateway(url, app)
