@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sluice.cli import build_parser, main
+from sluice.config import ConfigError, load_settings
+from sluice.serve import FLAGS, settings_from_args
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(
+        'port = 7000\nhost = "127.0.0.2"\nmax_queued_jobs = 5\n[[backends]]\nurl = "http://a:1"\n'
+    )
+    s = load_settings(
+        path, environ={"SLUICE_PORT": "7100", "SLUICE_MAX_QUEUED_JOBS": "6"}, overrides={"port": 7200}
+    )
+    assert s.port == 7200 and s.max_queued_jobs == 6 and s.host == "127.0.0.2"
+    assert [b.url for b in s.backends] == ["http://a:1"]
+
+
+def test_env_backends_list() -> None:
+    s = load_settings(environ={"SLUICE_BACKENDS": "http://a:1, http://b:2"})
+    assert [b.url for b in s.backends] == ["http://a:1", "http://b:2"]
+
+
+def test_flags_reach_settings(tmp_path: Path) -> None:
+    args = build_parser("serve").parse_args(
+        [
+            "serve",
+            "--backend",
+            "http://e:1",
+            "--backend",
+            "http://f:2",
+            "--max-concurrency",
+            "16",
+            "--port",
+            "0",
+        ]
+    )
+    s = settings_from_args(args)
+    assert s.max_concurrency == 16 and s.port == 0 and len(s.backends) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("port = 'eighty'", "port"),
+        ("default_priority = 'vip'", "default_priority"),
+        ("unknown_setting = 1", "unknown_setting"),
+        ("classes = []", "classes"),
+        ("default_max_tokens = 10\nmax_tokens_cap = 5", "default_max_tokens"),
+        ("[[backends]]\nmax_concurrency = 0\nurl='http://x'", "max_concurrency"),
+        ("this is not toml", "TOML"),
+    ],
+)
+def test_invalid_config_is_a_clear_error(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(path, environ={})
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "absent.toml", environ={})
+
+
+def test_unset_default_follows_lowered_cap() -> None:
+    s = load_settings(overrides={"max_tokens_cap": 64, "max_timeout_s": 10}, environ={})
+    assert s.default_max_tokens == 64 and s.default_timeout_s == 10
+
+
+def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in [*FLAGS, "--config", "--backend", "--max-inflight-tokens"]:
+        assert flag in out
+
+
+def test_serve_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("port = -1")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "port" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().out
