@@ -109,3 +109,23 @@ def test_ahead_and_position_count_higher_classes() -> None:
     assert s.ahead("low") == (3, 23)
     assert s.position("low", "l", "t") == 2
     assert s.jobs == 3 and s.tokens == 23
+
+
+def test_min_share_does_not_jump_ahead_early() -> None:
+    s = ClassScheduler([ClassSpec("high"), ClassSpec("normal", 0.1), ClassSpec("low", 0.05)])
+    for i in range(3):
+        s.push("normal", Entry(f"n{i}", "t", 1))
+    s.push("low", Entry("l", "t", 1))
+    s.push("high", Entry("h", "t", 1))
+    assert [s.pop()[1].job_id for _ in range(5)] == ["h", "n0", "n1", "n2", "l"]  # type: ignore[index]
+
+
+def test_idle_class_banks_no_credit() -> None:
+    s = ClassScheduler([ClassSpec("high"), ClassSpec("low", 0.5)])
+    s.push("low", Entry("l0", "t", 1))
+    for i in range(4):
+        s.push("high", Entry(f"h{i}", "t", 1))
+    assert [s.pop()[1].job_id for _ in range(3)] == ["h0", "h1", "l0"]  # type: ignore[index]
+    assert s.credit["low"] == 0.0  # emptied: nothing carried over
+    s.push("low", Entry("l1", "t", 1))
+    assert s.pop()[1].job_id == "h2"  # type: ignore[index]
