@@ -83,7 +83,7 @@ class Settings(_Strict):
     max_n: int = Field(default=4, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_attempts: int = Field(default=3, ge=1)
-    result_ttl_s: float = Field(default=3600.0, gt=0)
+    result_ttl_s: float = Field(default=600.0, gt=0)
     lease_s: float = Field(default=30.0, gt=0)
     #: longest ?wait= a poll may hold the connection (seconds)
     max_poll_wait_s: float = Field(default=60.0, gt=0)

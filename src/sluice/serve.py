@@ -51,7 +51,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     ),
     "--max-body-bytes": ("max_body_bytes", int, "request bodies above this size get 413 (4 MiB)"),
     "--max-attempts": ("max_attempts", int, "attempts on backends before a job fails (3)"),
-    "--result-ttl": ("result_ttl_s", float, "seconds finished jobs and their results are kept (3600)"),
+    "--result-ttl": ("result_ttl_s", float, "seconds finished jobs, their results and events are kept (600)"),
     "--log-level": ("log_level", str, "debug, info, warning or error (info)"),
     "--log-format": ("log_format", str, "json (one object per line, default) or text"),
 }
