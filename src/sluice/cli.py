@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 from sluice import __version__
 
-# name -> (module, one-line help)
+# name -> (module, one-line help); the module has configure_parser/run, or configure_<name>/run_<name>
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("sluice.serve", "run the whole system in one process: gateway, broker and dispatcher"),
+    "gateway": ("sluice.roles", "run a gateway only, on a Redis broker (scale-out)"),
+    "worker": ("sluice.roles", "run a worker only, on a Redis broker (scale-out)"),
     "sim": ("sluice.sim_server", "run an engine simulator with the OpenAI API (continuous batching model)"),
     "bench": ("sluice.bench", "open-loop load experiment against an engine or a Sluice gateway"),
     "engine": ("sluice.engine", "build, start or inspect the local llama-server engine"),
@@ -38,8 +40,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 if exc.name != module_name:
                     raise
                 continue
-            module.configure_parser(p)
-            p.set_defaults(_module=module)
+            configure = getattr(module, f"configure_{name}", None) or module.configure_parser
+            configure(p)
+            p.set_defaults(_run=getattr(module, f"run_{name}", None) or module.run)
     return parser
 
 
@@ -48,11 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser(first if first in SUBCOMMANDS else None)
     args = parser.parse_args(args_list)
-    module = getattr(args, "_module", None)
-    if module is None:
+    run = getattr(args, "_run", None)
+    if run is None:
         parser.print_help()
         return 2
-    return int(module.run(args) or 0)
+    return int(run(args) or 0)
 
 
 if __name__ == "__main__":

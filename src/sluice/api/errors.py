@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.protocol import error_body
 
@@ -101,6 +102,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused) -> JSONResponse:
         return APIError.from_refused(exc).response()
+
+    @app.exception_handler(BrokerUnavailable)
+    async def _unavailable(request: Request, exc: BrokerUnavailable) -> JSONResponse:
+        log.warning("broker unavailable: %s", exc)
+        return APIError(
+            503, "The queue is unreachable right now; retry shortly.", "broker_unavailable", retry_after_s=1.0
+        ).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sluice.broker.base import Broker, BrokerSettings, Event, EventType
+from sluice.broker.base import Broker, BrokerSettings, BrokerUnavailable, Event, EventType
 
-__all__ = ["Broker", "BrokerSettings", "Event", "EventType", "create_broker"]
+__all__ = ["Broker", "BrokerSettings", "BrokerUnavailable", "Event", "EventType", "create_broker"]
 
 
 def create_broker(url: str, settings: BrokerSettings) -> Broker:

@@ -19,6 +19,10 @@ from sluice.core.job import Job, JobError, JobState
 from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
 
 
+class BrokerUnavailable(Exception):
+    """The broker's store cannot be reached right now; the caller should answer 503 and retry later."""
+
+
 class EventType(StrEnum):
     """Events of one job's stream, in the order a client sees them."""
 
