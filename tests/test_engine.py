@@ -1,0 +1,483 @@
+"""The local engine: build recipe, cache, tool checks (unit), and a real supervised llama-server (llm)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from openai.types.chat import ChatCompletionMessageParam
+
+from sluice import engine_build
+from sluice.engine import (
+    EngineStartError,
+    LocalEngine,
+    MissingToolError,
+    find_llama_server,
+    find_model,
+    llama_server_command,
+)
+from sluice.engine_build import (
+    EngineBuildError,
+    build_key,
+    build_llama_server,
+    cached_binary_path,
+    check_build_tools,
+    parse_progress,
+)
+
+# Found before any test changes the environment: the real engine tests use the user's real cache.
+REAL_BINARY = find_llama_server()
+REAL_MODEL = find_model()
+
+
+def _executable(path: Path, body: str = "exit 0") -> Path:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(root))
+    for name in ("SLUICE_LLAMA_SERVER", "SLUICE_MODEL", "CC", "CXX"):
+        monkeypatch.delenv(name, raising=False)
+    return root
+
+
+# ---------------------------------------------------------------------------------------- unit
+
+
+def test_command_line_splits_context_over_slots() -> None:
+    command = llama_server_command(
+        "/opt/llama-server", "/m/model.gguf", port=8012, threads=2, slots=4, ctx_per_slot=2048
+    )
+    assert command == [
+        "/opt/llama-server",
+        "-m", "/m/model.gguf",
+        "--alias", "smollm2",
+        "--host", "127.0.0.1",
+        "--port", "8012",
+        "-t", "2",
+        "-c", "8192",
+        "-np", "4",
+        "--metrics",
+        "--no-webui",
+    ]  # fmt: skip
+
+
+def test_command_line_custom_values_and_extra_args() -> None:
+    command = llama_server_command(
+        Path("/b"), Path("/m"), port=1, host="0.0.0.0", threads=8, slots=3, ctx_per_slot=1000,
+        alias="tiny", extra_args=["--seed", "1"],
+    )  # fmt: skip
+    assert command[command.index("-c") + 1] == "3000"
+    assert command[command.index("-np") + 1] == "3"
+    assert command[command.index("--alias") + 1] == "tiny"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[-2:] == ["--seed", "1"]
+
+
+@pytest.mark.parametrize("bad", [{"slots": 0}, {"ctx_per_slot": 0}, {"threads": 0}, {"port": 0}])
+def test_command_line_rejects_nonsense(bad: dict[str, int]) -> None:
+    kwargs = {"port": 8000, "threads": 2, "slots": 4, "ctx_per_slot": 2048} | bad
+    with pytest.raises(ValueError):
+        llama_server_command("/b", "/m", **kwargs)  # type: ignore[arg-type]
+
+
+def test_build_key_names_version_and_changes_with_cpu(cache: Path) -> None:
+    key = build_key(flags="avx2 fma sse4_2")
+    assert key.startswith(f"{engine_build.LLAMA_CPP_PYTHON_VERSION}-")
+    assert key == build_key(flags="avx2 fma sse4_2")
+    assert key != build_key(flags="avx2 avx512f fma sse4_2")
+    assert key != build_key(version="9.9.9", flags="avx2 fma sse4_2")
+    assert cached_binary_path().is_relative_to(cache / "llama-server")
+    assert cached_binary_path().parent.name == build_key()
+
+
+def test_find_llama_server_env_var_and_cache(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert find_llama_server() is None
+    cached = cached_binary_path()
+    cached.parent.mkdir(parents=True)
+    _executable(cached)
+    assert find_llama_server() == cached
+    other = _executable(tmp_path / "my-llama-server")
+    monkeypatch.setenv("SLUICE_LLAMA_SERVER", str(other))
+    assert find_llama_server() == other
+    monkeypatch.setenv("SLUICE_LLAMA_SERVER", str(tmp_path / "absent"))
+    assert find_llama_server() is None
+
+
+def test_find_model_env_var_and_cache(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_build, "_installed_package_model", lambda: None)
+    assert find_model() is None
+    cached = engine_build.model_cache_path()
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF")
+    assert find_model() == cached
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(b"GGUF")
+    monkeypatch.setenv("SLUICE_MODEL", str(mine))
+    assert find_model() == mine
+
+
+def _toolbox(tmp_path: Path, names: list[str]) -> str:
+    box = tmp_path / "bin"
+    box.mkdir()
+    for name in names:
+        _executable(box / name)
+    return str(box)
+
+
+def test_tool_check_names_missing_cmake(cache: Path, tmp_path: Path) -> None:
+    path = _toolbox(tmp_path, ["cc", "c++", "ninja"])
+    with pytest.raises(MissingToolError) as info:
+        check_build_tools(path=path)
+    assert info.value.missing == ["cmake"]
+    message = str(info.value)
+    assert "cmake" in message
+    assert "apt-get install build-essential cmake ninja-build" in message
+
+
+def test_tool_check_names_every_missing_tool(cache: Path, tmp_path: Path) -> None:
+    path = _toolbox(tmp_path, [])
+    with pytest.raises(MissingToolError) as info:
+        check_build_tools(path=path)
+    missing = " ".join(info.value.missing)
+    for word in ("C compiler", "C++ compiler", "cmake", "ninja or make"):
+        assert word in missing
+
+
+def test_tool_check_falls_back_to_make(cache: Path, tmp_path: Path) -> None:
+    tools = check_build_tools(path=_toolbox(tmp_path, ["gcc", "g++", "cmake", "make"]))
+    assert tools.generator == "Unix Makefiles"
+    assert Path(tools.cc).name == "gcc"
+    assert Path(tools.cxx).name == "g++"
+
+
+def test_parse_progress() -> None:
+    assert parse_progress("[12/206] Building CXX object src/llama.cpp.o\n") == (12, 206)
+    assert parse_progress("[ 45%] Building C object ggml.c.o") == (45, 100)
+    assert parse_progress("-- Configuring done") is None
+
+
+# A stand-in for cmake that "builds" a llama-server script, so the whole pipeline runs in milliseconds.
+FAKE_CMAKE = textwrap.dedent(
+    """\
+    if [ "$1" = "--build" ]; then
+        [ -n "$FAIL" ] && { echo "[1/2] Building CXX object x.o"; echo "error: boom"; exit 1; }
+        echo "[1/2] Building CXX object x.o"
+        echo "[2/2] Linking CXX executable bin/llama-server"
+        mkdir -p "$2/bin"
+        printf '#!/bin/sh\\necho "version: 1 (fake)" >&2\\n' > "$2/bin/llama-server"
+        chmod +x "$2/bin/llama-server"
+    else
+        echo "-- Configuring done"
+    fi
+    """
+)
+
+
+@pytest.fixture
+def fake_toolchain(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    box = tmp_path / "fakebin"
+    box.mkdir()
+    for name in ("cc", "c++", "ninja"):
+        _executable(box / name)
+    _executable(box / "cmake", FAKE_CMAKE)
+    monkeypatch.setenv("PATH", f"{box}:/usr/bin:/bin")
+    source = tmp_path / "llama.cpp"
+    source.mkdir()
+    return source
+
+
+def test_build_pipeline_installs_binary_and_info(fake_toolchain: Path, cache: Path) -> None:
+    path = build_llama_server(source_dir=fake_toolchain, progress_bar=False)
+    assert path == cached_binary_path()
+    assert find_llama_server() == path
+    info = json.loads((path.parent / "build-info.json").read_text())
+    assert info["llama_server_version"] == "version: 1 (fake)"
+    assert info["build_key"] == build_key()
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in info["cmake_args"]
+    assert not any((cache / "tmp").iterdir()), "the work directory is removed after the build"
+    # A second call finds the cached build and does not rebuild.
+    before = path.stat().st_mtime_ns
+    assert build_llama_server(source_dir=fake_toolchain) == path
+    assert path.stat().st_mtime_ns == before
+
+
+def test_failed_build_leaves_nothing_that_looks_done(
+    fake_toolchain: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(EngineBuildError) as info:
+        build_llama_server(source_dir=fake_toolchain, progress_bar=False)
+    assert "error: boom" in str(info.value), "the error shows the tail of the build log"
+    assert find_llama_server() is None
+    assert not cached_binary_path().exists()
+    assert not any((cache / "tmp").iterdir())
+
+
+def test_cli_status_exits_1_when_absent(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_build, "_installed_package_model", lambda: None)
+    from sluice.cli import main
+
+    assert main(["engine", "status"]) == 1
+
+
+def test_cli_build_reports_missing_tool_without_traceback(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", _toolbox(tmp_path, ["cc", "c++", "make"]))
+    from sluice.cli import main
+
+    assert main(["engine", "build", "--no-model"]) == 1
+    err = capsys.readouterr().err
+    assert "missing cmake" in err
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------- real engine
+
+llm = pytest.mark.llm
+needs_engine = pytest.mark.skipif(
+    REAL_BINARY is None or REAL_MODEL is None,
+    reason="llama-server or the model is absent: run `sluice engine build` (about 4 minutes)",
+)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path) -> AsyncIterator[LocalEngine]:
+    async with LocalEngine(
+        binary=REAL_BINARY,
+        model_path=REAL_MODEL,
+        slots=2,
+        ctx_per_slot=1024,
+        log_path=tmp_path / "engine.log",
+    ) as running:
+        yield running
+
+
+def _client(engine: LocalEngine) -> AsyncOpenAI:
+    # trust_env=False: a proxy configured in the environment must not intercept loopback traffic.
+    return AsyncOpenAI(
+        base_url=f"{engine.url}/v1", api_key="unused", http_client=DefaultAsyncHttpxClient(trust_env=False)
+    )
+
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
+
+
+async def _chat(engine: LocalEngine, max_tokens: int = 16) -> int:
+    async with _client(engine) as client:
+        reply = await client.chat.completions.create(
+            model=engine.model,
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+    assert len(reply.choices) == 1
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None
+    assert 0 < reply.usage.completion_tokens <= max_tokens
+    assert reply.usage.prompt_tokens > 0
+    return reply.usage.completion_tokens
+
+
+@llm
+@needs_engine
+async def test_engine_answers_chat_completion(engine: LocalEngine) -> None:
+    assert engine.url == f"http://127.0.0.1:{engine.port}"
+    assert engine.model == "smollm2"
+    assert engine.log_path is not None and engine.log_path.stat().st_size > 0
+    await _chat(engine)
+
+
+@llm
+@needs_engine
+async def test_engine_streams_with_usage(engine: LocalEngine) -> None:
+    content_chunks = 0
+    finish_reasons: list[str] = []
+    usage = None
+    async with _client(engine) as client:
+        stream = await client.chat.completions.create(
+            model=engine.model,
+            messages=MESSAGES,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    content_chunks += 1
+                if choice.finish_reason is not None:
+                    finish_reasons.append(choice.finish_reason)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert finish_reasons in (["stop"], ["length"])
+    assert usage is not None
+    assert 0 < usage.completion_tokens <= 16
+    assert 0 < content_chunks <= usage.completion_tokens
+
+
+@llm
+@needs_engine
+async def test_engine_runs_the_requested_slots(engine: LocalEngine) -> None:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        props = (await client.get(f"{engine.url}/props")).json()
+        metrics = await client.get(f"{engine.url}/metrics")
+    assert props["total_slots"] == engine.slots == 2
+    assert metrics.status_code == 200 and "llamacpp:" in metrics.text
+    counts = await asyncio.gather(*(_chat(engine, max_tokens=8) for _ in range(3)))
+    assert all(0 < n <= 8 for n in counts)
+
+
+@llm
+@needs_engine
+async def test_engine_restarts_after_kill_9(tmp_path: Path) -> None:
+    restarted = asyncio.Event()
+    seen: list[int | None] = []
+
+    async def on_restart(e: LocalEngine) -> None:
+        seen.append(e.pid)
+        restarted.set()
+
+    async with LocalEngine(
+        binary=REAL_BINARY, model_path=REAL_MODEL, slots=1, ctx_per_slot=512, on_restart=on_restart,
+        log_path=tmp_path / "engine.log", restart_backoff=(0.1, 1.0),
+    ) as engine:  # fmt: skip
+        first_pid, url = engine.pid, engine.url
+        assert first_pid is not None
+        os.kill(first_pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            await restarted.wait()
+        assert engine.restarts == 1
+        assert engine.url == url, "the restarted engine keeps its port"
+        assert seen == [engine.pid] and engine.pid != first_pid
+        await _chat(engine, max_tokens=8)
+    assert engine.pid is None
+
+
+@llm
+@needs_engine
+async def test_engine_stop_leaves_no_process(tmp_path: Path) -> None:
+    async with LocalEngine(
+        binary=REAL_BINARY, model_path=REAL_MODEL, slots=1, ctx_per_slot=512, log_path=tmp_path / "e.log"
+    ) as engine:
+        pid = engine.pid
+        assert pid is not None and _alive(pid)
+    assert not _alive(pid)
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient(trust_env=False) as client:
+            await client.get(f"{engine.url}/health")
+
+
+@llm
+@needs_engine
+async def test_engine_start_failure_reports_log_tail(tmp_path: Path) -> None:
+    bad_model = tmp_path / "not-a-model.gguf"
+    bad_model.write_bytes(b"this is not a gguf file")
+    with pytest.raises(EngineStartError) as info:
+        async with LocalEngine(
+            binary=REAL_BINARY, model_path=bad_model, log_path=tmp_path / "e.log", startup_timeout=30
+        ):
+            pytest.fail("a broken model must not start")
+    message = str(info.value)
+    assert "exited with code" in message
+    assert str(tmp_path / "e.log") in message
+    assert "gguf" in message.lower(), "the message carries the engine's own complaint"
+
+
+@llm
+@needs_engine
+async def test_engine_retries_when_its_free_port_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from sluice import engine as engine_module
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken, engine_module.free_port()])
+        monkeypatch.setattr(engine_module, "free_port", lambda host: next(ports))
+        async with LocalEngine(
+            binary=REAL_BINARY, model_path=REAL_MODEL, slots=1, ctx_per_slot=512, log_path=tmp_path / "e.log"
+        ) as engine:
+            assert engine.port != taken
+            assert engine.running
+    assert "couldn't bind" in (tmp_path / "e.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie waiting to be reaped."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@llm
+@needs_engine
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PDEATHSIG is Linux-only")
+def test_engine_dies_with_its_parent(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""\
+        import asyncio
+        from sluice.engine import LocalEngine
+
+        async def main() -> None:
+            async with LocalEngine(binary={str(REAL_BINARY)!r}, model_path={str(REAL_MODEL)!r},
+                                   slots=1, ctx_per_slot=512, log_path={str(tmp_path / "e.log")!r}) as e:
+                print(e.pid, flush=True)
+                await asyncio.sleep(3600)
+
+        asyncio.run(main())
+        """
+    )
+    engine_pid = 0
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as parent:
+        try:
+            assert parent.stdout is not None
+            engine_pid = int(parent.stdout.readline())
+            assert _alive(engine_pid)
+            parent.kill()
+            parent.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while _alive(engine_pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(engine_pid), "the engine outlived its supervisor"
+        finally:
+            parent.kill()
+            if engine_pid and _alive(engine_pid):
+                os.kill(engine_pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children() -> Iterator[None]:
+    yield
+    # Every engine a test started must be gone when the test ends.
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    if children.exists():
+        pids = [int(p) for p in children.read_text().split()]
+        assert not [p for p in pids if _alive(p)], f"leftover child processes: {pids}"
