@@ -164,6 +164,7 @@ def test_tool_check_names_every_missing_tool(cache: Path, tmp_path: Path) -> Non
 def test_tool_check_falls_back_to_make(cache: Path, tmp_path: Path) -> None:
     tools = check_build_tools(path=_toolbox(tmp_path, ["gcc", "g++", "cmake", "make"]))
     assert tools.generator == "Unix Makefiles"
+    assert Path(tools.make_program).name == "make"
     assert Path(tools.cc).name == "gcc"
     assert Path(tools.cxx).name == "g++"
 
@@ -212,6 +213,7 @@ def test_build_pipeline_installs_binary_and_info(fake_toolchain: Path, cache: Pa
     assert info["llama_server_version"] == "version: 1 (fake)"
     assert info["build_key"] == build_key()
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in info["cmake_args"]
+    assert set(info["phase_seconds"]) == {"download_s", "configure_s", "compile_s"}
     assert not any((cache / "tmp").iterdir()), "the work directory is removed after the build"
     # A second call finds the cached build and does not rebuild.
     before = path.stat().st_mtime_ns
@@ -228,6 +230,49 @@ def test_failed_build_leaves_nothing_that_looks_done(
     assert "error: boom" in str(info.value), "the error shows the tail of the build log"
     assert find_llama_server() is None
     assert not cached_binary_path().exists()
+    assert not any((cache / "tmp").iterdir())
+
+
+def test_interrupted_build_stops_its_compilers_and_leaves_no_binary(
+    fake_toolchain: Path, cache: Path
+) -> None:
+    marker = cache / "compiler.pid"
+    hanging_cmake = textwrap.dedent(
+        f"""\
+        if [ "$1" = "--build" ]; then
+            echo "[1/2] Building CXX object x.o"
+            sleep 60 &
+            echo $! > {marker}
+            wait
+        fi
+        """
+    )
+    _executable(Path(os.environ["PATH"].split(":")[0]) / "cmake", hanging_cmake)
+    command = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "engine",
+        "build",
+        "--no-model",
+        "--source",
+        str(fake_toolchain),
+    ]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as build:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text().strip():
+            assert time.monotonic() < deadline, "the fake compiler never started"
+            time.sleep(0.05)
+        compiler = int(marker.read_text())
+        build.send_signal(signal.SIGTERM)
+        _, err = build.communicate(timeout=30)
+    survived = _alive(compiler)
+    if survived:
+        os.kill(compiler, signal.SIGKILL)
+    assert not survived, "the compiler outlived the interrupted build"
+    assert build.returncode == 130, err
+    assert "interrupted" in err
+    assert find_llama_server() is None
     assert not any((cache / "tmp").iterdir())
 
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
 import httpx
 
@@ -470,6 +469,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)"
     )
     build.add_argument("--no-model", action="store_true", help="do not also download the model")
+    build.add_argument(
+        "--source", type=Path, default=None, help="build from this llama.cpp tree instead of the sdist's copy"
+    )
     start = sub.add_parser("start", help="run llama-server in the foreground until Ctrl-C")
     start.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
     start.add_argument("--port", type=int, default=None, help="port (default: a free one)")
@@ -515,7 +517,7 @@ def _build(args: argparse.Namespace) -> int:
         print(f"sluice: llama-server is already built ({cached.parent.name})", file=sys.stderr)
         binary = cached
     else:
-        binary = build_llama_server(force=args.force, jobs=args.jobs)
+        binary = build_llama_server(force=args.force, jobs=args.jobs, source_dir=args.source)
     if not args.no_model:
         ensure_model()
     print(binary)
@@ -533,10 +535,11 @@ async def _start(args: argparse.Namespace) -> int:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     async with engine:
+        # Only now: while a first-run build is going on, Ctrl-C must interrupt it, not wait for it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
         print(
             f"sluice: llama-server is ready: {engine.model}, {engine.slots} slots, "
             f"{engine.threads} threads, log {engine.log_path}; Ctrl-C stops it",
@@ -548,25 +551,35 @@ async def _start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         # Restart notices from the supervisor, without every health probe that httpx logs at INFO.
         logging.basicConfig(level=logging.WARNING, format="sluice: %(message)s", stream=sys.stderr)
         log.setLevel(logging.INFO)
     command = getattr(args, "engine_command", None)
-    stream: IO[str] = sys.stderr
+    if command not in ("build", "start", "status"):
+        args._engine_parser.print_help(sys.stderr)
+        return 2
+    # SIGTERM's default action skips `finally`; as an exception it lets a build clean up its compilers.
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         if command == "build":
             return _build(args)
         if command == "start":
             return asyncio.run(_start(args))
-        if command == "status":
-            return _status()
+        return _status()
     except EngineError as exc:
-        print(f"sluice: error: {exc}", file=stream)
+        print(f"sluice: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("sluice: interrupted", file=stream)
+        print("sluice: interrupted", file=sys.stderr)
         return 130
-    args._engine_parser.print_help(stream)
-    return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -24,6 +24,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -223,6 +224,7 @@ class BuildTools:
     cxx: str
     cmake: str
     generator: str  # the CMake generator name: "Ninja" or "Unix Makefiles"
+    make_program: str  # passed to CMake, which would otherwise look for "ninja"/"make" by those names only
 
 
 def _which_first(candidates: Sequence[str], path: str | None) -> str | None:
@@ -256,7 +258,9 @@ def check_build_tools(path: str | None = None) -> BuildTools:
         missing.append("ninja or make")
     if missing or cc is None or cxx is None or cmake is None:
         raise MissingToolError(missing)
-    return BuildTools(cc=cc, cxx=cxx, cmake=cmake, generator="Ninja" if ninja else "Unix Makefiles")
+    generator, make_program = ("Ninja", ninja) if ninja else ("Unix Makefiles", make)
+    assert make_program is not None
+    return BuildTools(cc=cc, cxx=cxx, cmake=cmake, generator=generator, make_program=make_program)
 
 
 # ---------------------------------------------------------------------------------------- progress
@@ -416,6 +420,9 @@ def _run_logged(command: Sequence[str], log: IO[str], progress: _Progress | None
         text=True,
         errors="replace",
         env=env,
+        # Its own process group, so that an interrupted build can take ninja and the compilers down
+        # with cmake; killing cmake alone would leave them compiling into a deleted directory.
+        start_new_session=True,
     ) as proc:
         try:
             assert proc.stdout is not None
@@ -429,7 +436,8 @@ def _run_logged(command: Sequence[str], log: IO[str], progress: _Progress | None
             return proc.wait()
         finally:
             if proc.poll() is None:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
 
@@ -454,6 +462,7 @@ def build_llama_server(
         log_path = logs_dir() / f"build-{build_key()}.log"
         work = _work_dir(f"build-{build_key()}")
         started = time.monotonic()
+        phases: dict[str, float] = {}
         try:
             with log_path.open("w") as log:
                 if source_dir is None:
@@ -474,8 +483,11 @@ def build_llama_server(
                 env = dict(os.environ, CC=tools.cc, CXX=tools.cxx, NINJA_STATUS="[%f/%t] ")
                 _say(f"configuring llama-server ({tools.generator}); log: {log_path}")
                 configure = [tools.cmake, "-S", str(source_dir), "-B", str(build_dir), "-G", tools.generator]
+                configure.append(f"-DCMAKE_MAKE_PROGRAM={tools.make_program}")
+                phases["download_s"] = round(time.monotonic() - started, 1)
                 if _run_logged([*configure, *CMAKE_ARGS], log, None, env) != 0:
                     raise EngineBuildError("cmake configure failed")
+                phases["configure_s"] = round(time.monotonic() - started - phases["download_s"], 1)
                 n_jobs = jobs or usable_cpus()
                 progress = _Progress("building llama-server", bar=progress_bar)
                 try:
@@ -493,6 +505,7 @@ def build_llama_server(
                     progress.close()
                 if rc != 0:
                     raise EngineBuildError(f"compiling llama-server failed (exit code {rc})")
+                phases["compile_s"] = round(time.monotonic() - started - sum(phases.values()), 1)
             built = build_dir / "bin" / BINARY_NAME
             if not _is_executable_file(built):
                 raise EngineBuildError(f"the build finished but produced no {built}")
@@ -510,6 +523,7 @@ def build_llama_server(
                     "generator": tools.generator,
                     "jobs": n_jobs,
                     "build_seconds": seconds,
+                    "phase_seconds": phases,
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 },
             )
