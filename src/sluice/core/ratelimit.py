@@ -1,0 +1,149 @@
+"""Per-tenant limits: token buckets for requests and tokens per minute, and the headers that report them.
+
+A bucket holds up to a minute's allowance and refills continuously, so a tenant may burst up to its
+per-minute limit and then proceeds at the steady rate. Token use is charged at admission as the
+job's cost (prompt estimate + ``max_tokens``) and settled with the engine's real usage at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one API key may do.
+
+    Args:
+        tenant: who pays; fair sharing and every limit below are per tenant.
+        max_priority: the highest priority class the key may use (a request may ask lower, never higher).
+        weight: fair-share weight inside a class (2.0 gets twice the tokens of 1.0 under contention).
+        rpm: requests per minute; tpm: tokens (prompt + max_tokens) per minute.
+        max_concurrent: jobs running at once; max_queued: jobs waiting at once.
+    """
+
+    tenant: str
+    max_priority: str | None = None
+    weight: float = 1.0
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+
+
+@dataclass
+class Bucket:
+    """A token bucket of ``capacity`` that refills fully in ``period`` seconds."""
+
+    capacity: float
+    period: float = 60.0
+    level: float = -1.0  # -1: not used yet, full
+    stamp: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / self.period
+
+    def refill(self, now: float) -> float:
+        if self.level < 0:
+            self.level = self.capacity
+        else:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        return self.level
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` fits; infinite if it never can."""
+        level = self.refill(now)
+        if amount <= level:
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - level) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self.refill(now)
+        self.level -= amount
+
+    def give_back(self, amount: float, now: float) -> None:
+        self.refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+    def reset_s(self, now: float) -> float:
+        """Seconds until the bucket is full again."""
+        return (self.capacity - self.refill(now)) / self.rate
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's duration format for ``x-ratelimit-reset-*``: ``1s``, ``6m0s``, ``250ms``."""
+    if seconds < 1:
+        return f"{max(round(seconds * 1000), 0)}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+@dataclass(frozen=True)
+class RateStatus:
+    """Values for the ``x-ratelimit-*`` headers after a decision."""
+
+    limit_requests: int | None
+    remaining_requests: int | None
+    reset_requests_s: float | None
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_tokens_s: float | None
+
+    def headers(self) -> dict[str, str]:
+        h: dict[str, str] = {}
+        if self.limit_requests is not None:
+            h["x-ratelimit-limit-requests"] = str(self.limit_requests)
+            h["x-ratelimit-remaining-requests"] = str(max(self.remaining_requests or 0, 0))
+            h["x-ratelimit-reset-requests"] = duration(self.reset_requests_s or 0.0)
+        if self.limit_tokens is not None:
+            h["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
+            h["x-ratelimit-remaining-tokens"] = str(max(self.remaining_tokens or 0, 0))
+            h["x-ratelimit-reset-tokens"] = duration(self.reset_tokens_s or 0.0)
+        return h
+
+
+class TenantLimiter:
+    """The buckets of one tenant. Pure: the broker calls it inside its atomic admission."""
+
+    def __init__(self, policy: TenantPolicy) -> None:
+        self.policy = policy
+        self.requests = Bucket(policy.rpm) if policy.rpm else None
+        self.tokens = Bucket(policy.tpm) if policy.tpm else None
+
+    def check(self, cost: int, now: float) -> tuple[float, str | None]:
+        """(seconds to wait, which limit) — (0, None) when the job fits both buckets."""
+        waits = []
+        if self.requests is not None:
+            waits.append((self.requests.wait_s(1, now), "requests"))
+        if self.tokens is not None:
+            waits.append((self.tokens.wait_s(cost, now), "tokens"))
+        worst = max(waits, default=(0.0, None))
+        return worst if worst[0] > 0 else (0.0, None)
+
+    def take(self, cost: int, now: float) -> None:
+        if self.requests is not None:
+            self.requests.take(1, now)
+        if self.tokens is not None:
+            self.tokens.take(cost, now)
+
+    def settle(self, charged: int, used: int, now: float) -> None:
+        """Give back what a job was charged and did not use."""
+        if self.tokens is not None and used < charged:
+            self.tokens.give_back(charged - used, now)
+
+    def status(self, now: float) -> RateStatus:
+        r, t = self.requests, self.tokens
+        return RateStatus(
+            limit_requests=self.policy.rpm,
+            remaining_requests=math.floor(r.refill(now)) if r else None,
+            reset_requests_s=r.reset_s(now) if r else None,
+            limit_tokens=self.policy.tpm,
+            remaining_tokens=math.floor(t.refill(now)) if t else None,
+            reset_tokens_s=t.reset_s(now) if t else None,
+        )

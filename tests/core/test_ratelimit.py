@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sluice.core.ratelimit import Bucket, TenantLimiter, TenantPolicy, duration
+
+
+def test_bucket_bursts_then_refills() -> None:
+    b = Bucket(60)  # one a second
+    for _ in range(60):
+        assert b.wait_s(1, 0.0) == 0
+        b.take(1, 0.0)
+    assert b.wait_s(1, 0.0) == pytest.approx(1.0)
+    assert b.wait_s(1, 0.5) == pytest.approx(0.5)
+    assert b.wait_s(1, 1.0) == 0
+    assert b.wait_s(61, 1.0) == math.inf
+
+
+def test_limiter_checks_both_and_reports_the_worst() -> None:
+    lim = TenantLimiter(TenantPolicy("t", rpm=10, tpm=1000))
+    assert lim.check(600, 0.0) == (0.0, None)
+    lim.take(600, 0.0)
+    wait, which = lim.check(600, 0.0)
+    assert which == "tokens" and wait == pytest.approx(200 / (1000 / 60))
+    assert lim.check(2000, 0.0)[0] == math.inf
+
+
+def test_settle_gives_back_unused_tokens() -> None:
+    lim = TenantLimiter(TenantPolicy("t", tpm=1000))
+    lim.take(800, 0.0)
+    lim.settle(charged=800, used=100, now=0.0)
+    status = lim.status(0.0)
+    assert status.remaining_tokens == 900
+
+
+def test_headers_in_openai_format() -> None:
+    lim = TenantLimiter(TenantPolicy("t", rpm=60, tpm=6000))
+    lim.take(3000, 0.0)
+    h = lim.status(0.0).headers()
+    assert h["x-ratelimit-limit-requests"] == "60"
+    assert h["x-ratelimit-remaining-requests"] == "59"
+    assert h["x-ratelimit-remaining-tokens"] == "3000"
+    assert h["x-ratelimit-reset-tokens"] == "30s"
+    assert h["x-ratelimit-reset-requests"] == "1s"
+
+
+def test_duration_format() -> None:
+    assert duration(0.25) == "250ms"
+    assert duration(1) == "1s"
+    assert duration(360) == "6m0s"
+    assert duration(61.2) == "1m2s"
+
+
+def test_no_limits_no_headers() -> None:
+    lim = TenantLimiter(TenantPolicy("t"))
+    assert lim.check(10**9, 0.0) == (0.0, None)
+    assert lim.status(0.0).headers() == {}
