@@ -1,0 +1,142 @@
+"""Every Redis key name of the durable broker, built in one place.
+
+All keys of one Sluice queue start with the same hash tag, ``{<queue>}:``, so that Redis Cluster
+puts them in one slot and every Lua script touches a single shard. Names that carry a model, a
+class or a tenant escape ``%`` and ``:`` in that part, so that ``model="a:b"`` can never collide
+with ``model="a", class="b"``.
+
+The scripts that find keys from data (``claim`` pops a tenant and then needs its list) build those
+names in Lua; ``lua/_keys.lua`` mirrors the builders marked "mirrored in Lua" below, and
+``tests/broker/test_redis.py`` checks that both agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def part(name: str) -> str:
+    """One variable segment of a key name. Mirrored in Lua (``part``)."""
+    return name.replace("%", "%25").replace(":", "%3A")
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one queue namespace.
+
+    Args:
+        queue: the queue's name; it becomes the hash tag, so it may not contain braces.
+    """
+
+    queue: str = "sluice"
+
+    def __post_init__(self) -> None:
+        if not self.queue or "{" in self.queue or "}" in self.queue:
+            raise ValueError(f"a queue name needs at least one character and no braces: {self.queue!r}")
+
+    @property
+    def prefix(self) -> str:
+        """The hash-tagged prefix every key starts with; scripts get it to build data-dependent keys."""
+        return f"{{{self.queue}}}:"
+
+    # --- one job --------------------------------------------------------------------------------
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record. Mirrored in Lua."""
+        return f"{self.prefix}job:{job_id}"
+
+    def out(self, job_id: str) -> str:
+        """Stream: the job's events, ids ``0-<seq>``. Mirrored in Lua."""
+        return f"{self.prefix}out:{job_id}"
+
+    def idem(self, tenant: str, key: str) -> str:
+        """String: ``<job id> <expires_at>`` for a tenant's ``Idempotency-Key``."""
+        return f"{self.prefix}idem:{part(tenant)}:{part(key)}"
+
+    # --- queues: per model, per class, per tenant --------------------------------------------------
+
+    def tq(self, model: str, cls: str, tenant: str) -> str:
+        """List: job ids one tenant has queued in one class of one model. Mirrored in Lua."""
+        return f"{self.prefix}tq:{part(model)}:{part(cls)}:{part(tenant)}"
+
+    def sched(self, model: str, cls: str) -> str:
+        """Zset: backlogged tenants of a class, ``<seq><tenant>`` → start tag (SFQ). Mirrored in Lua."""
+        return f"{self.prefix}sched:{part(model)}:{part(cls)}"
+
+    def fq(self, model: str, cls: str) -> str:
+        """Hash: a class's fair-queue state (vtime, seq, jobs, tokens, tenants' tags). Mirrored in Lua."""
+        return f"{self.prefix}fq:{part(model)}:{part(cls)}"
+
+    def credit(self, model: str) -> str:
+        """Hash: class → credit earned towards its minimum share (ClassScheduler.credit)."""
+        return f"{self.prefix}credit:{part(model)}"
+
+    def marker(self, model: str) -> str:
+        """Zset: wake-up marker that idle claimers block on (BZPOPMIN). Mirrored in Lua."""
+        return f"{self.prefix}marker:{part(model)}"
+
+    # --- queue-wide ---------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> str:
+        """Set: every model that ever had a job, for stats."""
+        return f"{self.prefix}models"
+
+    @property
+    def active(self) -> str:
+        """Zset: running job id → lease expiry."""
+        return f"{self.prefix}active"
+
+    @property
+    def deadline(self) -> str:
+        """Zset: queued job id → deadline."""
+        return f"{self.prefix}deadline"
+
+    @property
+    def results(self) -> str:
+        """Zset: terminal job id → when its record, result and events are dropped."""
+        return f"{self.prefix}results"
+
+    @property
+    def dead(self) -> str:
+        """Zset: dead-lettered job id → when it died; the error stays in the job record."""
+        return f"{self.prefix}dead"
+
+    @property
+    def running(self) -> str:
+        """Hash: model → running jobs."""
+        return f"{self.prefix}running"
+
+    @property
+    def drain(self) -> str:
+        """Hash: ``p:<model>`` per-slot drain rate and ``n:<model>`` samples (DrainRate)."""
+        return f"{self.prefix}drain"
+
+    @property
+    def workers(self) -> str:
+        """Zset: worker id → registration expiry."""
+        return f"{self.prefix}workers"
+
+    @property
+    def worker_slots(self) -> str:
+        """Hash: worker id → JSON ``{model: slots}``."""
+        return f"{self.prefix}wslots"
+
+    @property
+    def slots(self) -> str:
+        """Hash: model → slots of the live workers, recomputed whenever a worker comes or goes."""
+        return f"{self.prefix}slots"
+
+    @property
+    def maintain_lock(self) -> str:
+        """String: taken with ``SET NX PX`` so one process per interval runs background upkeep."""
+        return f"{self.prefix}maintain"
+
+    @property
+    def abort_channel(self) -> str:
+        """Pub/sub channel: a running job was cancelled; workers should heartbeat now."""
+        return f"{self.prefix}abort"
+
+    def wake(self, reader_id: str) -> str:
+        """Stream: interrupts one process's multiplexed XREAD when a new reader joins."""
+        return f"{self.prefix}wake:{part(reader_id)}"

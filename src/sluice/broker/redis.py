@@ -1,0 +1,735 @@
+"""The durable broker: Redis, with one Lua script per state change (DESIGN.md §5).
+
+Every key of a queue carries the queue's hash tag (``sluice.broker.keys``), so each script touches
+one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller
+(``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure.
+
+Connections: a ``BlockingConnectionPool`` with short timeouts for commands (a dead Redis answers
+with :class:`BrokerUnavailable` in about a second, never a hang), a second pool for the blocking
+claim (``BZPOPMIN`` on the models' wake-up markers, at most 10 s per block) and the abort
+subscription, and one connection per process for the multiplexed event reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, TypeVar, cast
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    NoScriptError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sluice.broker.base import (
+    TERMINAL_EVENTS,
+    Admission,
+    Broker,
+    BrokerSettings,
+    BrokerUnavailable,
+    Event,
+    EventType,
+    ModelStats,
+)
+from sluice.broker.keys import QueueKeys
+from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
+from sluice.core import admission
+from sluice.core.capacity import DrainRate
+from sluice.core.job import TERMINAL_STATES, Endpoint, Job, JobError, JobState
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest single BZPOPMIN of an idle claimer; a longer claim blocks again.
+CLAIM_BLOCK_S = 10.0
+#: How often each process offers to run upkeep; a lock lets one process per interval do it.
+MAINTAIN_INTERVAL_S = 0.25
+#: Events kept per job stream (``XADD MAXLEN ~``): room for a long generation, token by token.
+STREAM_MAXLEN = 10_000
+#: Work per upkeep script call, so that no call holds Redis for long; the rest follows at once.
+UPKEEP_BATCH = 500
+#: Jobs found expired per claim call before the call returns to be repeated.
+EXPIRED_PER_CLAIM = 64
+
+_EXPIRED = JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
+_CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
+_EXHAUSTED = JobError(
+    "The worker running the job was lost {attempts} times; giving up.", "server_error", "attempts_exhausted"
+)
+
+
+__all__ = ["BrokerUnavailable", "RedisBroker"]
+
+
+def _unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError | TryAgainError | OSError):
+        return True
+    # OOM under noeviction, MISCONF (persistence failing), a replica that lost its master.
+    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in (
+        "OOM",
+        "MISCONF",
+        "NOREPLICAS",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "LOADING",
+    )
+
+
+# --- scripts ----------------------------------------------------------------------------------
+
+
+def _load_source(name: str) -> str:
+    """A script's text with its ``-- @include <file>`` lines replaced by those files."""
+    folder = resources.files("sluice") / "lua"
+    lines = []
+    for line in (folder / f"{name}.lua").read_text(encoding="utf-8").splitlines():
+        if line.startswith("-- @include "):
+            lines.append((folder / line.removeprefix("-- @include ").strip()).read_text(encoding="utf-8"))
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+class Script:
+    """A Lua script run by SHA (EVALSHA), loaded again when the server does not know it (a restart)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _load_source(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+SCRIPT_NAMES = (
+    "admit",
+    "claim",
+    "heartbeat",
+    "publish",
+    "finish",
+    "cancel",
+    "reap",
+    "purge_expired",
+    "position",
+    "workers",
+)
+
+
+# --- the job record in a hash -----------------------------------------------------------------
+
+_INT_FIELDS = ("prompt_tokens", "max_tokens", "max_attempts", "attempts")
+_FLOAT_FIELDS = ("created_at", "deadline", "started_at", "first_token_at", "finished_at")
+_JSON_FIELDS = ("body", "result", "usage", "extra")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def encode_job(job: Job) -> list[str]:
+    """Field, value pairs of the job's hash. Numbers and JSON fields are JSON text, so that the
+    scripts can splice them into event data unchanged; ``cost`` is added for the scripts."""
+    out = [
+        "id", job.id,
+        "model", job.model,
+        "endpoint", job.endpoint.value,
+        "tenant", job.tenant,
+        "priority", job.priority,
+        "state", job.state.value,
+        "cost", str(job.cost),
+    ]  # fmt: skip
+    for name in _INT_FIELDS:
+        out += [name, str(int(getattr(job, name)))]
+    for name in _FLOAT_FIELDS:
+        value = getattr(job, name)
+        if value is not None:
+            out += [name, repr(float(value))]
+    for name in _JSON_FIELDS:
+        value = getattr(job, name)
+        if value is not None:
+            out += [name, _json(value)]
+    if job.error is not None:
+        out += ["error", _json(job.error.to_dict())]
+    for name in ("idempotency_key", "backend"):
+        value = getattr(job, name)
+        if value is not None:
+            out += [name, value]
+    return out
+
+
+def decode_job(data: Mapping[str, str]) -> Job:
+    def opt_float(name: str) -> float | None:
+        value = data.get(name)
+        return None if value is None else float(value)
+
+    def opt_json(name: str) -> Any:
+        value = data.get(name)
+        return None if value is None else json.loads(value)
+
+    error = opt_json("error")
+    return Job(
+        id=data["id"],
+        model=data["model"],
+        endpoint=Endpoint(data["endpoint"]),
+        body=json.loads(data["body"]),
+        tenant=data["tenant"],
+        priority=data["priority"],
+        prompt_tokens=int(data["prompt_tokens"]),
+        max_tokens=int(data["max_tokens"]),
+        created_at=float(data["created_at"]),
+        deadline=float(data["deadline"]),
+        max_attempts=int(data["max_attempts"]),
+        idempotency_key=data.get("idempotency_key"),
+        state=JobState(data["state"]),
+        started_at=opt_float("started_at"),
+        first_token_at=opt_float("first_token_at"),
+        finished_at=opt_float("finished_at"),
+        attempts=int(data.get("attempts", "0")),
+        backend=data.get("backend"),
+        result=opt_json("result"),
+        usage=opt_json("usage"),
+        error=JobError(**error) if error else None,
+        extra=opt_json("extra") or {},
+    )
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, str]:
+    return {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _bound(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """A shielded call whose caller went away still finishes; nobody reads its outcome."""
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass(frozen=True)
+class _ClaimPlan:
+    """The keys and fixed arguments of a claim over one tuple of models (cached per tuple)."""
+
+    keys: list[str]
+    markers: list[str]
+    tail: list[str]
+
+
+# --- the broker -------------------------------------------------------------------------------
+
+
+class RedisBroker(Broker):
+    """Admitted jobs, queues, leases, results and events in Redis; any number of gateway and worker
+    processes share one queue.
+
+    Args:
+        url: ``redis://``, ``rediss://`` or ``unix://`` URL of a standalone (or Sentinel-promoted) master.
+        settings: the broker settings; they travel to the scripts with every call.
+        queue: the queue's name: the hash tag of all its keys, so several queues can share one Redis.
+        max_connections: size of the command pool; callers beyond it wait up to ``pool_timeout_s``.
+        pool_timeout_s: longest wait for a free connection before :class:`BrokerUnavailable`.
+        socket_timeout_s: longest wait for a command's answer.
+        connect_timeout_s: longest wait for a TCP connection.
+        blocking_connections: size of the pool for blocking claims (one per concurrent ``claim``).
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        settings: BrokerSettings | None = None,
+        *,
+        queue: str = "sluice",
+        max_connections: int = 64,
+        pool_timeout_s: float = 2.0,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        blocking_connections: int = 16,
+    ) -> None:
+        super().__init__(settings or BrokerSettings())
+        self.url = url
+        self.keys = QueueKeys(queue)
+        # One immediate retry on a fresh connection absorbs a Redis restart (every pooled
+        # connection is dead then); timeouts are not retried, as the command may have run.
+        retry = Retry(NoBackoff(), 1, (RedisConnectionError,))
+        common: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_connect_timeout": connect_timeout_s,
+            "retry": retry,
+        }
+        self._redis = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=pool_timeout_s,
+                socket_timeout=socket_timeout_s,
+                **common,
+            )
+        )
+        self._blocking = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                url,
+                max_connections=blocking_connections + 1,
+                timeout=pool_timeout_s,
+                socket_timeout=CLAIM_BLOCK_S + 5.0,
+                **common,
+            )
+        )
+        self._reader = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                url, max_connections=1, timeout=None, socket_timeout=CLAIM_BLOCK_S + 5.0, **common
+            )
+        )
+        self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
+        self._hub = StreamHub(self._reader, self._redis, self.keys.wake(secrets.token_hex(8)))
+        self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._plans: dict[tuple[str, ...], _ClaimPlan] = {}
+        self._class_names = list(self.classes)
+        self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
+        self._drain_alpha = repr(DrainRate().alpha)
+        self._task: asyncio.Task[None] | None = None
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._maintain_forever(), name="redis-broker-maintain")
+
+    async def close(self) -> None:
+        await stop_task(self._task)
+        self._task = None
+        await self._hub.close()
+        await self._aborts.close()
+        for client in (self._redis, self._blocking, self._reader):
+            await client.aclose()
+
+    async def ping(self) -> bool:
+        """Whether Redis answers now (for readiness probes)."""
+        try:
+            return bool(await self._redis.ping())
+        except RedisError:
+            return False
+
+    async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
+        try:
+            reply = await self.scripts[name](self._redis, keys, args)
+        except (RedisError, OSError) as exc:
+            if _unavailable(exc):
+                raise BrokerUnavailable(f"Redis is unavailable: {exc}") from exc
+            raise
+        check_cancelled()
+        return reply
+
+    async def _io(self, awaitable: Awaitable[T]) -> T:
+        """A plain command (or pipeline) with the same error mapping as scripts."""
+        try:
+            result = await awaitable
+        except (RedisError, OSError) as exc:
+            if _unavailable(exc):
+                raise BrokerUnavailable(f"Redis is unavailable: {exc}") from exc
+            raise
+        check_cancelled()
+        return result
+
+    @staticmethod
+    async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
+        """Run to the end even if the caller is cancelled (a client hung up): a state change is
+        either fully applied or not at all, and the connection is never dropped mid-reply."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(_consume)
+        return await asyncio.shield(task)
+
+    def _now(self) -> str:
+        return repr(float(self.now()))
+
+    async def _maintain_forever(self) -> None:
+        lock_ms = int(MAINTAIN_INTERVAL_S * 1000)
+        while True:
+            await asyncio.sleep(MAINTAIN_INTERVAL_S)
+            try:
+                if await self._io(self._redis.set(self.keys.maintain_lock, "1", nx=True, px=lock_ms)):
+                    await self.maintain()
+            except BrokerUnavailable as exc:
+                log.warning("broker upkeep skipped: %s", exc)
+            except Exception:
+                log.exception("broker upkeep failed")
+
+    # --- gateway side -------------------------------------------------------------------------
+
+    async def admit(self, job: Job) -> Admission:
+        if job.priority not in self.classes:
+            raise ValueError(f"unknown priority class {job.priority!r}")
+        return await self._shielded(self._admit(job))
+
+    async def _admit(self, job: Job) -> Admission:
+        k = self.keys
+        limits = self.settings.limits_for(job.model)
+        cls_bounds = limits.classes.get(job.priority, admission.Bounds())
+        idem = k.idem(job.tenant, job.idempotency_key) if job.idempotency_key else k.job(job.id)
+        now = self.now()
+        job.state = JobState.QUEUED
+        keys = [
+            k.job(job.id),
+            k.out(job.id),
+            k.tq(job.model, job.priority, job.tenant),
+            k.sched(job.model, job.priority),
+            idem,
+            k.deadline,
+            k.models,
+            k.drain,
+            k.workers,
+            k.worker_slots,
+            k.slots,
+            k.marker(job.model),
+            *(k.fq(job.model, c) for c in self._class_names),
+        ]
+        args: list[str | int | float] = [
+            repr(float(now)),
+            k.prefix,
+            job.id,
+            job.model,
+            job.tenant,
+            self._class_names.index(job.priority) + 1,
+            len(self._class_names),
+            job.cost,
+            repr(float(job.deadline)),
+            _bound(limits.model.max_jobs),
+            _bound(limits.model.max_tokens),
+            _bound(cls_bounds.max_jobs),
+            _bound(cls_bounds.max_tokens),
+            repr(float(self.settings.drain_prior_per_slot)),
+            repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
+            STREAM_MAXLEN,
+            *encode_job(job),
+        ]
+        reply = await self._call("admit", keys, args)
+        code = int(reply[0])
+        if code == 1:
+            return Admission(job, False, int(reply[1]), float(reply[2]))
+        if code in (2, 3):
+            # 2: a repeat of an idempotent request; 3: our own earlier try of this call got through.
+            first_id = str(reply[1]) if code == 2 else job.id
+            first = await self.get(first_id)
+            if first is None:  # dropped in between: admit afresh
+                return await self._admit(job)
+            pos = await self.position(first_id)
+            return Admission(first, code == 2, pos or 0, 0.0)
+        drain = DrainRate(
+            prior_per_slot=self.settings.drain_prior_per_slot,
+            per_slot=float(reply[7]),
+            samples=int(reply[8]),
+            slots=int(reply[9]),
+        )
+        view = admission.QueueView(*map(int, reply[1:7]))
+        # The script decided; check() turns the same numbers into the same Refused the memory broker raises.
+        admission.check(
+            cost=job.cost,
+            priority=job.priority,
+            now=now,
+            deadline=job.deadline,
+            view=view,
+            limits=limits,
+            drain=drain,
+        )
+        raise RuntimeError("the admit script refused a job that admission.check() accepts")
+
+    async def _record(self, job_id: str) -> dict[str, str]:
+        return cast(dict[str, str], await self._io(self._redis.hgetall(self.keys.job(job_id))))
+
+    async def get(self, job_id: str) -> Job | None:
+        data = await self._record(job_id)
+        return decode_job(data) if data else None
+
+    async def wait(self, job_id: str, timeout: float) -> Job | None:
+        data = await self._record(job_id)
+        if not data:
+            return None
+        job = decode_job(data)
+        if job.terminal:
+            return job
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                async for event in self.events(job_id, after=int(data.get("seq", "0"))):
+                    if event.type in TERMINAL_EVENTS:
+                        break
+        return await self.get(job_id) or job
+
+    async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
+        key = self.keys.out(job_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.job(job_id), "state")
+            pipe.xrange(key, f"0-{max(after, 0) + 1}", "+")
+            state, backlog = await self._io(pipe.execute())
+        if state is None:
+            return
+        last = max(after, 0)
+        for entry_id, fields in backlog:
+            event = decode_event(entry_id, fields)
+            last = event.id
+            yield event
+            if event.type in TERMINAL_EVENTS:
+                return
+        if JobState(state) in TERMINAL_STATES:
+            return  # resumed after the terminal event: nothing more will come
+        async with self._hub.subscribe(key, last) as sub:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        event = await sub.queue.get()
+                except TimeoutError:
+                    return
+                yield event
+                if event.type in TERMINAL_EVENTS:
+                    return
+
+    async def cancel(self, job_id: str) -> Job | None:
+        return await self._shielded(self._cancel(job_id))
+
+    async def _cancel(self, job_id: str) -> Job | None:
+        k = self.keys
+        reply = await self._call(
+            "cancel",
+            [k.job(job_id), k.out(job_id), k.deadline, k.results, k.running],
+            [
+                self._now(),
+                k.prefix,
+                job_id,
+                repr(float(self.settings.result_ttl_s)),
+                STREAM_MAXLEN,
+                k.abort_channel,
+                _json(_CANCELLED.to_dict()),
+            ],
+        )
+        return decode_job(_pairs(reply[1:])) if int(reply[0]) == 1 else None
+
+    async def position(self, job_id: str) -> int | None:
+        k = self.keys
+        pos = int(await self._call("position", [k.job(job_id)], [k.prefix, *self._class_names]))
+        return None if pos < 0 else pos
+
+    async def stats(self) -> dict[str, ModelStats]:
+        k = self.keys
+        slots = {m: int(n) for m, n in (await self._workers("list")).items()}
+        models = sorted(cast(set[str], await self._io(self._redis.smembers(k.models))) | set(slots))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                for cls in self._class_names:
+                    pipe.hmget(k.fq(model, cls), ["jobs", "tokens"])
+                pipe.hget(k.running, model)
+                pipe.hmget(k.drain, [f"p:{model}", f"n:{model}"])
+            replies: list[Any] = await self._io(pipe.execute())
+        out: dict[str, ModelStats] = {}
+        per_model = len(self._class_names) + 2
+        for i, model in enumerate(models):
+            chunk = replies[i * per_model : (i + 1) * per_model]
+            jobs = sum(int(j or 0) for j, _ in chunk[:-2])
+            tokens = sum(int(t or 0) for _, t in chunk[:-2])
+            per_slot, samples = chunk[-1]
+            drain = DrainRate(
+                prior_per_slot=self.settings.drain_prior_per_slot,
+                per_slot=float(per_slot or 0.0),
+                samples=int(samples or 0),
+                slots=slots.get(model, 0),
+            )
+            running = int(chunk[-2] or 0)
+            out[model] = ModelStats(jobs, tokens, running, drain.slots, drain.rate, drain.measured)
+        return out
+
+    async def dead_letters(self) -> dict[str, float]:
+        """Jobs that failed for good after losing their worker ``max_attempts`` times: id → when.
+
+        Their records (with the error) stay readable with :meth:`get` until the result TTL."""
+        entries = await self._io(self._redis.zrange(self.keys.dead, 0, -1, withscores=True))
+        return {str(member): float(score) for member, score in cast(list[tuple[str, float]], entries)}
+
+    # --- worker side --------------------------------------------------------------------------
+
+    async def _workers(
+        self, op: str, worker_id: str = "", slots: Mapping[str, int] | None = None
+    ) -> dict[str, str]:
+        k = self.keys
+        expires = self.now() + max(self.settings.lease_s, 1.0)
+        reply = await self._call(
+            "workers",
+            [k.workers, k.worker_slots, k.slots],
+            [self._now(), op, worker_id, repr(float(expires)), _json(dict(sorted((slots or {}).items())))],
+        )
+        return _pairs(reply)
+
+    async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
+        await self._workers("register", worker_id, slots)
+
+    async def unregister(self, worker_id: str) -> None:
+        await self._workers("unregister", worker_id)
+
+    async def served_models(self) -> dict[str, int]:
+        return {m: int(n) for m, n in (await self._workers("list")).items() if int(n) > 0}
+
+    def _plan(self, models: Sequence[str]) -> _ClaimPlan:
+        plan = self._plans.get(tuple(models))
+        if plan is None:
+            k = self.keys
+            keys = [k.active, k.deadline, k.results, k.running]
+            for model in models:
+                keys += [k.credit(model), k.marker(model)]
+                keys += [k.fq(model, c) for c in self._class_names]
+                keys += [k.sched(model, c) for c in self._class_names]
+            tail = [*self._class_names, *self._min_shares, *models]
+            plan = self._plans[tuple(models)] = _ClaimPlan(keys, [k.marker(m) for m in models], tail)
+        return plan
+
+    async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+        if not models:
+            await asyncio.sleep(timeout)
+            return None
+        plan = self._plan(models)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        while True:
+            token = secrets.token_hex(8)
+            reply = await self._call(
+                "claim",
+                plan.keys,
+                [
+                    self._now(),
+                    self.keys.prefix,
+                    repr(float(self.settings.lease_s)),
+                    worker_id,
+                    token,
+                    repr(float(self.settings.result_ttl_s)),
+                    STREAM_MAXLEN,
+                    len(self._class_names),
+                    len(models),
+                    EXPIRED_PER_CLAIM,
+                    _json(_EXPIRED.to_dict()),
+                    *plan.tail,
+                ],
+            )
+            code = int(reply[0])
+            if code == 1:
+                job = decode_job(_pairs(reply[1:]))
+                self._tokens[(worker_id, job.id)] = token
+                return job
+            if code == 2:
+                continue
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                return None
+            # Redis reads a zero timeout as "forever".
+            block = max(min(remaining, CLAIM_BLOCK_S), 0.01)
+            await self._io(self._blocking.bzpopmin(plan.markers, timeout=block))
+
+    async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        k = self.keys
+        args: list[str | int | float] = [self._now(), repr(float(self.settings.lease_s)), worker_id]
+        for job_id in job_ids:
+            args += [job_id, self._tokens.get((worker_id, job_id), "")]
+        abort = {str(i) for i in await self._call("heartbeat", [k.active, *map(k.job, job_ids)], args)}
+        for job_id in abort:
+            self._tokens.pop((worker_id, job_id), None)
+        return abort
+
+    async def wait_abort_signal(self, timeout: float) -> None:
+        await self._aborts.wait(timeout)
+
+    async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
+        k = self.keys
+        await self._call(
+            "publish", [k.job(job_id), k.out(job_id)], [self._now(), type.value, _json(data), STREAM_MAXLEN]
+        )
+
+    async def finish(
+        self,
+        job_id: str,
+        worker_id: str,
+        state: JobState,
+        *,
+        result: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
+        error: JobError | None = None,
+        attempts: int | None = None,
+        backend: str | None = None,
+    ) -> Job | None:
+        fields: list[str] = []
+        if result is not None:
+            fields += ["result", _json(result)]
+        if usage is not None:
+            fields += ["usage", _json(usage)]
+        if error is not None:
+            fields += ["error", _json(error.to_dict())]
+        if attempts is not None:
+            fields += ["attempts", str(attempts)]
+        if backend is not None:
+            fields += ["backend", backend]
+        return await self._shielded(self._finish(job_id, worker_id, state, fields))
+
+    async def _finish(self, job_id: str, worker_id: str, state: JobState, fields: list[str]) -> Job | None:
+        k = self.keys
+        token = self._tokens.pop((worker_id, job_id), "")
+        reply = await self._call(
+            "finish",
+            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.drain],
+            [
+                self._now(),
+                k.prefix,
+                job_id,
+                worker_id,
+                token,
+                state.value,
+                repr(float(self.settings.result_ttl_s)),
+                STREAM_MAXLEN,
+                self._drain_alpha,
+                *fields,
+            ],
+        )
+        return decode_job(_pairs(reply[1:])) if int(reply[0]) == 1 else None
+
+    async def maintain(self) -> None:
+        k = self.keys
+        common: list[str | int | float] = [
+            k.prefix,
+            UPKEEP_BATCH,
+            repr(float(self.settings.result_ttl_s)),
+            STREAM_MAXLEN,
+        ]
+        while True:
+            reply = await self._call(
+                "reap",
+                [k.active, k.deadline, k.results, k.dead, k.running],
+                [self._now(), *common, _json(_EXHAUSTED.to_dict())],
+            )
+            if not int(reply[2]):
+                break
+        while True:
+            reply = await self._call(
+                "purge_expired",
+                [k.deadline, k.results, k.dead, k.running],
+                [self._now(), *common, _json(_EXPIRED.to_dict())],
+            )
+            if not int(reply[2]):
+                break
+        await self._workers("list")

@@ -1,0 +1,21 @@
+-- Shared by every script (included first). Key builders mirrored from sluice/broker/keys.py, for the
+-- keys a script only learns from data (the tenant it pops, the job it finds expired); they all start
+-- with the queue's hash-tagged prefix, so they live in the same cluster slot as the declared KEYS.
+-- tests/broker/test_redis.py checks that these builders and keys.py agree.
+
+local function part(s)
+  return (string.gsub(s, '[%%:]', { ['%'] = '%25', [':'] = '%3A' }))
+end
+
+local function job_key(P, id) return P .. 'job:' .. id end
+local function out_key(P, id) return P .. 'out:' .. id end
+local function tq_key(P, model, cls, tenant)
+  return P .. 'tq:' .. part(model) .. ':' .. part(cls) .. ':' .. part(tenant)
+end
+local function sched_key(P, model, cls) return P .. 'sched:' .. part(model) .. ':' .. part(cls) end
+local function fq_key(P, model, cls) return P .. 'fq:' .. part(model) .. ':' .. part(cls) end
+local function marker_key(P, model) return P .. 'marker:' .. part(model) end
+
+-- Numbers handed back to Python as strings: a Lua number in a reply is truncated to an integer, and
+-- tostring() keeps only 14 digits.
+local function num(x) return string.format('%.17g', x) end

@@ -1,0 +1,50 @@
+-- finish: settle a running job in a terminal state, if the caller still holds its lease, and
+-- publish its terminal event. A success feeds the model's drain rate (sluice.core.capacity.DrainRate:
+-- an EWMA of cost / service time per slot), which admit reads for its deadline prediction.
+--
+-- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
+-- KEYS[5] running hash   KEYS[6] drain hash
+-- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
+-- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
+-- ARGV[10 ..] field, value pairs to record (result, usage, error, attempts, backend)
+-- Returns {1, field, value, ...} the settled record
+--         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
+
+-- @include _keys.lua
+-- @include _job.lua
+
+local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local now = tonumber(now_s)
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[7]), ARGV[8]
+J.results, J.running = KEYS[4], KEYS[5]
+
+local f = redis.call('HMGET', KEYS[1], 'state', 'worker', 'lease', 'model', 'cost', 'started_at')
+if not (redis.call('ZSCORE', KEYS[3], id) and f[2] == worker and (token == '' or f[3] == token)) then
+  return { 0 }
+end
+redis.call('ZREM', KEYS[3], id)
+if f[1] ~= 'running' then return { 0 } end
+
+if #ARGV >= 10 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 10))
+end
+settle(id, state, nil)
+
+if state == 'succeeded' and f[6] then
+  local cost, service = tonumber(f[5]), now - tonumber(f[6])
+  if cost > 0 and service > 0 then
+    local model = f[4]
+    local d = redis.call('HMGET', KEYS[6], 'p:' .. model, 'n:' .. model)
+    local sample, per_slot, samples = cost / service, tonumber(d[1]) or 0, tonumber(d[2]) or 0
+    if samples == 0 then
+      per_slot = sample
+    else
+      per_slot = per_slot + tonumber(ARGV[9]) * (sample - per_slot)
+    end
+    redis.call('HSET', KEYS[6], 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1)
+  end
+end
+
+local out = redis.call('HGETALL', KEYS[1])
+table.insert(out, 1, 1)
+return out

@@ -1,0 +1,25 @@
+-- heartbeat: renew the leases a worker holds, in one call for all its jobs (like BullMQ extendLocks).
+-- A job is the worker's while it is in the active zset with this worker as owner and, when the
+-- caller knows it, the lease token of its claim. Jobs it no longer holds, or that reached a terminal
+-- state (cancelled while running), are returned so the worker aborts them; a terminal job's lease is
+-- released here, as nobody will finish it.
+--
+-- KEYS[1] active zset   KEYS[2 ..] the job hashes
+-- ARGV[1] now   ARGV[2] lease seconds   ARGV[3] worker id
+-- ARGV[4 ..] job id, lease token ('' when unknown) per job, in KEYS order
+-- Returns the ids to abort.
+
+local now, lease_s, worker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local abort = {}
+for k = 2, #KEYS do
+  local id, token = ARGV[2 + 2 * (k - 1)], ARGV[3 + 2 * (k - 1)]
+  local f = redis.call('HMGET', KEYS[k], 'state', 'worker', 'lease')
+  local mine = redis.call('ZSCORE', KEYS[1], id) and f[2] == worker and (token == '' or f[3] == token)
+  if mine and f[1] == 'running' then
+    redis.call('ZADD', KEYS[1], 'XX', now + lease_s, id)
+  else
+    abort[#abort + 1] = id
+    if mine then redis.call('ZREM', KEYS[1], id) end
+  end
+end
+return abort

@@ -1,0 +1,54 @@
+-- position: how many queued jobs would be dispatched before this one (read only), a mirror of
+-- ClassScheduler.position: every job of the classes above, then FairQueue.position inside its class
+-- (the tenant's own jobs ahead, and each other tenant's jobs whose start tags come before its own).
+-- O(jobs ahead in the class): meant for a status query, not for a hot path.
+--
+-- KEYS[1] job hash
+-- ARGV[1] queue prefix   ARGV[2 ..] class names, highest first
+-- Returns the position, or -1 when the job is not queued.
+-- Builds fair-queue, tenant-list and job keys from the prefix (same slot as KEYS).
+
+-- @include _keys.lua
+
+local P = ARGV[1]
+local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'priority', 'tenant', 'id')
+if f[1] ~= 'queued' then return -1 end
+local model, cls, tenant, id = f[2], f[3], f[4], f[5]
+
+local above = 0
+for i = 2, #ARGV do
+  if ARGV[i] == cls then break end
+  above = above + (tonumber(redis.call('HGET', fq_key(P, model, ARGV[i]), 'jobs')) or 0)
+end
+
+local fq, sched = fq_key(P, model, cls), sched_key(P, model, cls)
+local tq = tq_key(P, model, cls, tenant)
+local idx = redis.call('LPOS', tq, id)
+if not idx then return -1 end
+local member = redis.call('HGET', fq, 'm:' .. tenant)
+local own = tonumber(redis.call('ZSCORE', sched, member))
+if idx > 0 then
+  for _, jid in ipairs(redis.call('LRANGE', tq, 0, idx - 1)) do
+    own = own + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
+  end
+end
+
+local ahead = idx
+-- Tenants in start-tag order: once one starts at or after our tag, so do all that follow.
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', sched, '-inf', '(' .. num(own))) do
+  local other = string.sub(m, 16)
+  if other ~= tenant then
+    local tag = tonumber(redis.call('ZSCORE', sched, m))
+    local otq = tq_key(P, model, cls, other)
+    local n, start = redis.call('LLEN', otq), 0
+    while start < n and tag < own do
+      for _, jid in ipairs(redis.call('LRANGE', otq, start, start + 99)) do
+        if tag >= own then break end
+        ahead = ahead + 1
+        tag = tag + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
+      end
+      start = start + 100
+    end
+  end
+end
+return above + ahead

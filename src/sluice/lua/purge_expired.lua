@@ -1,0 +1,40 @@
+-- purge_expired: queued jobs past their deadline turn EXPIRED (before any worker spends time on
+-- them; claim checks too, this frees their queue room sooner), and finished jobs past their result
+-- TTL are dropped with their events and dead-letter entry.
+--
+-- KEYS[1] deadline zset   KEYS[2] results zset   KEYS[3] dead zset   KEYS[4] running hash
+-- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most jobs of each kind in this call   ARGV[4] result TTL s
+-- ARGV[5] events kept per stream   ARGV[6] error JSON of an expired job
+-- Returns {expired, dropped, 1 when a bound was reached (call again) else 0}.
+-- Builds job, stream, tenant-list and fair-queue keys from the prefix (same slot as KEYS).
+
+-- @include _keys.lua
+-- @include _job.lua
+-- @include _fairqueue.lua
+
+local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, tonumber(ARGV[4]), ARGV[5]
+J.results, J.running = KEYS[2], KEYS[4]
+
+local late = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
+local expired = 0
+for _, id in ipairs(late) do
+  redis.call('ZREM', KEYS[1], id)
+  local f = redis.call('HMGET', job_key(P, id), 'state', 'model', 'priority', 'tenant', 'cost')
+  if f[1] == 'queued' then
+    fq_remove(fq_key(P, f[2], f[3]), tq_key(P, f[2], f[3], f[4]), id, tonumber(f[5]))
+    settle(id, 'expired', ARGV[6])
+    expired = expired + 1
+  end
+end
+
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_s, 'LIMIT', 0, limit)
+for _, id in ipairs(old) do
+  redis.call('DEL', job_key(P, id), out_key(P, id))
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[3], id)
+end
+
+local more = 0
+if #late == limit or #old == limit then more = 1 end
+return { expired, #old, more }

@@ -1,0 +1,51 @@
+-- reap: leases that expired without a heartbeat (the worker died or hung). The job goes back to the
+-- head of its tenant's list at the current virtual time (FairQueue.push front=True) with a RETRY
+-- event, or, once it has been started max_attempts times, fails for good into the dead letters.
+-- Like BullMQ moveStalledJobsToWait, minus its two-phase stalled set: a lease here is a deadline.
+--
+-- KEYS[1] active zset   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] dead zset
+-- KEYS[5] running hash
+-- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most leases to reap in this call   ARGV[4] result TTL s
+-- ARGV[5] events kept per stream   ARGV[6] error JSON of an exhausted job, '{attempts}' standing
+-- for the count
+-- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}.
+-- Builds job, stream, tenant-list, fair-queue and marker keys from the prefix (same slot as KEYS).
+
+-- @include _keys.lua
+-- @include _job.lua
+-- @include _fairqueue.lua
+
+local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now = tonumber(now_s)
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[4]), ARGV[5]
+J.results, J.running = KEYS[3], KEYS[5]
+
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
+local requeued, dead = 0, 0
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  local jk = job_key(P, id)
+  local f = redis.call('HMGET', jk, 'state', 'attempts', 'max_attempts', 'model', 'priority', 'tenant',
+    'cost', 'deadline')
+  if f[1] == 'running' then
+    local attempts = tonumber(f[2])
+    if attempts >= tonumber(f[3]) then
+      redis.call('ZADD', KEYS[4], now, id)
+      settle(id, 'failed', (string.gsub(ARGV[6], '{attempts}', tostring(attempts))))
+      dead = dead + 1
+    else
+      local model, cls, tenant = f[4], f[5], f[6]
+      redis.call('HINCRBY', KEYS[5], model, -1)
+      redis.call('HSET', jk, 'state', 'queued')
+      fq_push(fq_key(P, model, cls), sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id,
+        tonumber(f[7]), true)
+      redis.call('ZADD', KEYS[2], f[8], id)
+      emit(jk, out_key(P, id), 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')
+      redis.call('ZADD', marker_key(P, model), 0, 'w')
+      requeued = requeued + 1
+    end
+  end
+end
+local more = 0
+if #ids == limit then more = 1 end
+return { requeued, dead, more }

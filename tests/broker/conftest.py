@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One throw-away ``redis-server`` for the session (never the shared one on 6379)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def redis_url(redis_server: RedisServer) -> AsyncIterator[str]:
+    """The session server's URL, emptied before the test."""
+    if not redis_server.running:  # a test killed it
+        redis_server.start()
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    yield redis_server.url
