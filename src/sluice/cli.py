@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sluice.sim_server", "run an engine simulator with the OpenAI API (continuous batching model)"),
     "bench": ("sluice.bench", "open-loop load experiment against an engine or a Sluice gateway"),
     "engine": ("sluice.engine", "build, start or inspect the local llama-server engine"),
+    "keys": ("sluice.keys", "make API keys (only their hashes go in the config)"),
 }
 
 

@@ -46,6 +46,27 @@ class ClassConfig(_Strict):
     max_queued_tokens: int | None = Field(default=None, ge=1)
 
 
+class KeyConfig(_Strict):
+    """An API key, stored as its SHA-256 (``sluice keys new`` makes one), and what its holder may do."""
+
+    key_sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    tenant: str = Field(min_length=1, max_length=128)
+    #: highest priority class the key may use; None: any
+    max_priority: str | None = None
+    #: fair-share weight between tenants inside a class
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    max_queued: int | None = Field(default=None, ge=1)
+    #: open connections (streams, long polls, websockets) at once
+    max_connections: int | None = Field(default=None, ge=1)
+    #: secret that signs this key's webhooks; None: webhooks are not signed
+    webhook_secret: str | None = None
+    #: may call /admin endpoints
+    admin: bool = False
+
+
 class ModelConfig(_Strict):
     """Queue bounds of one model; unset fields take the global defaults."""
 
@@ -89,6 +110,18 @@ class Settings(_Strict):
     max_poll_wait_s: float = Field(default=60.0, gt=0)
     #: the per-slot service rate (tokens/s) assumed before any job has finished
     drain_prior_per_slot: float = Field(default=50.0, gt=0)
+    #: API keys; none configured means open mode, allowed only on a loopback address
+    keys: list[KeyConfig] = Field(default_factory=list)
+    #: serve open mode (no keys) on a non-loopback address anyway
+    insecure_open: bool = False
+    #: limits on what a client controls
+    max_messages: int = Field(default=256, ge=1)
+    max_prompt_tokens: int = Field(default=32768, ge=1)
+    max_stream_s: float = Field(default=900.0, gt=0)
+    #: open connections per key (streams, long polls, websockets) when the key sets none
+    max_connections_per_key: int = Field(default=64, ge=1)
+    #: webhooks may target loopback, private and link-local addresses (for local development only)
+    webhooks_allow_private: bool = False
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|text)$")
 
@@ -99,6 +132,13 @@ class Settings(_Strict):
             raise ValueError("classes must be a non-empty list of distinct names")
         if self.default_priority not in names:
             raise ValueError(f"default_priority {self.default_priority!r} is not one of the classes {names}")
+        for key in self.keys:
+            if key.max_priority is not None and key.max_priority not in names:
+                raise ValueError(
+                    f"key of tenant {key.tenant!r}: max_priority {key.max_priority!r} is not a class"
+                )
+        if len({k.key_sha256 for k in self.keys}) != len(self.keys):
+            raise ValueError("two keys have the same key_sha256")
         # A default left unset follows a lowered cap; one set explicitly above its cap is a mistake.
         for default, cap in (
             ("default_timeout_s", "max_timeout_s"),
@@ -142,6 +182,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for name in Settings.model_fields:
         raw = environ.get(f"SLUICE_{name.upper()}")
         if raw is None or name in ("classes", "models"):
+            continue
+        if name == "keys":
             continue
         if name == "backends":
             out[name] = [{"url": u.strip()} for u in raw.split(",") if u.strip()]

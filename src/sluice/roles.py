@@ -19,12 +19,11 @@ from sluice.api.app import broker_settings, create_app
 from sluice.broker import create_broker
 from sluice.config import ConfigError, Settings
 from sluice.logs import setup_logging
-from sluice.serve import build_backends, settings_from_args
+from sluice.serve import build_backends, check_exposure, settings_from_args
 from sluice.serve import configure_parser as configure_serve
 from sluice.worker import Dispatcher
 
 log = logging.getLogger("sluice.roles")
-
 
 
 def configure_gateway(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +62,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    try:
+        check_exposure(settings)
+    except ConfigError as exc:
+        print(f"sluice gateway: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         create_app(settings), host=settings.host, port=settings.port, log_level="warning", access_log=False
     )

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from sluice.api.app import create_app
+from sluice.api.auth import is_loopback
 from sluice.backends.base import Backend
 from sluice.backends.openai import OpenAIBackend
 from sluice.config import BackendConfig, ConfigError, Settings, load_settings
@@ -80,6 +81,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="optional budget of in-flight tokens (prompt + max_tokens) per --backend, e.g. its KV cache",
     )
+    parser.add_argument(
+        "--insecure-open",
+        action="store_true",
+        default=None,
+        help="serve without API keys on a non-loopback address (anyone who can reach it can use it)",
+    )
     for flag, (_, kind, help_text) in FLAGS.items():
         parser.add_argument(flag, type=kind, help=help_text, metavar=flag.lstrip("-").split("-")[-1].upper())
 
@@ -88,12 +95,25 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
         field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in FLAGS.items()
     }
+    overrides["insecure_open"] = args.insecure_open
     if args.backend:
         overrides["backends"] = [
             BackendConfig(url=url, max_inflight_tokens=args.max_inflight_tokens).model_dump()
             for url in args.backend
         ]
     return load_settings(args.config, overrides=overrides)
+
+
+def check_exposure(settings: Settings) -> None:
+    """Open mode (no keys) is for local use: refuse it on a reachable address unless forced."""
+    if settings.keys or is_loopback(settings.host):
+        return
+    if not settings.insecure_open:
+        raise ConfigError(
+            f"no API keys are configured, so Sluice would serve anyone who can reach {settings.host}; "
+            "add [[keys]] to the config (see `sluice keys new`), bind to 127.0.0.1, or pass --insecure-open"
+        )
+    log.warning("serving WITHOUT API KEYS on %s: anyone who can reach it can use it", settings.host)
 
 
 def build_backends(settings: Settings) -> list[Backend]:
@@ -150,10 +170,11 @@ async def serve(settings: Settings) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
+        setup_logging(settings.log_level, settings.log_format)
+        check_exposure(settings)
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
     return 0

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from sluice import __version__
 from sluice.api import errors, health, jobs, openai
+from sluice.api.auth import KeyRing
 from sluice.api.intake import Gateway
 from sluice.api.limits import BodySizeLimit
 from sluice.backends.base import Backend
@@ -49,6 +50,7 @@ def create_app(
                 dispatcher = Dispatcher(broker, engines, metrics=metrics)
                 await dispatcher.start()
             app.state.gateway = Gateway(settings, broker, metrics)
+            app.state.keyring = KeyRing(settings)
             app.state.dispatcher = dispatcher
             yield
         finally:

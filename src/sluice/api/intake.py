@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
+from sluice.api.auth import Caller
 from sluice.api.errors import APIError
 from sluice.api.schemas import SchedulingOptions
 from sluice.broker.base import Admission, Broker
@@ -22,7 +24,7 @@ from sluice.metrics import Metrics
 log = logging.getLogger("sluice.gateway")
 
 # Fields that are Sluice's, not the engine's.
-OWN_FIELDS = ("priority", "timeout")
+OWN_FIELDS = ("priority", "timeout", "callback_url")
 
 
 @dataclass
@@ -32,6 +34,29 @@ class Gateway:
     settings: Settings
     broker: Broker
     metrics: Metrics
+    connections: dict[str, int] = field(default_factory=dict)
+
+    @contextlib.asynccontextmanager
+    async def connection(self, caller: Caller) -> AsyncIterator[None]:
+        """Count a long-lived connection (stream, long poll, websocket) against the caller's cap."""
+        cap = caller.max_connections or self.settings.max_connections_per_key
+        open_now = self.connections.get(caller.tenant, 0)
+        if open_now >= cap:
+            raise APIError(
+                429,
+                f"Too many open connections for this key ({cap}); close some first.",
+                "too_many_connections",
+                retry_after_s=1.0,
+            )
+        self.connections[caller.tenant] = open_now + 1
+        try:
+            yield
+        finally:
+            left = self.connections[caller.tenant] - 1
+            if left:
+                self.connections[caller.tenant] = left
+            else:
+                del self.connections[caller.tenant]
 
     async def resolve_model(self, requested: str | None) -> str:
         served = await self.broker.served_models()
@@ -52,20 +77,31 @@ class Gateway:
             )
         raise APIError(404, f"The model '{requested}' does not exist.", "model_not_found", param="model")
 
-    def tenant(self, request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        # Open mode: callers are told apart by their bearer token, never stored in clear.
-        return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
-
-    def priority(self, request: Request, opts: SchedulingOptions) -> str:
-        value = opts.priority or request.headers.get("x-priority") or self.settings.default_priority
+    def priority(self, request: Request, caller: Caller, opts: SchedulingOptions) -> str:
         names = [c.name for c in self.settings.classes]
+        ceiling = caller.policy.max_priority
+        default = self.settings.default_priority
+        if ceiling is not None and names.index(default) < names.index(ceiling):
+            default = ceiling  # the key's own ceiling is its default when the server's is above it
+        value = opts.priority or request.headers.get("x-priority") or default
         if value not in names:
             raise APIError(
                 400, f"Unknown priority '{value}'; use one of {', '.join(names)}.", param="priority"
             )
+        if ceiling is not None and names.index(value) < names.index(ceiling):
+            raise APIError(
+                403,
+                f"This key may use priority '{ceiling}' at most; '{value}' is above it.",
+                "priority_not_allowed",
+                param="priority",
+            )
         return value
+
+    def job_for(self, caller: Caller, job: Job | None, job_id: str) -> Job:
+        """The caller's own job, or 404: other tenants' ids are indistinguishable from unknown ones."""
+        if job is None or job.tenant != caller.tenant:
+            raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
+        return job
 
     def timeout(self, request: Request, opts: SchedulingOptions) -> float:
         value: float | None = opts.timeout
@@ -99,34 +135,50 @@ class Gateway:
             return int(value)
         return s.default_max_tokens
 
-    async def build_job(self, request: Request, endpoint: Endpoint, body: dict[str, Any]) -> Job:
+    async def build_job(
+        self, request: Request, caller: Caller, endpoint: Endpoint, body: dict[str, Any]
+    ) -> Job:
         opts = SchedulingOptions.model_validate(body)
+        s = self.settings
         model = await self.resolve_model(opts.model)
         n = opts.n or 1
-        if n > self.settings.max_n:
-            raise APIError(400, f"'n' must be at most {self.settings.max_n} on this server.", param="n")
+        if n > s.max_n:
+            raise APIError(400, f"'n' must be at most {s.max_n} on this server.", param="n")
         max_tokens = self.max_tokens(opts)
         engine_body = {k: v for k, v in body.items() if k not in OWN_FIELDS and k != "max_completion_tokens"}
         engine_body["model"] = model
         engine_body["max_tokens"] = max_tokens
         if endpoint is Endpoint.CHAT:
+            if len(body["messages"]) > s.max_messages:
+                raise APIError(
+                    400, f"At most {s.max_messages} messages per request on this server.", param="messages"
+                )
             prompt_tokens = estimate_chat_tokens(body["messages"])
         else:
             prompt_tokens = estimate_prompt_tokens(body["prompt"])
+        if prompt_tokens > s.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"The prompt is about {prompt_tokens} tokens; the most this server takes is "
+                f"{s.max_prompt_tokens}.",
+                "context_length_exceeded",
+                param="messages" if endpoint is Endpoint.CHAT else "prompt",
+            )
         now = time.time()
         return Job(
             id=new_job_id(),
             model=model,
             endpoint=endpoint,
             body=engine_body,
-            tenant=self.tenant(request),
-            priority=self.priority(request, opts),
+            tenant=caller.tenant,
+            priority=self.priority(request, caller, opts),
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens * n,
             created_at=now,
             deadline=now + self.timeout(request, opts),
-            max_attempts=self.settings.max_attempts,
+            max_attempts=s.max_attempts,
             idempotency_key=request.headers.get("idempotency-key") or None,
+            weight=caller.policy.weight,
         )
 
     async def admit(self, job: Job) -> Admission:

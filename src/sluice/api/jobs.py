@@ -1,17 +1,22 @@
-"""Asynchronous jobs: submit, poll (or long-poll), stream events, cancel; and the article's aliases."""
+"""Asynchronous jobs: submit, poll (or long-poll), stream events, cancel; and the article's aliases.
+
+Every job belongs to the tenant whose key created it; anyone else gets 404, as for an unknown id.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.intake import Gateway
+from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.broker.base import job_view
 from sluice.core.job import Endpoint, Job, JobState
@@ -26,22 +31,19 @@ def gateway(request: Request) -> Gateway:
     return gw
 
 
-async def _job_or_404(gw: Gateway, job_id: str) -> Job:
-    job = await gw.broker.get(job_id)
-    if job is None:
-        raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
-    return job
+async def own_job(gw: Gateway, who: Caller, job_id: str) -> Job:
+    return gw.job_for(who, await gw.broker.get(job_id), job_id)
 
 
-async def _view(gw: Gateway, job: Job) -> dict[str, Any]:
-    view = job_view(job)
+async def view(gw: Gateway, job: Job) -> dict[str, Any]:
+    out = job_view(job)
     if job.state is JobState.QUEUED:
-        view["position"] = await gw.broker.position(job.id)
-    return view
+        out["position"] = await gw.broker.position(job.id)
+    return out
 
 
 @router.post("/v1/jobs", status_code=202)
-async def submit_job(request: Request, body: JobRequest) -> JSONResponse:
+async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONResponse:
     gw = gateway(request)
     data = body.model_dump(exclude_none=True, mode="json")
     if (body.messages is None) == (body.prompt is None):
@@ -50,7 +52,7 @@ async def submit_job(request: Request, body: JobRequest) -> JSONResponse:
         )
     endpoint = Endpoint.CHAT if body.messages is not None else Endpoint.COMPLETIONS
     data.pop("stream", None)  # a job's output is read through its events, never inline
-    job = await gw.build_job(request, endpoint, data)
+    job = await gw.build_job(request, who, endpoint, data)
     admission = await gw.admit(job)
     job = admission.job
     payload = {
@@ -69,38 +71,49 @@ async def submit_job(request: Request, body: JobRequest) -> JSONResponse:
 async def get_job(
     request: Request,
     job_id: str,
-    wait: float = Query(default=0, ge=0, description="Long-poll: seconds to wait for the job to finish."),
+    who: Who,
+    wait: Annotated[float, Query(ge=0, description="Long-poll: seconds to wait for the job to finish.")] = 0,
 ) -> JSONResponse:
     gw = gateway(request)
-    job = await _job_or_404(gw, job_id)
+    job = await own_job(gw, who, job_id)
     if wait > 0 and not job.terminal:
-        job = await gw.broker.wait(job_id, min(wait, gw.settings.max_poll_wait_s)) or job
-    return JSONResponse(await _view(gw, job))
+        async with gw.connection(who):
+            job = await gw.broker.wait(job_id, min(wait, gw.settings.max_poll_wait_s)) or job
+    return JSONResponse(await view(gw, job))
 
 
-@router.get("/v1/jobs/{job_id}/events")
-async def job_events(request: Request, job_id: str) -> EventSourceResponse:
-    gw = gateway(request)
-    await _job_or_404(gw, job_id)
+def _after(request: Request) -> int:
     raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     try:
-        after = int(raw)
+        return max(int(raw), 0)
     except ValueError:
         raise APIError(
             400, "Last-Event-ID must be an event id (an integer).", param="Last-Event-ID"
         ) from None
 
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResponse:
+    gw = gateway(request)
+    await own_job(gw, who, job_id)
+    after = _after(request)
+    slot = gw.connection(who)
+    await slot.__aenter__()
+
     async def stream() -> AsyncIterator[dict[str, Any]]:
-        async for event in gw.broker.events(job_id, after=after):
-            yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
+        try:
+            async for event in bounded(gw.broker.events(job_id, after=after), gw.settings.max_stream_s):
+                yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
+        finally:
+            await slot.__aexit__(None, None, None)
 
     return EventSourceResponse(stream(), ping=PING_S, sep="\n")
 
 
 @router.delete("/v1/jobs/{job_id}")
-async def cancel_job(request: Request, job_id: str) -> JSONResponse:
+async def cancel_job(request: Request, job_id: str, who: Who) -> JSONResponse:
     gw = gateway(request)
-    before = await _job_or_404(gw, job_id)
+    before = await own_job(gw, who, job_id)
     if before.terminal:
         raise APIError(
             409, f"The job already ended ({before.state.value}); nothing to cancel.", "job_finished"
@@ -110,26 +123,26 @@ async def cancel_job(request: Request, job_id: str) -> JSONResponse:
         raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
     if job.state is not JobState.CANCELLED:
         raise APIError(409, f"The job already ended ({job.state.value}); nothing to cancel.", "job_finished")
-    return JSONResponse(await _view(gw, job))
+    return JSONResponse(await view(gw, job))
 
 
 # --- the article's endpoints, so its clients can switch without changes -------------------------
 
 
 @router.post("/submit", tags=["article"])
-async def submit(request: Request, body: SubmitRequest) -> JSONResponse:
+async def submit(request: Request, body: SubmitRequest, who: Who) -> JSONResponse:
     gw = gateway(request)
     data = body.model_dump(exclude_none=True, mode="json")
     prompt = data.pop("prompt")
     data["messages"] = [{"role": "user", "content": prompt}]
-    job = await gw.build_job(request, Endpoint.CHAT, data)
+    job = await gw.build_job(request, who, Endpoint.CHAT, data)
     admission = await gw.admit(job)
     return JSONResponse({"job_id": admission.job.id, "status": "queued"})
 
 
 @router.get("/result/{job_id}", tags=["article"])
-async def result(request: Request, job_id: str) -> JSONResponse:
-    job = await _job_or_404(gateway(request), job_id)
+async def result(request: Request, job_id: str, who: Who) -> JSONResponse:
+    job = await own_job(gateway(request), who, job_id)
     if job.state is JobState.SUCCEEDED and job.result:
         choices = job.result.get("choices") or [{}]
         first = choices[0]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.intake import Gateway
 from sluice.api.relay import answer, openai_stream, wait_for_client
@@ -24,42 +26,48 @@ def gateway(request: Request) -> Gateway:
     return gw
 
 
-async def _complete(request: Request, endpoint: Endpoint, body: dict[str, Any]) -> Response:
+async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:
     gw = gateway(request)
-    job = await gw.build_job(request, endpoint, body)
-    admission = await gw.admit(job)
-    job = admission.job
-    if body.get("stream"):
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return EventSourceResponse(
-            openai_stream(gw.broker, job, include_usage),
-            ping=PING_S,
-            sep="\n",
-            headers={"x-sluice-job-id": job.id},
-        )
-    finished = await wait_for_client(request, gw.broker, job)
-    try:
-        response = answer(finished)
-    except APIError as exc:
-        exc.job_id = job.id
-        raise
-    response.headers["x-sluice-job-id"] = job.id
-    return response
+    job = await gw.build_job(request, who, endpoint, body)
+    # A synchronous request holds a connection until it ends: count it before queueing anything.
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(gw.connection(who))
+        admission = await gw.admit(job)
+        job = admission.job
+        if body.get("stream"):
+            options = body.get("stream_options")
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            held = stack.pop_all()  # the stream's generator releases the connection when it ends
+            return EventSourceResponse(
+                openai_stream(gw.broker, job, include_usage, gw.settings.max_stream_s, held),
+                ping=PING_S,
+                sep="\n",
+                headers={"x-sluice-job-id": job.id},
+            )
+        finished = await wait_for_client(request, gw.broker, job)
+        try:
+            response = answer(finished)
+        except APIError as exc:
+            exc.job_id = job.id
+            raise
+        response.headers["x-sluice-job-id"] = job.id
+        return response
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(request: Request, body: ChatRequest) -> Response:
-    return await _complete(request, Endpoint.CHAT, body.model_dump(exclude_none=True, mode="json"))
+async def chat_completions(request: Request, body: ChatRequest, who: Who) -> Response:
+    return await _complete(request, who, Endpoint.CHAT, body.model_dump(exclude_none=True, mode="json"))
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(request: Request, body: CompletionRequest) -> Response:
-    return await _complete(request, Endpoint.COMPLETIONS, body.model_dump(exclude_none=True, mode="json"))
+async def completions(request: Request, body: CompletionRequest, who: Who) -> Response:
+    return await _complete(
+        request, who, Endpoint.COMPLETIONS, body.model_dump(exclude_none=True, mode="json")
+    )
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
+async def models(request: Request, who: Who) -> JSONResponse:
     served = await gateway(request).broker.served_models()
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "sluice"} for m in sorted(served)]
     return JSONResponse({"object": "list", "data": data})

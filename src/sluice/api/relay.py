@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from sluice.api.errors import APIError
-from sluice.broker.base import Broker, EventType
+from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
 from sluice.protocol import chunk
 
@@ -73,12 +73,36 @@ def answer(job: Job | None) -> JSONResponse:
     raise failure(job)
 
 
-async def openai_stream(broker: Broker, job: Job, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves."""
+async def bounded(events: AsyncIterator[Event], seconds: float) -> AsyncIterator[Event]:
+    """The events, until ``seconds`` have passed: no stream a client holds open lives forever."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await anext(events)
+            except (StopAsyncIteration, TimeoutError):
+                return
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def openai_stream(
+    broker: Broker,
+    job: Job,
+    include_usage: bool,
+    max_stream_s: float,
+    held: contextlib.AsyncExitStack | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves.
+
+    ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
+    """
     sent_tokens = False
     finished = False
     try:
-        async for event in broker.events(job.id):
+        async for event in bounded(broker.events(job.id), max_stream_s):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
                 yield {"data": json.dumps(chunk(job, event.data["choices"]))}
@@ -108,3 +132,5 @@ async def openai_stream(broker: Broker, job: Job, include_usage: bool) -> AsyncI
     finally:
         if not finished:
             await cancel_quietly(broker, job.id)
+        if held is not None:
+            await held.aclose()

@@ -130,7 +130,7 @@ class MemoryBroker(Broker):
         self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
 
     def _entry(self, job: Job) -> Entry:
-        return Entry(job.id, job.tenant, job.cost)
+        return Entry(job.id, job.tenant, job.cost, job.weight)
 
     # --- gateway side -------------------------------------------------------------------------
 

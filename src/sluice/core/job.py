@@ -74,6 +74,8 @@ class Job:
             if still running.
         max_attempts: how many times the job may be started on a backend before it fails for good.
         idempotency_key: the client's ``Idempotency-Key``; a repeat with the same key returns this job.
+        weight: the tenant's fair-share weight inside its class.
+        callback_url: where to POST the result when the job ends (a webhook), if anywhere.
 
     Set by the broker and the dispatcher:
         state: see :class:`JobState`.
@@ -99,6 +101,8 @@ class Job:
     deadline: float
     max_attempts: int = 3
     idempotency_key: str | None = None
+    weight: float = 1.0
+    callback_url: str | None = None
     state: JobState = JobState.QUEUED
     started_at: float | None = None
     first_token_at: float | None = None

@@ -1,0 +1,114 @@
+"""Who is calling: API keys (kept as SHA-256 hashes) mapped to tenants and their limits."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from sluice.api.errors import APIError
+from sluice.config import KeyConfig, Settings
+from sluice.core.ratelimit import TenantPolicy
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated caller of one request."""
+
+    policy: TenantPolicy
+    admin: bool = False
+    webhook_secret: str | None = None
+    max_connections: int | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.policy.tenant
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class KeyRing:
+    """The keys of the config file. With none, the gateway runs in open mode."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._keys: dict[str, KeyConfig] = {k.key_sha256: k for k in settings.keys}
+
+    @property
+    def open(self) -> bool:
+        return not self._keys
+
+    def _caller(self, key: KeyConfig) -> Caller:
+        policy = TenantPolicy(
+            tenant=key.tenant,
+            max_priority=key.max_priority,
+            weight=key.weight,
+            rpm=key.rpm,
+            tpm=key.tpm,
+            max_concurrent=key.max_concurrent,
+            max_queued=key.max_queued,
+        )
+        return Caller(policy, key.admin, key.webhook_secret, key.max_connections)
+
+    def authenticate(self, request: Request) -> Caller:
+        token = bearer(request)
+        if self.open:
+            # Open mode: callers are told apart by their bearer token, never kept in clear.
+            tenant = "key-" + hash_key(token)[:16] if token else "anonymous"
+            return Caller(TenantPolicy(tenant))
+        if token is None:
+            raise APIError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
+                "missing_api_key",
+                type="invalid_request_error",
+            )
+        key = self._keys.get(hash_key(token))
+        if key is None:
+            raise APIError(
+                401, "Incorrect API key provided.", "invalid_api_key", type="invalid_request_error"
+            )
+        return self._caller(key)
+
+
+async def caller(request: Request) -> Caller:
+    """FastAPI dependency: the authenticated caller (401 otherwise)."""
+    keyring: KeyRing = request.app.state.keyring
+    found = keyring.authenticate(request)
+    request.state.caller = found
+    return found
+
+
+async def admin(request: Request) -> Caller:
+    """FastAPI dependency for /admin: an admin key, and 404 for anyone else (the surface stays hidden)."""
+    keyring: KeyRing = request.app.state.keyring
+    found = keyring.authenticate(request)
+    if keyring.open or not found.admin:
+        raise APIError(404, "Not Found", "not_found")
+    return found
+
+
+#: A route parameter of this type receives the authenticated caller.
+Who = Annotated[Caller, Depends(caller)]
