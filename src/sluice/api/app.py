@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI
 
 from sluice import __version__
-from sluice.api import errors, health, jobs, openai
+from sluice.api import errors, health, jobs, openai, ws
 from sluice.api.auth import KeyRing
 from sluice.api.intake import Gateway
 from sluice.api.limits import BodySizeLimit
@@ -69,6 +69,7 @@ def create_app(
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(jobs.router)
+    app.include_router(ws.router)
     app.include_router(health.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

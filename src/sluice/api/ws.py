@@ -1,0 +1,47 @@
+"""``GET /v1/jobs/{id}/ws``: a job's events over a WebSocket, with the same authorization as SSE."""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from starlette.requests import HTTPConnection
+
+from sluice.api.errors import APIError
+from sluice.api.intake import Gateway
+from sluice.api.relay import bounded
+
+router = APIRouter(tags=["jobs"])
+
+
+async def _deny(websocket: WebSocket, error: APIError) -> None:
+    # Answer the handshake with a real HTTP status (404, 401…) where the server allows it.
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(error.response())
+    else:
+        await websocket.close(code=4000 + error.status, reason=error.code or "")
+
+
+@router.websocket("/v1/jobs/{job_id}/ws")
+async def job_socket(websocket: WebSocket, job_id: str) -> None:
+    gw: Gateway = websocket.app.state.gateway
+    try:
+        who = websocket.app.state.keyring.authenticate(HTTPConnection(websocket.scope))
+        gw.job_for(who, await gw.broker.get(job_id), job_id)
+        raw = websocket.headers.get("last-event-id") or websocket.query_params.get("after") or "0"
+        if not raw.isdigit():
+            raise APIError(400, "'after' must be an event id (an integer).", param="after")
+        slot = gw.connection(who)
+        await slot.__aenter__()
+    except APIError as error:
+        await _deny(websocket, error)
+        return
+    try:
+        await websocket.accept()
+        events = bounded(gw.broker.events(job_id, after=int(raw)), gw.settings.max_stream_s)
+        with contextlib.suppress(WebSocketDisconnect):
+            async for event in events:
+                await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
+            await websocket.close(code=1000)
+    finally:
+        await slot.__aexit__(None, None, None)
