@@ -9,9 +9,9 @@ Everything lands in one cache directory (``platformdirs.user_cache_dir("sluice")
     <cache>/tmp/                                       work directories, removed after each step
 
 The build key names the llama-cpp-python version, the OS and machine, and a hash of the CPU's feature
-flags together with the build recipe. The binary is built for the CPU it runs on (``-march=native``):
-that is about twice as fast as a portable build on AVX-512 machines, and a cache directory that is
-copied to a machine with another CPU simply misses and rebuilds instead of dying with SIGILL.
+flags together with the build recipe. The binary is built for the CPU it runs on (``-march=native``,
+so AVX-512 kernels where the CPU has them), and a cache directory copied to a machine with another CPU
+simply misses and rebuilds instead of dying with SIGILL.
 """
 
 from __future__ import annotations
