@@ -285,3 +285,45 @@ class BrokerConformance:
         with pytest.raises(Refused) as hopeless:
             await broker.admit(make_job(clock, prompt_tokens=500, max_tokens=500, timeout=5))
         assert hopeless.value.should_retry is False
+
+    async def test_abort_signal_wakes_on_cancel(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        waiter = asyncio.create_task(broker.wait_abort_signal(10.0))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        await broker.cancel(job.id)
+        await asyncio.wait_for(waiter, 2.0)  # well before its own timeout
+
+    async def test_lost_job_goes_first_for_its_tenant(self, broker: Broker, clock: FakeClock) -> None:
+        first, second = make_job(clock, tenant="a"), make_job(clock, tenant="a")
+        await broker.admit(first)
+        await broker.admit(second)
+        assert (await broker.claim(W, ["m"], timeout=1.0)).id == first.id  # type: ignore[union-attr]
+        clock.advance(6)
+        await broker.maintain()
+        assert await broker.position(first.id) == 0 and await broker.position(second.id) == 1
+        again = await broker.claim("worker-2", ["m"], timeout=1.0)
+        assert again is not None and again.id == first.id and again.attempts == 2
+
+    async def test_cancel_and_expiry_free_room(self, broker: Broker, clock: FakeClock) -> None:
+        jobs = [make_job(clock, model="small", timeout=10 + 10 * i) for i in range(3)]
+        for job in jobs:
+            await broker.admit(job)
+        await broker.cancel(jobs[0].id)
+        await broker.admit(make_job(clock, model="small"))
+        clock.advance(25)  # jobs[1] expires
+        await broker.maintain()
+        stats = (await broker.stats())["small"]
+        assert (stats.queued_jobs, stats.queued_tokens) == (2, 60), stats
+        await broker.admit(make_job(clock, model="small"))
+
+    async def test_weighted_tenant_gets_its_share(self, broker: Broker, clock: FakeClock) -> None:
+        for _ in range(12):
+            for tenant, weight in (("heavy", 2.0), ("light", 1.0)):
+                job = make_job(clock, tenant=tenant)
+                job.weight = weight
+                await broker.admit(job)
+        order = [(await broker.claim(W, ["m"], timeout=1.0)).tenant for _ in range(9)]  # type: ignore[union-attr]
+        assert order.count("heavy") == 6 and order.count("light") == 3
