@@ -1,12 +1,31 @@
+"""The Redis broker: the conformance suite, plus what only a real Redis can show (one cluster slot
+per queue, durability across a crash with AOF, fast errors while Redis is down, reconnection, and
+the same dispatch order as the memory broker)."""
+
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import copy
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from importlib import resources
+from typing import Any
 
 import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
-from sluice.broker.redis import RedisBroker
+from sluice.broker.base import Broker, BrokerUnavailable, EventType, job_view
+from sluice.broker.keys import QueueKeys
+from sluice.broker.memory import MemoryBroker
+from sluice.broker.redis import RedisBroker, Script
+from sluice.core.admission import Refused
+from sluice.core.job import JobState
 from tests.broker.conformance import BrokerConformance, make_settings
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, make_job, wait_until
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -22,3 +41,481 @@ async def broker(clock: FakeClock, redis_url: str) -> AsyncIterator[RedisBroker]
 
 class TestRedisBroker(BrokerConformance):
     pass
+
+
+# --- one slot per queue ---------------------------------------------------------------------------
+
+
+def _crc16(data: bytes) -> int:
+    """CRC16-CCITT (XModem), the checksum Redis Cluster maps keys to slots with."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def key_slot(key: str) -> int:
+    raw = key.encode()
+    start = raw.find(b"{")
+    if start >= 0:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1 : end]
+    return _crc16(raw) % 16384
+
+
+def test_key_slot_matches_redis_cluster_spec() -> None:
+    assert _crc16(b"123456789") == 0x31C3
+    assert key_slot("foo") == 12182
+    assert key_slot("{user1000}.following") == key_slot("{user1000}.followers")
+    assert key_slot("foo{}{bar}") == key_slot("foo{}{bar}")  # empty tag: the whole key counts
+
+
+class _Monitor:
+    """Every command the server runs, scripts' inner calls included (MONITOR), with its arguments."""
+
+    _arg = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.commands: list[list[str]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> _Monitor:
+        reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writer.write(b"MONITOR\r\n")
+        assert (await reader.readline()).startswith(b"+OK")
+        self._task = asyncio.create_task(self._read(reader))
+        return self
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            args = [
+                bytes(a, "utf-8").decode("unicode_escape") for a in self._arg.findall(line.decode("utf-8"))
+            ]
+            if args:
+                self.commands.append(args)
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None and self._writer is not None
+        self._writer.close()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
+    """Every script and every reader of the broker, with names that need escaping."""
+    model, tenant = "org/llama:8b", "acme:eu{1}%"
+    await broker.register("w:1", {model: 2, "x": 1})
+    first = make_job(clock, model=model, tenant=tenant, idempotency_key="k:1", max_attempts=1)
+    await broker.admit(first)
+    assert (await broker.admit(make_job(clock, model=model, tenant=tenant, idempotency_key="k:1"))).duplicate
+    others = [
+        make_job(clock, model=model, tenant=t, priority=p) for t in ("a", "b:c") for p in ("low", "high")
+    ]
+    for job in others:
+        await broker.admit(job)
+    await broker.admit(make_job(clock, model="x", timeout=1))
+    assert await broker.position(others[0].id) is not None
+    reader = asyncio.create_task(broker.wait(first.id, timeout=5))
+    follower = asyncio.create_task(_collect(broker, others[1].id))
+    await broker.stats()
+    clock.advance(2)  # the job of model x is past its deadline: claim expires it on the way
+    claimed = [await broker.claim("w:1", [model, "x"], timeout=1) for _ in range(4)]
+    assert [j.id if j else None for j in claimed] == [others[1].id, others[3].id, first.id, others[0].id]
+    await broker.heartbeat("w:1", [j.id for j in claimed if j is not None])
+    for job in claimed:
+        assert job is not None
+        await broker.publish(job.id, EventType.TOKEN, {"i": 1})
+    aborted = asyncio.create_task(broker.wait_abort_signal(5))
+    await asyncio.sleep(0.05)
+    running = [j for j in claimed if j is not None and j.id != first.id]
+    await broker.cancel(running[0].id)
+    await aborted
+    await broker.finish(running[1].id, "w:1", JobState.SUCCEEDED, result={"ok": 1}, usage={"total_tokens": 3})
+    await broker.cancel(others[2].id)  # still queued
+    clock.advance(10)  # leases lost: one job goes back to its queue, the first one dies (max_attempts 1)
+    await broker.maintain()
+    assert first.id in await broker.dead_letters()
+    await reader
+    await follower
+    clock.advance(4000)  # deadlines and result TTLs pass
+    await broker.maintain()
+    await broker.unregister("w:1")
+    await broker.served_models()
+
+
+async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    declared: list[tuple[str, list[str]]] = []
+    original = Script.__call__
+
+    async def spy(self: Script, client: Redis, keys: list[str], args: list[Any]) -> Any:
+        declared.append((self.name, list(keys)))
+        return await original(self, client, keys, args)
+
+    Script.__call__ = spy  # type: ignore[method-assign]
+    try:
+        async with _Monitor(redis_server.port) as monitor, RedisBroker(redis_url, make_settings(clock)) as b:
+            await _exercise(b, clock)
+    finally:
+        Script.__call__ = original  # type: ignore[method-assign]
+
+    slot = key_slot(QueueKeys().prefix)
+    names = {name for name, _ in declared}
+    assert names >= {"admit", "claim", "heartbeat", "publish", "finish", "cancel", "reap", "purge_expired"}
+    assert names >= {"position", "workers"}
+    for name, keys in declared:
+        assert {key_slot(k) for k in keys} == {slot}, name
+
+    # What the scripts touch without declaring it (tenant lists, job records found by id) and what the
+    # client runs directly (XREAD, BZPOPMIN, pipelines): Redis itself says which arguments are keys.
+    touched: set[str] = set()
+    async with Redis.from_url(redis_url, decode_responses=True) as r:
+        for args in monitor.commands:
+            if args[0].upper() in ("MONITOR", "FLUSHALL", "COMMAND", "CLIENT", "HELLO", "PING", "SCRIPT"):
+                continue
+            try:
+                touched.update(await r.command_getkeys(*args))
+            except ResponseError:
+                continue  # no key arguments (PUBLISH, SUBSCRIBE, ...)
+    assert any(":tq:" in k for k in touched) and any(":job:" in k for k in touched)
+    assert {k for k in touched if key_slot(k) != slot} == set()
+
+
+async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
+    keys = QueueKeys("q:1")
+    lib = (resources.files("sluice") / "lua" / "_keys.lua").read_text(encoding="utf-8")
+    names = ["m", "org/llama:8b", "a%3Ab", "{x}", "ünï"]
+    async with Redis.from_url(redis_url, decode_responses=True) as r:
+        for model in names:
+            for tenant in names:
+                got = await r.eval(
+                    lib + "local P, t, m, c = ARGV[1], ARGV[2], ARGV[3], ARGV[4]\n"
+                    "return {job_key(P, t), out_key(P, t), tq_key(P, m, c, t), sched_key(P, m, c),"
+                    " fq_key(P, m, c), marker_key(P, m)}",
+                    0,
+                    keys.prefix,
+                    tenant,
+                    model,
+                    "normal",
+                )
+                assert got == [
+                    keys.job(tenant),
+                    keys.out(tenant),
+                    keys.tq(model, "normal", tenant),
+                    keys.sched(model, "normal"),
+                    keys.fq(model, "normal"),
+                    keys.marker(model),
+                ]
+
+
+def test_escaped_names_never_collide() -> None:
+    keys = QueueKeys()
+    assert keys.tq("a:b", "c", "t") != keys.tq("a", "b:c", "t")
+    assert keys.idem("a:b", "c") != keys.idem("a", "b:c")
+    with pytest.raises(ValueError):
+        QueueKeys("bad{name}")
+
+
+# --- the same decisions as the memory broker ----------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_dispatch_order_matches_memory_broker(redis_url: str, seed: int) -> None:
+    """A random mix of admits, claims over two models, cancels, finishes and lost leases gives the
+    same claims, positions and queue sizes on both brokers: the scripts mirror the core scheduler
+    (SFQ tags and their ties, front re-queues, class credits, the rank across models)."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    memory = MemoryBroker(make_settings(clock))
+    redis = RedisBroker(redis_url, make_settings(clock))
+    brokers: tuple[Broker, Broker] = (memory, redis)
+    queued: list[str] = []
+    running: list[str] = []
+    try:
+        for step in range(250):
+            op = rng.random()
+            if op < 0.5:
+                job = make_job(
+                    clock,
+                    model=rng.choice(["m", "m", "x"]),
+                    tenant=rng.choice(["a", "b", "c", "d"]),
+                    priority=rng.choice(["high", "normal", "normal", "low", "low"]),
+                    prompt_tokens=rng.choice([10, 10, 50]),
+                    max_tokens=rng.choice([0, 20, 20, 300]),
+                )
+                job.weight = {"a": 1.0, "b": 1.0, "c": 2.5, "d": 0.3}[job.tenant]
+                for b in brokers:
+                    await b.admit(copy.deepcopy(job))
+                queued.append(job.id)
+            elif op < 0.8:
+                models = rng.choice([["m"], ["m", "x"], ["x", "m"]])
+                got = [await b.claim("w", models, timeout=0.01) for b in brokers]
+                ids = [j.id if j else None for j in got]
+                assert ids[0] == ids[1], f"step {step}"
+                if ids[0] is not None:
+                    queued.remove(ids[0])
+                    running.append(ids[0])
+            elif op < 0.87 and queued:
+                victim = rng.choice(queued)
+                for b in brokers:
+                    await b.cancel(victim)
+                queued.remove(victim)
+            elif op < 0.95 and running:
+                done = running.pop(rng.randrange(len(running)))
+                for b in brokers:
+                    await b.finish(done, "w", JobState.SUCCEEDED, result={})
+            elif running:
+                lost = running.pop(rng.randrange(len(running)))
+                keep = [j for j in running]
+                clock.advance(6)
+                for b in brokers:
+                    await b.heartbeat("w", keep)
+                    await b.maintain()
+                if (await memory.get(lost)).state is JobState.QUEUED:  # type: ignore[union-attr]
+                    queued.append(lost)
+            clock.advance(0.01 * rng.randrange(3))
+            if step % 25 == 0 or step > 240:
+                for job_id in queued:
+                    positions = [await b.position(job_id) for b in brokers]
+                    assert positions[0] == positions[1], f"step {step}"
+                stats = [await b.stats() for b in brokers]
+                assert {m: (s.queued_jobs, s.queued_tokens, s.running_jobs) for m, s in stats[0].items()} == {
+                    m: (s.queued_jobs, s.queued_tokens, s.running_jobs) for m, s in stats[1].items()
+                }
+    finally:
+        await redis.close()
+
+
+async def test_refusals_match_memory_broker(redis_url: str) -> None:
+    clock = FakeClock()
+    memory = MemoryBroker(make_settings(clock))
+    async with RedisBroker(redis_url, make_settings(clock)) as redis:
+        brokers: tuple[Broker, Broker] = (memory, redis)
+        for b in brokers:
+            await b.register("w", {"m": 2})
+        for _ in range(4):  # measure a drain rate: 100 cost units per second per slot
+            job = make_job(clock, prompt_tokens=50, max_tokens=50)
+            for b in brokers:
+                await b.admit(copy.deepcopy(job))
+                await b.claim("w", ["m"], timeout=1)
+            clock.advance(1.0)
+            for b in brokers:
+                await b.finish(job.id, "w", JobState.SUCCEEDED, result={})
+        for i in range(40):
+            job = make_job(clock, model=rng_model(i), prompt_tokens=30 + i, max_tokens=40, timeout=3 + i % 7)
+            outcomes: list[Any] = []
+            for b in brokers:
+                try:
+                    adm = await b.admit(copy.deepcopy(job))
+                    outcomes.append(("ok", adm.position, adm.estimated_start_s))
+                except Refused as exc:
+                    outcomes.append((exc.status, exc.code, exc.message, exc.retry_after_s, exc.should_retry))
+            assert outcomes[0] == outcomes[1], i
+
+
+def rng_model(i: int) -> str:
+    return "small" if i % 3 == 0 else "m"
+
+
+# --- Redis taken away ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aof_server() -> Iterator[RedisServer]:
+    with RedisServer(aof=True) as server:
+        yield server
+
+
+async def test_queued_job_survives_redis_crash_with_aof(aof_server: RedisServer) -> None:
+    clock = FakeClock()
+    job = make_job(clock, tenant="durable")
+    async with RedisBroker(aof_server.url, make_settings(clock)) as b:
+        await b.admit(job)
+    aof_server.kill()  # SIGKILL: only what appendfsync always already wrote survives
+    aof_server.start()
+    async with RedisBroker(aof_server.url, make_settings(clock)) as b:
+        assert await b.position(job.id) == 0
+        claimed = await b.claim("w", ["m"], timeout=1)
+        assert claimed is not None and claimed.id == job.id and claimed.tenant == "durable"
+        events = [e.type async for e in b.events(job.id, timeout=0.5)]
+        assert events == [EventType.QUEUED, EventType.STARTED]
+
+
+async def test_admit_fails_fast_while_redis_is_down(aof_server: RedisServer) -> None:
+    clock = FakeClock()
+    async with RedisBroker(aof_server.url, make_settings(clock)) as b:
+        await b.admit(make_job(clock))
+        aof_server.kill()
+        started = time.monotonic()
+        async with asyncio.timeout(5):
+            with pytest.raises(BrokerUnavailable):
+                await b.admit(make_job(clock))
+            with pytest.raises(BrokerUnavailable):
+                await b.get("job_x")
+            with pytest.raises(BrokerUnavailable):
+                await b.claim("w", ["m"], timeout=1)
+        assert time.monotonic() - started < 3  # a refused connection, not a hang
+        assert not await b.ping()
+
+
+async def test_reconnects_after_restart(aof_server: RedisServer) -> None:
+    """One broker lives through a Redis crash: commands, the blocking claim, the shared event
+    reader and the abort subscription all come back by themselves."""
+    clock = FakeClock()
+    async with (
+        RedisBroker(aof_server.url, make_settings(clock)) as gateway,
+        RedisBroker(aof_server.url, make_settings(clock)) as worker,
+    ):
+        job = make_job(clock)
+        await gateway.admit(job)
+        assert await worker.claim("w", ["m"], timeout=1) is not None
+        follower = asyncio.create_task(_collect(gateway, job.id))
+        aborts = asyncio.create_task(worker.wait_abort_signal(0.01))
+        await aborts
+        await asyncio.sleep(0.1)  # the follower is blocked in XREAD
+
+        aof_server.kill()
+        await asyncio.sleep(0.2)
+        aof_server.start()
+
+        await worker.publish(job.id, EventType.TOKEN, {"i": 1})
+        await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
+        events = await asyncio.wait_for(follower, 10)
+        assert [e.type for e in events][-2:] == [EventType.TOKEN, EventType.DONE]
+
+        second = make_job(clock)
+        await gateway.admit(second)
+        claimed = await worker.claim("w", ["m"], timeout=2)
+        assert claimed is not None and claimed.id == second.id
+
+        async def cancelled_reaches_worker() -> bool:
+            waiter = asyncio.create_task(worker.wait_abort_signal(5))
+            await asyncio.sleep(0.1)
+            await gateway.cancel(second.id)
+            started = time.monotonic()
+            await waiter
+            return time.monotonic() - started < 2
+
+        await wait_until(cancelled_reaches_worker, timeout=10)
+
+
+async def _collect(broker: Broker, job_id: str) -> list[Any]:
+    return [e async for e in broker.events(job_id, timeout=10)]
+
+
+# --- several processes on one queue ------------------------------------------------------------------
+
+
+async def test_gateway_and_worker_processes_share_a_queue(redis_url: str) -> None:
+    """Two brokers stand for a gateway and a worker process: a blocked claim wakes on the other's
+    admit, and the gateway follows the worker's tokens live."""
+    clock = FakeClock()
+    async with (
+        RedisBroker(redis_url, make_settings(clock)) as gateway,
+        RedisBroker(redis_url, make_settings(clock)) as worker,
+    ):
+        claim = asyncio.create_task(worker.claim("w", ["m"], timeout=5))
+        await asyncio.sleep(0.1)
+        job = make_job(clock)
+        await gateway.admit(job)
+        claimed = await asyncio.wait_for(claim, 2)
+        assert claimed is not None and claimed.id == job.id
+        follower = asyncio.create_task(_collect(gateway, job.id))
+        waiter = asyncio.create_task(gateway.wait(job.id, timeout=5))
+        await asyncio.sleep(0.05)
+        for i in range(20):
+            await worker.publish(job.id, EventType.TOKEN, {"i": i})
+        await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
+        events = await asyncio.wait_for(follower, 5)
+        assert [e.id for e in events] == list(range(1, 24))
+        done = await asyncio.wait_for(waiter, 5)
+        assert done is not None and done.state is JobState.SUCCEEDED and done.result == {"ok": True}
+
+
+async def test_many_followers_share_one_reader(redis_url: str) -> None:
+    clock = FakeClock()
+    async with RedisBroker(redis_url, make_settings(clock)) as b:
+        jobs = [make_job(clock, tenant=f"t{i}") for i in range(30)]
+        for job in jobs:
+            await b.admit(job)
+        followers = [asyncio.create_task(_collect(b, j.id)) for j in jobs]
+        await asyncio.sleep(0.05)
+        for _ in jobs:
+            claimed = await b.claim("w", ["m"], timeout=1)
+            assert claimed is not None
+            await b.publish(claimed.id, EventType.TOKEN, {})
+            await b.finish(claimed.id, "w", JobState.SUCCEEDED, result={})
+        results = await asyncio.wait_for(asyncio.gather(*followers), 10)
+        assert all([e.type for e in events] == [
+            EventType.QUEUED, EventType.STARTED, EventType.TOKEN, EventType.DONE
+        ] for events in results)  # fmt: skip
+
+
+async def test_terminal_event_carries_the_job_view(broker: RedisBroker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim("w", ["m"], timeout=1)
+    clock.advance(1.25)
+    done = await broker.finish(job.id, "w", JobState.SUCCEEDED, result={"text": 'é "q"'}, usage={"n": 1})
+    events = [e async for e in broker.events(job.id, timeout=1)]
+    assert done is not None and events[-1].data == job_view(done)
+    assert events[0].data == {"position": 0, "estimated_start_s": 0}
+
+
+async def test_cancelled_claim_is_not_swallowed(broker: RedisBroker) -> None:
+    """redis-py can swallow a cancel on Python 3.11; a blocked claim must still stop when cancelled."""
+    for _ in range(20):
+        task = asyncio.create_task(broker.claim("w", ["m"], timeout=5))
+        await asyncio.sleep(random.random() * 0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2)
+
+
+async def test_claim_cancelled_in_flight_hands_the_job_back(
+    broker: RedisBroker, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim cancelled while its script runs (a worker stopping) must not strand the job under a
+    lease nobody renews: it goes straight back to the head of its queue, not charged an attempt."""
+    job, later = make_job(clock), make_job(clock)
+    await broker.admit(job)
+    await broker.admit(later)
+    original = Script.__call__
+    in_flight = asyncio.Event()
+
+    async def slow(self: Script, client: Redis, keys: list[str], args: list[Any]) -> Any:
+        reply = await original(self, client, keys, args)
+        if self.name == "claim":
+            in_flight.set()
+            await asyncio.sleep(0.2)  # the reply is "on the wire" when the cancel lands
+        return reply
+
+    monkeypatch.setattr(Script, "__call__", slow)
+    task = asyncio.create_task(broker.claim("w", ["m"], timeout=1))
+    await in_flight.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(Script, "__call__", original)
+
+    async def released() -> bool:
+        return await broker.position(job.id) is not None
+
+    await wait_until(released, timeout=5)
+    back = await broker.get(job.id)
+    assert back is not None and back.state is JobState.QUEUED and back.attempts == 0
+    assert await broker.position(job.id) == 0
+    again = await broker.claim("w2", ["m"], timeout=1)
+    assert again is not None and again.id == job.id and again.attempts == 1
+    assert [e.type for e in await _collect_now(broker, job.id)] == [
+        EventType.QUEUED, EventType.STARTED, EventType.RETRY, EventType.STARTED
+    ]  # fmt: skip
+
+
+async def _collect_now(broker: Broker, job_id: str) -> list[Any]:
+    return [e async for e in broker.events(job_id, timeout=0.2)]

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import enum
 import hashlib
 import json
 import logging
 import secrets
+import types
+import typing
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -50,7 +54,7 @@ from sluice.broker.keys import QueueKeys
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.job import TERMINAL_STATES, Endpoint, Job, JobError, JobState
+from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
 
 log = logging.getLogger(__name__)
 
@@ -133,85 +137,75 @@ SCRIPT_NAMES = (
     "purge_expired",
     "position",
     "workers",
+    "release",
 )
 
 
 # --- the job record in a hash -----------------------------------------------------------------
-
-_INT_FIELDS = ("prompt_tokens", "max_tokens", "max_attempts", "attempts")
-_FLOAT_FIELDS = ("created_at", "deadline", "started_at", "first_token_at", "finished_at")
-_JSON_FIELDS = ("body", "result", "usage", "extra")
 
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def _field_kinds() -> dict[str, tuple[str, Any]]:
+    """How each Job field is stored, from its type: strings and enums as text; numbers, dicts and
+    the error as JSON text, so that the scripts can splice them into event data unchanged."""
+    hints = typing.get_type_hints(Job)
+    kinds: dict[str, tuple[str, Any]] = {}
+    for f in dataclasses.fields(Job):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
+            hint = args[0]
+        if hint is str:
+            kinds[f.name] = ("str", str)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            kinds[f.name] = ("enum", hint)
+        elif hint is JobError:
+            kinds[f.name] = ("error", JobError)
+        else:  # int, float, dict, list
+            kinds[f.name] = ("json", hint)
+    return kinds
+
+
+_KINDS = _field_kinds()
+
+
 def encode_job(job: Job) -> list[str]:
-    """Field, value pairs of the job's hash. Numbers and JSON fields are JSON text, so that the
-    scripts can splice them into event data unchanged; ``cost`` is added for the scripts."""
-    out = [
-        "id", job.id,
-        "model", job.model,
-        "endpoint", job.endpoint.value,
-        "tenant", job.tenant,
-        "priority", job.priority,
-        "state", job.state.value,
-        "cost", str(job.cost),
-    ]  # fmt: skip
-    for name in _INT_FIELDS:
-        out += [name, str(int(getattr(job, name)))]
-    for name in _FLOAT_FIELDS:
+    """Field, value pairs of the job's hash; None is left out. ``cost`` is added for the scripts."""
+    out = ["cost", str(job.cost)]
+    for name, (kind, _) in _KINDS.items():
         value = getattr(job, name)
-        if value is not None:
-            out += [name, repr(float(value))]
-    for name in _JSON_FIELDS:
-        value = getattr(job, name)
-        if value is not None:
-            out += [name, _json(value)]
-    if job.error is not None:
-        out += ["error", _json(job.error.to_dict())]
-    for name in ("idempotency_key", "backend"):
-        value = getattr(job, name)
-        if value is not None:
-            out += [name, value]
+        if value is None:
+            continue
+        if kind == "str":
+            text = value
+        elif kind == "enum":
+            text = str(value.value)
+        elif kind == "error":
+            text = _json(value.to_dict())
+        else:
+            text = _json(value)
+        out += [name, text]
     return out
 
 
 def decode_job(data: Mapping[str, str]) -> Job:
-    def opt_float(name: str) -> float | None:
-        value = data.get(name)
-        return None if value is None else float(value)
-
-    def opt_json(name: str) -> Any:
-        value = data.get(name)
-        return None if value is None else json.loads(value)
-
-    error = opt_json("error")
-    return Job(
-        id=data["id"],
-        model=data["model"],
-        endpoint=Endpoint(data["endpoint"]),
-        body=json.loads(data["body"]),
-        tenant=data["tenant"],
-        priority=data["priority"],
-        prompt_tokens=int(data["prompt_tokens"]),
-        max_tokens=int(data["max_tokens"]),
-        created_at=float(data["created_at"]),
-        deadline=float(data["deadline"]),
-        max_attempts=int(data["max_attempts"]),
-        idempotency_key=data.get("idempotency_key"),
-        state=JobState(data["state"]),
-        started_at=opt_float("started_at"),
-        first_token_at=opt_float("first_token_at"),
-        finished_at=opt_float("finished_at"),
-        attempts=int(data.get("attempts", "0")),
-        backend=data.get("backend"),
-        result=opt_json("result"),
-        usage=opt_json("usage"),
-        error=JobError(**error) if error else None,
-        extra=opt_json("extra") or {},
-    )
+    values: dict[str, Any] = {}
+    for name, (kind, cls) in _KINDS.items():
+        text = data.get(name)
+        if text is None:
+            continue
+        if kind == "str":
+            values[name] = text
+        elif kind == "enum":
+            values[name] = cls(text)
+        elif kind == "error":
+            values[name] = JobError(**json.loads(text))
+        else:
+            values[name] = json.loads(text)
+    return Job(**values)
 
 
 def _pairs(flat: Sequence[Any]) -> dict[str, str]:
@@ -287,18 +281,21 @@ class RedisBroker(Broker):
                 **common,
             )
         )
+        # Blocking reads get no socket timeout but an asyncio one around each call, above the block
+        # time: redis-py sends through asyncio.wait_for when a socket timeout is set, and on Python
+        # 3.11 that can swallow a cancel, which would leave a cancelled claim blocked for 10 s.
         self._blocking = Redis.from_pool(
             BlockingConnectionPool.from_url(
                 url,
                 max_connections=blocking_connections + 1,
                 timeout=pool_timeout_s,
-                socket_timeout=CLAIM_BLOCK_S + 5.0,
+                socket_timeout=None,
                 **common,
             )
         )
         self._reader = Redis.from_pool(
             BlockingConnectionPool.from_url(
-                url, max_connections=1, timeout=None, socket_timeout=CLAIM_BLOCK_S + 5.0, **common
+                url, max_connections=1, timeout=None, socket_timeout=None, **common
             )
         )
         self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
@@ -306,6 +303,7 @@ class RedisBroker(Broker):
         self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
         self._tokens: dict[tuple[str, str], str] = {}
         self._plans: dict[tuple[str, ...], _ClaimPlan] = {}
+        self._releases: set[asyncio.Task[None]] = set()
         self._class_names = list(self.classes)
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
@@ -322,6 +320,8 @@ class RedisBroker(Broker):
         self._task = None
         await self._hub.close()
         await self._aborts.close()
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=2.0)
         for client in (self._redis, self._blocking, self._reader):
             await client.aclose()
 
@@ -609,24 +609,35 @@ class RedisBroker(Broker):
         give_up = loop.time() + timeout
         while True:
             token = secrets.token_hex(8)
-            reply = await self._call(
-                "claim",
-                plan.keys,
-                [
-                    self._now(),
-                    self.keys.prefix,
-                    repr(float(self.settings.lease_s)),
-                    worker_id,
-                    token,
-                    repr(float(self.settings.result_ttl_s)),
-                    STREAM_MAXLEN,
-                    len(self._class_names),
-                    len(models),
-                    EXPIRED_PER_CLAIM,
-                    _json(_EXPIRED.to_dict()),
-                    *plan.tail,
-                ],
+            call = asyncio.ensure_future(
+                self._call(
+                    "claim",
+                    plan.keys,
+                    [
+                        self._now(),
+                        self.keys.prefix,
+                        repr(float(self.settings.lease_s)),
+                        worker_id,
+                        token,
+                        repr(float(self.settings.result_ttl_s)),
+                        STREAM_MAXLEN,
+                        len(self._class_names),
+                        len(models),
+                        EXPIRED_PER_CLAIM,
+                        _json(_EXPIRED.to_dict()),
+                        *plan.tail,
+                    ],
+                )
             )
+            try:
+                reply = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # The claim may still go through: hand that job straight back rather than leave it
+                # leased to nobody until the lease runs out.
+                release = asyncio.ensure_future(self._release_claimed(call, worker_id, token))
+                self._releases.add(release)
+                release.add_done_callback(self._releases.discard)
+                raise
             code = int(reply[0])
             if code == 1:
                 job = decode_job(_pairs(reply[1:]))
@@ -639,7 +650,27 @@ class RedisBroker(Broker):
                 return None
             # Redis reads a zero timeout as "forever".
             block = max(min(remaining, CLAIM_BLOCK_S), 0.01)
-            await self._io(self._blocking.bzpopmin(plan.markers, timeout=block))
+            try:
+                async with asyncio.timeout(block + 5.0):  # a connection that died silently
+                    await self._io(self._blocking.bzpopmin(plan.markers, timeout=block))
+            except TimeoutError as exc:
+                raise BrokerUnavailable("Redis did not answer a blocking claim") from exc
+
+    async def _release_claimed(self, call: asyncio.Future[Any], worker_id: str, token: str) -> None:
+        try:
+            reply = await call
+        except Exception:
+            return
+        if int(reply[0]) != 1:
+            return
+        job_id = _pairs(reply[1:])["id"]
+        k = self.keys
+        with contextlib.suppress(Exception):
+            await self._call(
+                "release",
+                [k.job(job_id), k.out(job_id), k.active, k.deadline, k.running],
+                [k.prefix, job_id, worker_id, token, STREAM_MAXLEN],
+            )
 
     async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
         if not job_ids:

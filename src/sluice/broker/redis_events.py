@@ -1,8 +1,9 @@
 """The Redis broker's long-lived readers: one multiplexed ``XREAD BLOCK`` for every job stream a
 process follows, and one pub/sub subscription for abort signals.
 
-Each runs on its own connection whose socket timeout is above its block time (a block longer than
-the socket timeout ends in a spurious TimeoutError, redis-py#2807), and each reconnects by itself.
+Each runs on its own connection without a socket timeout (a block longer than the socket timeout
+ends in a spurious TimeoutError, redis-py#2807) but with an asyncio timeout above its block time, so
+that a connection that died silently is noticed; each reconnects by itself.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ READ_COUNT = 500
 #: The wake-up stream of a reader only needs its newest entry.
 WAKE_TTL_MS = 60_000
 
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 
 def check_cancelled() -> None:
@@ -94,7 +95,7 @@ class StreamHub:
     stream, which the read always includes.
 
     Args:
-        reader: a client with its own connection, socket timeout above ``READ_BLOCK_S``.
+        reader: a client with its own connection and no socket timeout (see ``RedisBroker``).
         commands: the command client, for the wake-up writes.
         wake_key: this hub's wake-up stream (hash-tagged like every key of the queue).
     """
@@ -151,10 +152,11 @@ class StreamHub:
                 streams[key] = f"0-{min(s.last for s in subs)}"
             self._blocking, self._woken = True, False
             try:
-                reply = cast(
-                    list[tuple[str, list[tuple[str, dict[str, str]]]]] | None,
-                    await self._reader.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000)),
-                )
+                async with asyncio.timeout(READ_BLOCK_S + 5.0):  # a connection that died silently
+                    reply = cast(
+                        list[tuple[str, list[tuple[str, dict[str, str]]]]] | None,
+                        await self._reader.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000)),
+                    )
                 check_cancelled()
             except _TRANSIENT as exc:
                 log.warning("event stream read failed (%s); retrying in %.2f s", exc, backoff)

@@ -83,8 +83,8 @@ while true do
   local i, m, head = best[1], best[4], best[5]
   local id = head[5]
   local jk = job_key(P, id)
-  local f = redis.call('HMGET', jk, 'cost', 'deadline')
-  fq_pop(fq_of(m, i), sched_of(m, i), head, tonumber(f[1]))
+  local f = redis.call('HMGET', jk, 'cost', 'deadline', 'weight')
+  fq_pop(fq_of(m, i), sched_of(m, i), head, tonumber(f[1]), tonumber(f[3]) or 1.0)
   local credits, args = pay_credits(best[6], best[7], mins, i), {}
   for c = 1, ncls do
     args[#args + 1] = classes[c]

@@ -23,29 +23,36 @@ end
 
 local fq, sched = fq_key(P, model, cls), sched_key(P, model, cls)
 local tq = tq_key(P, model, cls, tenant)
-local idx = redis.call('LPOS', tq, id)
-if not idx then return -1 end
-local member = redis.call('HGET', fq, 'm:' .. tenant)
-local own = tonumber(redis.call('ZSCORE', sched, member))
-if idx > 0 then
-  for _, jid in ipairs(redis.call('LRANGE', tq, 0, idx - 1)) do
-    own = own + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
-  end
+-- a job's virtual service time, as in FairQueue: cost / weight
+local function cost_of(jid)
+  local c = redis.call('HMGET', job_key(P, jid), 'cost', 'weight')
+  return tonumber(c[1]) / (tonumber(c[2]) or 1.0)
 end
 
-local ahead = idx
--- Tenants in start-tag order: once one starts at or after our tag, so do all that follow.
+local idx = redis.call('LPOS', tq, id)
+if not idx then return -1 end
+local before = 0 -- summed first, then added to the tag, as Python's sum() does
+if idx > 0 then
+  for _, jid in ipairs(redis.call('LRANGE', tq, 0, idx - 1)) do
+    before = before + cost_of(jid)
+  end
+end
+local own = tonumber(redis.call('HGET', fq, 't:' .. tenant)) + before
+
+local ahead, seen = idx, { [tenant] = true }
+-- Heap entries in tag order: a tenant whose tag is below ours has a live entry below ours.
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', sched, '-inf', '(' .. num(own))) do
   local other = string.sub(m, 16)
-  if other ~= tenant then
-    local tag = tonumber(redis.call('ZSCORE', sched, m))
+  if not seen[other] then
+    seen[other] = true
+    local tag = tonumber(redis.call('HGET', fq, 't:' .. other))
     local otq = tq_key(P, model, cls, other)
     local n, start = redis.call('LLEN', otq), 0
-    while start < n and tag < own do
+    while tag and start < n and tag < own do
       for _, jid in ipairs(redis.call('LRANGE', otq, start, start + 99)) do
         if tag >= own then break end
         ahead = ahead + 1
-        tag = tag + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
+        tag = tag + cost_of(jid)
       end
       start = start + 100
     end
