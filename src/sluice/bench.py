@@ -1,0 +1,482 @@
+"""``sluice bench``: the burst-traffic experiment, as an open-loop load generator.
+
+Simulated clients arrive as a Poisson process (``steady``, ``spike`` or ``ramp``), each in its own
+task, and give up after ``--client-timeout`` seconds by closing their connection. The target is an
+engine (``--mode direct``), or a Sluice gateway through its OpenAI API (``sync``) or its jobs API
+(``async``). ``--spawn-sim`` and ``--spawn-sluice`` start the simulator and a gateway in front of it
+as child processes, so that one command reproduces a documented number.
+
+Writes ``LABEL.json`` (every request and the summary), ``LABEL.md`` and ``LABEL.png`` to ``--out``;
+``sluice bench compare A.json B.json ...`` merges saved runs into one table and overlaid plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from sluice.bench_load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
+from sluice.bench_report import (
+    RESULT_VERSION,
+    load_result,
+    markdown,
+    plot_compare,
+    plot_run,
+    summarize,
+    write_result,
+)
+
+__all__ = ["configure_parser", "measure", "run"]
+
+# Once every client has its outcome, give the targets this long to abort and forget what is left.
+SETTLE_S = 5.0
+# A generator that sends this late is no longer offering the load it claims to.
+MAX_SEND_LAG_S = 0.05
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  sluice bench --spawn-sim article --rate 10 --duration 60             # engine alone\n"
+        "  sluice bench --spawn-sim article --spawn-sluice --rate 10            # Sluice in front\n"
+        "  sluice bench --spawn-sim article --profile spike --rate 3 --peak 30  # 3 → 30 → 3 req/s\n"
+        "  sluice bench --target http://127.0.0.1:8000 --mode async --profile ramp --rate 1 --to 20\n"
+        "  sluice bench compare out/direct.json out/sluice.json --name steady\n"
+    )
+    target = parser.add_argument_group("target")
+    target.add_argument("--target", metavar="URL", help="base URL of the engine or gateway (no /v1)")
+    target.add_argument(
+        "--mode",
+        choices=MODES,
+        help="direct: an engine's OpenAI API; sync: Sluice's OpenAI API (sends X-Request-Timeout); "
+        "async: Sluice's jobs API (submit, long-poll, DELETE on give-up). Default: sync with "
+        "--spawn-sluice, else direct",
+    )
+    target.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    target.add_argument("--engine-metrics", metavar="URL", help="the engine's /metrics, for wasted work")
+    target.add_argument(
+        "--spawn-sim",
+        metavar="PRESET",
+        help="start `sluice sim --preset PRESET` on a free port as the engine",
+    )
+    target.add_argument(
+        "--spawn-sluice", action="store_true", help="start `sluice serve` in front of the spawned simulator"
+    )
+    target.add_argument(
+        "--sluice-args",
+        default="",
+        metavar="ARGS",
+        help="extra flags for the spawned gateway, e.g. '--max-queued-jobs 50' (--max-concurrency "
+        "defaults to the preset's batch size)",
+    )
+
+    load = parser.add_argument_group("offered load")
+    load.add_argument("--profile", choices=("steady", "spike", "ramp"), default="steady")
+    load.add_argument(
+        "--rate", type=float, default=10.0, help="req/s: steady rate, spike base, ramp start (10)"
+    )
+    load.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
+    load.add_argument("--peak", type=float, default=30.0, help="spike: rate during the spike (30)")
+    load.add_argument("--spike-at", type=float, default=20.0, help="spike: when it starts, in seconds (20)")
+    load.add_argument("--spike-for", type=float, default=10.0, help="spike: how long it lasts (10)")
+    load.add_argument("--to", type=float, default=20.0, help="ramp: rate at the end (20)")
+    load.add_argument("--seed", type=int, default=1, help="seed of the arrivals; same seed, same traffic (1)")
+
+    client = parser.add_argument_group("clients")
+    client.add_argument(
+        "--client-timeout", type=float, default=15.0, help="seconds before a client gives up; 0: never (15)"
+    )
+    client.add_argument("--max-tokens", type=int, default=128, help="answer length asked for (128)")
+    client.add_argument("--stream", action="store_true", help="stream answers (time to first token)")
+    client.add_argument(
+        "--users",
+        type=int,
+        default=1,
+        help="through Sluice: spread requests over N bearer tokens (open mode tells callers apart by "
+        "them); 1: anonymous (1)",
+    )
+
+    report = parser.add_argument_group("report")
+    report.add_argument(
+        "--capacity",
+        type=float,
+        help="the engine's capacity in req/s, for goodput as a share of it (default with --spawn-sim: "
+        "the simulator's formula)",
+    )
+    report.add_argument("--out", type=Path, default=Path(".bench-out"), help="output folder (.bench-out)")
+    report.add_argument("--label", help="name of this run and of its files (default MODE-PROFILE)")
+    report.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+    sub = parser.add_subparsers(dest="bench_command", metavar="compare")
+    compare = sub.add_parser("compare", help="merge saved runs into one table and overlaid plots")
+    compare.add_argument("results", nargs="+", type=Path, metavar="RESULT.json")
+    compare.add_argument("--out", type=Path, help="output folder (default: that of the first result)")
+    compare.add_argument("--name", default="compare", help="file name of the table and plot (compare)")
+
+
+# -- spawned servers -----------------------------------------------------------------------------
+
+
+@dataclass
+class Targets:
+    """Where the load goes and what to read alongside it."""
+
+    target: str
+    mode: str
+    engine_metrics: str | None = None
+    gateway_metrics: str | None = None
+    capacity: float | None = None
+    capacity_source: str | None = None
+    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is not None:
+        return
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+async def _spawn_sim(preset_name: str, log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sluice.cli", "sim", "--preset", preset_name, "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=log,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    except TimeoutError:
+        line = ""
+    if "listening on " not in line:
+        await _stop(proc)
+        raise RuntimeError(f"the simulator did not start (see {log.name})")
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+async def _spawn_sluice(
+    backend: str, concurrency: int, extra: list[str], log: IO[bytes]
+) -> tuple[asyncio.subprocess.Process, str]:
+    port = _free_port()
+    args = ["--backend", backend, "--max-concurrency", str(concurrency), "--port", str(port)]
+    args += ["--log-level", "warning", *extra]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sluice.cli", "serve", *args, stdout=log, stderr=log
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.returncode is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(f"{url}/readyz")).status_code == 200:
+                    return proc, url
+            await asyncio.sleep(0.1)
+    await _stop(proc)
+    raise RuntimeError(f"the gateway did not become ready (see {log.name})")
+
+
+def _log_file(path: Path) -> IO[bytes]:
+    # Children write their logs straight into the file, so the bench never has to drain a pipe.
+    return open(path, "wb")
+
+
+@contextlib.asynccontextmanager
+async def targets(args: argparse.Namespace, out: Path) -> AsyncIterator[Targets]:
+    """The target named on the command line, or spawned ones that are stopped on exit."""
+    mode = args.mode or ("sync" if args.spawn_sluice else "direct")
+    capacity = args.capacity
+    source = "--capacity" if capacity else None
+    if not args.spawn_sim:
+        if args.spawn_sluice:
+            raise RuntimeError("--spawn-sluice needs --spawn-sim (the engine it fronts)")
+        if not args.target:
+            raise RuntimeError("give --target URL, or --spawn-sim PRESET")
+        url = args.target.rstrip("/").removesuffix("/v1")
+        engine = args.engine_metrics or (f"{url}/metrics" if mode == "direct" else None)
+        gateway = f"{url}/metrics" if mode != "direct" else None
+        yield Targets(url, mode, engine, gateway, capacity, source)
+        return
+
+    from sluice.sim import capacity_rps, estimate_chat_tokens, preset
+
+    params = preset(args.spawn_sim)  # KeyError for an unknown name, before anything starts
+    if capacity is None:
+        capacity = capacity_rps(params, args.max_tokens, estimate_chat_tokens([PROMPT]))
+        source = f"simulator formula (preset {args.spawn_sim})"
+    found = Targets("", mode, capacity=capacity, capacity_source=source)
+    with contextlib.ExitStack() as logs:
+        try:
+            sim_log = logs.enter_context(_log_file(out / "sim.log"))
+            proc, sim_url = await _spawn_sim(args.spawn_sim, sim_log)
+            found.processes.append(proc)
+            found.engine_metrics = f"{sim_url}/metrics"
+            found.target = sim_url
+            if args.spawn_sluice:
+                gw_log = logs.enter_context(_log_file(out / "sluice.log"))
+                extra = shlex.split(args.sluice_args)
+                proc, gw_url = await _spawn_sluice(sim_url, params.max_num_seqs, extra, gw_log)
+                found.processes.append(proc)
+                found.target, found.gateway_metrics = gw_url, f"{gw_url}/metrics"
+            elif mode != "direct":
+                raise RuntimeError(f"--mode {mode} needs a gateway: add --spawn-sluice")
+            yield found
+        finally:
+            for proc in reversed(found.processes):
+                await _stop(proc)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def _counter(values: dict[str, float], name: str, **labels: str) -> float | None:
+    """Sum of the samples of ``name`` whose labels include ``labels``; None if there is none."""
+    if not labels:
+        return values.get(name)
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    hits = [v for k, v in values.items() if k.startswith(name + "{") and all(w in k for w in want)]
+    return sum(hits) if hits else None
+
+
+def _delta(after: float | None, before: float | None) -> int | None:
+    return None if after is None or before is None else round(after - before)
+
+
+async def _discover_model(http: httpx.AsyncClient, url: str) -> str | None:
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        response = await http.get(f"{url}/v1/models", timeout=5.0)
+        return str(response.json()["data"][0]["id"])
+    return None
+
+
+async def _idle_rtt(http: httpx.AsyncClient, url: str, n: int = 20) -> float | None:
+    """Median round trip of a trivial request before the load starts: the floor under every time
+    the clients measure (this HTTP client, the loopback, the target's framework)."""
+    times: list[float] = []
+    for _ in range(n):
+        started = time.perf_counter()
+        try:
+            await http.get(f"{url}/v1/models", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        times.append(time.perf_counter() - started)
+    return sorted(times)[n // 2]
+
+
+async def _settle(sampler: MetricsSampler) -> int | None:
+    """Requests still queued or running at the targets after a grace period; None if unknown."""
+    from sluice.bench_load import QUEUE_GAUGES
+
+    deadline = time.monotonic() + SETTLE_S
+    left: int | None = None
+    while True:
+        values = await sampler.scrape()
+        present = [values[k] for k in QUEUE_GAUGES if k in values]
+        left = round(sum(present)) if present else None
+        if not left or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.2)
+
+
+async def measure(args: argparse.Namespace, found: Targets, profile: Profile) -> dict[str, Any]:
+    """Drive one run against ``found`` and return its result (config, summary, records, samples)."""
+    schedule = arrivals(profile, args.seed)
+    timeout = args.client_timeout if args.client_timeout and args.client_timeout > 0 else None
+    label = args.label or f"{found.mode}-{profile.kind}"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        model = args.model or await _discover_model(http, found.target)
+        metric_urls = [u for u in (found.gateway_metrics, found.engine_metrics) if u]
+        sampler = MetricsSampler(http, list(dict.fromkeys(metric_urls)))
+        before = await sampler.scrape()
+        rtt = await _idle_rtt(http, found.target)
+        client = Client(
+            http,
+            found.target,
+            mode=found.mode,
+            model=model,
+            max_tokens=args.max_tokens,
+            client_timeout=timeout,
+            stream=args.stream,
+            users=max(args.users, 1),
+        )
+        bar = _progress(len(schedule), label, disabled=args.no_progress)
+        tally: dict[str, int] = {}
+
+        def done(record: Record) -> None:
+            tally[record.outcome or "?"] = tally.get(record.outcome or "?", 0) + 1
+            if bar is not None:
+                bar.set_postfix(tally, refresh=False)
+                bar.update(1)
+
+        load_before = os.getloadavg()[0]
+        client.origin = sampler.origin = time.perf_counter()
+        sampling = asyncio.create_task(sampler.run_forever())
+        try:
+            records = await run_load(client, schedule, done)
+        finally:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+            if bar is not None:
+                bar.close()
+        stuck = await _settle(sampler) if metric_urls else None
+        after = await sampler.scrape()
+
+    counters: dict[str, Any] = {
+        "engine_generated_tokens": _delta(
+            after.get("vllm:generation_tokens_total"), before.get("vllm:generation_tokens_total")
+        ),
+        "engine_wasted_tokens": _delta(
+            after.get("sim:wasted_generation_tokens_total"), before.get("sim:wasted_generation_tokens_total")
+        ),
+        "server_admitted": _delta(
+            _counter(after, "sluice_admissions_total", outcome="admitted"),
+            _counter(before, "sluice_admissions_total", outcome="admitted") or 0.0,
+        ),
+        "stuck": stuck,
+    }
+    summary = summarize(records, duration=profile.duration, capacity=found.capacity, counters=counters)
+    summary["idle_rtt_s"] = rtt
+    argv = sys.argv[1:]
+    config = {
+        "mode": found.mode,
+        "target": "spawned" if args.spawn_sim else found.target,
+        "spawn_sim": args.spawn_sim,
+        "spawn_sluice": args.spawn_sluice,
+        "sluice_args": args.sluice_args,
+        "model": model,
+        "profile": {
+            "kind": profile.kind,
+            "rate": profile.rate,
+            "duration": profile.duration,
+            "peak": profile.peak,
+            "spike_at": profile.spike_at,
+            "spike_for": profile.spike_for,
+            "to": profile.to,
+        },
+        "profile_text": profile.describe(),
+        "duration": profile.duration,
+        "seed": args.seed,
+        "client_timeout": timeout,
+        "max_tokens": args.max_tokens,
+        "stream": args.stream,
+        "users": args.users,
+        "capacity_rps": found.capacity,
+        "capacity_source": found.capacity_source,
+        "command": "sluice " + shlex.join(argv) if argv[:1] == ["bench"] else None,
+        # Everything shares the machine's cores: a busy machine slows the simulator and the gateway.
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
+    }
+    return {
+        "version": RESULT_VERSION,
+        "label": label,
+        "config": config,
+        "summary": summary,
+        "arrivals": schedule,
+        "samples": sampler.samples,
+        "records": [r.to_json() for r in records],
+    }
+
+
+def _progress(total: int, label: str, *, disabled: bool) -> Any:
+    if disabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", mininterval=0.5, file=sys.stderr)
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    return Profile(
+        kind=args.profile,
+        rate=args.rate,
+        duration=args.duration,
+        peak=args.peak,
+        spike_at=args.spike_at,
+        spike_for=args.spike_for,
+        to=args.to,
+    )
+
+
+def _write(out: Path, name: str, results: list[dict[str, Any]], plot: bool) -> list[Path]:
+    table = out / f"{name}.md"
+    table.write_text(markdown(results))
+    written = [table]
+    if plot:
+        png = out / f"{name}.png"
+        if len(results) == 1:
+            plot_run(results[0], png)
+        else:
+            plot_compare(results, png)
+        written.append(png)
+    return written
+
+
+async def _main(args: argparse.Namespace) -> int:
+    profile = _profile(args)
+    out: Path = args.out
+    async with targets(args, out) as found:
+        result = await measure(args, found, profile)
+    label = result["label"]
+    write_result(out / f"{label}.json", result)
+    written = [out / f"{label}.json", *_write(out, label, [result], not args.no_plot)]
+    print(markdown([result]))
+    lag = result["summary"]["send_lag_s"]["p99"]
+    if lag is not None and lag > MAX_SEND_LAG_S:
+        print(
+            f"warning: requests left up to {lag * 1000:.0f} ms late (p99); the generator could not keep "
+            "up and under-reports the offered load",
+            file=sys.stderr,
+        )
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    try:
+        results = [load_result(p) for p in args.results]
+    except (OSError, ValueError) as exc:
+        print(f"sluice bench compare: {exc}", file=sys.stderr)
+        return 2
+    out: Path = args.out or args.results[0].parent
+    out.mkdir(parents=True, exist_ok=True)
+    written = _write(out, args.name, results, plot=True)
+    print(markdown(results))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "compare":
+        return _compare(args)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(_main(args))
+    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+        print(f"sluice bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
