@@ -9,7 +9,7 @@ import copy
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from importlib import resources
 from typing import Any
 
@@ -21,6 +21,7 @@ from sluice.broker.base import Broker, BrokerUnavailable, EventType, job_view
 from sluice.broker.keys import QueueKeys
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
+from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from tests.broker.conformance import BrokerConformance, make_settings
@@ -151,18 +152,18 @@ async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
 async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server: RedisServer) -> None:
     clock = FakeClock()
     declared: list[tuple[str, list[str]]] = []
-    original = Script.__call__
+    original = Script.command
 
-    async def spy(self: Script, client: Redis, keys: list[str], args: list[Any]) -> Any:
+    def spy(self: Script, keys: Sequence[str], args: Sequence[str | int | float]) -> tuple[Any, ...]:
         declared.append((self.name, list(keys)))
-        return await original(self, client, keys, args)
+        return original(self, keys, args)
 
-    Script.__call__ = spy  # type: ignore[method-assign]
+    Script.command = spy  # type: ignore[method-assign]
     try:
         async with _Monitor(redis_server.port) as monitor, RedisBroker(redis_url, make_settings(clock)) as b:
             await _exercise(b, clock)
     finally:
-        Script.__call__ = original  # type: ignore[method-assign]
+        Script.command = original  # type: ignore[method-assign]
 
     slot = key_slot(QueueKeys().prefix)
     names = {name for name, _ in declared}
@@ -196,7 +197,7 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                 got = await r.eval(
                     lib + "local P, t, m, c = ARGV[1], ARGV[2], ARGV[3], ARGV[4]\n"
                     "return {job_key(P, t), out_key(P, t), tq_key(P, m, c, t), sched_key(P, m, c),"
-                    " fq_key(P, m, c), marker_key(P, m)}",
+                    " state_key(P, m), marker_key(P, m)}",
                     0,
                     keys.prefix,
                     tenant,
@@ -208,7 +209,7 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                     keys.out(tenant),
                     keys.tq(model, "normal", tenant),
                     keys.sched(model, "normal"),
-                    keys.fq(model, "normal"),
+                    keys.state(model),
                     keys.marker(model),
                 ]
 
@@ -485,28 +486,27 @@ async def test_claim_cancelled_in_flight_hands_the_job_back(
     job, later = make_job(clock), make_job(clock)
     await broker.admit(job)
     await broker.admit(later)
-    original = Script.__call__
-    in_flight = asyncio.Event()
+    original = Batcher._send
+    in_flight, sent = asyncio.Event(), asyncio.Event()
 
-    async def slow(self: Script, client: Redis, keys: list[str], args: list[Any]) -> Any:
-        reply = await original(self, client, keys, args)
-        if self.name == "claim":
+    async def slow(self: Batcher, batch: list[Any], retried: bool = False) -> None:
+        claiming = any(broker.scripts["claim"].sha in e.command for e in batch)
+        if claiming:
             in_flight.set()
-            await asyncio.sleep(0.2)  # the reply is "on the wire" when the cancel lands
-        return reply
+            await asyncio.sleep(0.2)  # the claim is on its way when the cancel lands
+        await original(self, batch, retried)
+        if claiming:
+            sent.set()
 
-    monkeypatch.setattr(Script, "__call__", slow)
+    monkeypatch.setattr(Batcher, "_send", slow)
     task = asyncio.create_task(broker.claim("w", ["m"], timeout=1))
     await in_flight.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    monkeypatch.setattr(Script, "__call__", original)
-
-    async def released() -> bool:
-        return await broker.position(job.id) is not None
-
-    await wait_until(released, timeout=5)
+    monkeypatch.setattr(Batcher, "_send", original)
+    await asyncio.wait_for(sent.wait(), 5)
+    await wait_until(lambda: not broker._releases, timeout=5)
     back = await broker.get(job.id)
     assert back is not None and back.state is JobState.QUEUED and back.attempts == 0
     assert await broker.position(job.id) == 0

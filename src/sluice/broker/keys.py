@@ -63,13 +63,12 @@ class QueueKeys:
         """Zset: backlogged tenants of a class, ``<seq><tenant>`` → start tag (SFQ). Mirrored in Lua."""
         return f"{self.prefix}sched:{part(model)}:{part(cls)}"
 
-    def fq(self, model: str, cls: str) -> str:
-        """Hash: a class's fair-queue state (vtime, seq, jobs, tokens, tenants' tags). Mirrored in Lua."""
-        return f"{self.prefix}fq:{part(model)}:{part(cls)}"
-
-    def credit(self, model: str) -> str:
-        """Hash: class → credit earned towards its minimum share (ClassScheduler.credit)."""
-        return f"{self.prefix}credit:{part(model)}"
+    def state(self, model: str) -> str:
+        """Hash: a model's queue state, read and written in one call by the scripts. Per class ``<c>``
+        (escaped): ``j:<c>`` jobs, ``k:<c>`` tokens, ``c:<c>`` credit, ``v:<c>`` virtual time,
+        ``s:<c>`` sequence; per class and tenant: ``t:<c>:<tenant>`` start tag and ``f:<c>:<tenant>``
+        finish tag. Mirrored in Lua."""
+        return f"{self.prefix}qs:{part(model)}"
 
     def marker(self, model: str) -> str:
         """Zset: wake-up marker that idle claimers block on (BZPOPMIN). Mirrored in Lua."""
@@ -108,9 +107,10 @@ class QueueKeys:
         return f"{self.prefix}running"
 
     @property
-    def drain(self) -> str:
-        """Hash: ``p:<model>`` per-slot drain rate and ``n:<model>`` samples (DrainRate)."""
-        return f"{self.prefix}drain"
+    def capacity(self) -> str:
+        """Hash: per model, ``p:<model>`` per-slot drain rate and ``n:<model>`` samples (DrainRate),
+        and ``s:<model>`` the slots of the live workers (rebuilt whenever a worker comes or goes)."""
+        return f"{self.prefix}capacity"
 
     @property
     def workers(self) -> str:
@@ -121,11 +121,6 @@ class QueueKeys:
     def worker_slots(self) -> str:
         """Hash: worker id → JSON ``{model: slots}``."""
         return f"{self.prefix}wslots"
-
-    @property
-    def slots(self) -> str:
-        """Hash: model → slots of the live workers, recomputed whenever a worker comes or goes."""
-        return f"{self.prefix}slots"
 
     @property
     def maintain_lock(self) -> str:

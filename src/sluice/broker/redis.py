@@ -16,29 +16,20 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import json
 import logging
 import secrets
 import types
 import typing
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, TypeVar, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import (
-    NoScriptError,
-    ReadOnlyError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from sluice.broker.base import (
     TERMINAL_EVENTS,
@@ -49,12 +40,16 @@ from sluice.broker.base import (
     Event,
     EventType,
     ModelStats,
+    job_view,
 )
-from sluice.broker.keys import QueueKeys
+from sluice.broker.keys import QueueKeys, part
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
+from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
+
+__all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
 log = logging.getLogger(__name__)
 
@@ -76,55 +71,6 @@ _CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
 _EXHAUSTED = JobError(
     "The worker running the job was lost {attempts} times; giving up.", "server_error", "attempts_exhausted"
 )
-
-
-__all__ = ["BrokerUnavailable", "RedisBroker"]
-
-
-def _unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError | TryAgainError | OSError):
-        return True
-    # OOM under noeviction, MISCONF (persistence failing), a replica that lost its master.
-    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in (
-        "OOM",
-        "MISCONF",
-        "NOREPLICAS",
-        "MASTERDOWN",
-        "CLUSTERDOWN",
-        "LOADING",
-    )
-
-
-# --- scripts ----------------------------------------------------------------------------------
-
-
-def _load_source(name: str) -> str:
-    """A script's text with its ``-- @include <file>`` lines replaced by those files."""
-    folder = resources.files("sluice") / "lua"
-    lines = []
-    for line in (folder / f"{name}.lua").read_text(encoding="utf-8").splitlines():
-        if line.startswith("-- @include "):
-            lines.append((folder / line.removeprefix("-- @include ").strip()).read_text(encoding="utf-8"))
-        else:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
-class Script:
-    """A Lua script run by SHA (EVALSHA), loaded again when the server does not know it (a restart)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.source = _load_source(name)
-        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-
-    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await client.script_load(self.source)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-
 
 SCRIPT_NAMES = (
     "admit",
@@ -160,66 +106,114 @@ def _field_kinds() -> dict[str, tuple[str, Any]]:
             hint = args[0]
         if hint is str:
             kinds[f.name] = ("str", str)
+        elif hint is int or hint is float:
+            kinds[f.name] = ("num", hint)
         elif isinstance(hint, type) and issubclass(hint, enum.Enum):
             kinds[f.name] = ("enum", hint)
         elif hint is JobError:
             kinds[f.name] = ("error", JobError)
-        else:  # int, float, dict, list
+        else:  # dicts and lists
             kinds[f.name] = ("json", hint)
     return kinds
 
 
 _KINDS = _field_kinds()
 
+#: Job fields the scripts read or write, each a field of the record hash. The others never change
+#: after admission and travel as one JSON field, ``spec``: every argument and reply element that
+#: crosses into a script costs Redis time, and a record is read whole on every claim and finish.
+OWN_FIELDS = frozenset(
+    {
+        "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
+        "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
+        "error", "extra",
+    }
+)  # fmt: skip
+
+
+Conv = Callable[[Any], Any] | None  # None: the value as it is
+Plan = list[tuple[str, Conv]]
+
+
+def _num_text(cls: type) -> Callable[[Any], str]:
+    return lambda value: repr(cls(value))  # repr of an int or a float is its JSON text
+
+
+def _convs(kind: str, cls: Any) -> tuple[Conv, Conv, Conv, Conv]:
+    """(to hash text, to spec JSON, from hash text, from spec JSON) for one kind of field."""
+    if kind == "str":
+        return None, None, None, None
+    if kind == "num":
+        return _num_text(cls), None, cls, cls
+    if kind == "enum":
+        return (lambda v: v.value), (lambda v: v.value), cls, cls
+    if kind == "error":
+        return (
+            lambda v: _json(v.to_dict()),
+            lambda v: v.to_dict(),
+            lambda t: JobError(**json.loads(t)),
+            lambda d: JobError(**d),
+        )
+    return _json, None, json.loads, None
+
+
+def _plans() -> tuple[Plan, Plan, Plan, Plan]:
+    """How each field is written and read: own field out, spec out, own field in, spec in."""
+    own_out: Plan = []
+    spec_out: Plan = []
+    own_in: Plan = []
+    spec_in: Plan = []
+    for name, (kind, cls) in _KINDS.items():
+        text_out, json_out, text_in, json_in = _convs(kind, cls)
+        if name in OWN_FIELDS:
+            own_out.append((name, text_out))
+            own_in.append((name, text_in))
+        else:
+            spec_out.append((name, json_out))
+            spec_in.append((name, json_in))
+    return own_out, spec_out, own_in, spec_in
+
+
+_OWN_OUT, _SPEC_OUT, _OWN_IN, _SPEC_IN = _plans()
+
 
 def encode_job(job: Job) -> list[str]:
     """Field, value pairs of the job's hash; None is left out. ``cost`` is added for the scripts."""
     out = ["cost", str(job.cost)]
-    for name, (kind, _) in _KINDS.items():
+    for name, conv in _OWN_OUT:
         value = getattr(job, name)
-        if value is None:
-            continue
-        if kind == "str":
-            text = value
-        elif kind == "enum":
-            text = str(value.value)
-        elif kind == "error":
-            text = _json(value.to_dict())
-        else:
-            text = _json(value)
-        out += [name, text]
+        if value is not None:
+            out += [name, value if conv is None else conv(value)]
+    spec = {}
+    for name, conv in _SPEC_OUT:
+        value = getattr(job, name)
+        if value is not None:
+            spec[name] = value if conv is None else conv(value)
+    out += ["spec", _json(spec)]
     return out
 
 
 def decode_job(data: Mapping[str, str]) -> Job:
     values: dict[str, Any] = {}
-    for name, (kind, cls) in _KINDS.items():
+    spec = json.loads(data["spec"])
+    for name, conv in _SPEC_IN:
+        value = spec.get(name)
+        if value is not None:
+            values[name] = value if conv is None else conv(value)
+    for name, conv in _OWN_IN:
         text = data.get(name)
-        if text is None:
-            continue
-        if kind == "str":
-            values[name] = text
-        elif kind == "enum":
-            values[name] = cls(text)
-        elif kind == "error":
-            values[name] = JobError(**json.loads(text))
-        else:
-            values[name] = json.loads(text)
+        if text is not None:
+            values[name] = text if conv is None else conv(text)
     return Job(**values)
 
 
 def _pairs(flat: Sequence[Any]) -> dict[str, str]:
-    return {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
 
 
 def _bound(value: int | None) -> int:
     return -1 if value is None else value
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    """A shielded call whose caller went away still finishes; nobody reads its outcome."""
-    if not task.cancelled():
-        task.exception()
 
 
 @dataclass(frozen=True)
@@ -272,20 +266,22 @@ class RedisBroker(Broker):
             "socket_connect_timeout": connect_timeout_s,
             "retry": retry,
         }
+        # No socket timeouts: each call or pipeline gets one asyncio timeout instead (socket_timeout_s
+        # for commands, above the block time for blocking reads). With a socket timeout redis-py
+        # arms a timer around every reply and sends through asyncio.wait_for, which on Python 3.11
+        # can swallow a cancel and would leave a cancelled claim blocked for 10 s.
+        self._timeout = socket_timeout_s
         self._redis = Redis.from_pool(
-            BlockingConnectionPool.from_url(
+            make_pool(
                 url,
                 max_connections=max_connections,
                 timeout=pool_timeout_s,
-                socket_timeout=socket_timeout_s,
+                socket_timeout=None,
                 **common,
             )
         )
-        # Blocking reads get no socket timeout but an asyncio one around each call, above the block
-        # time: redis-py sends through asyncio.wait_for when a socket timeout is set, and on Python
-        # 3.11 that can swallow a cancel, which would leave a cancelled claim blocked for 10 s.
         self._blocking = Redis.from_pool(
-            BlockingConnectionPool.from_url(
+            make_pool(
                 url,
                 max_connections=blocking_connections + 1,
                 timeout=pool_timeout_s,
@@ -294,11 +290,10 @@ class RedisBroker(Broker):
             )
         )
         self._reader = Redis.from_pool(
-            BlockingConnectionPool.from_url(
-                url, max_connections=1, timeout=None, socket_timeout=None, **common
-            )
+            make_pool(url, max_connections=1, timeout=None, socket_timeout=None, **common)
         )
         self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
+        self._batch = Batcher(self._redis, timeout=socket_timeout_s)
         self._hub = StreamHub(self._reader, self._redis, self.keys.wake(secrets.token_hex(8)))
         self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
         self._tokens: dict[tuple[str, str], str] = {}
@@ -322,44 +317,35 @@ class RedisBroker(Broker):
         await self._aborts.close()
         if self._releases:
             await asyncio.wait(self._releases, timeout=2.0)
+        await self._batch.drain()
         for client in (self._redis, self._blocking, self._reader):
             await client.aclose()
 
     async def ping(self) -> bool:
         """Whether Redis answers now (for readiness probes)."""
         try:
-            return bool(await self._redis.ping())
-        except RedisError:
+            return bool(await self._io(self._redis.ping()))
+        except BrokerUnavailable:
             return False
 
     async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
-        try:
-            reply = await self.scripts[name](self._redis, keys, args)
-        except (RedisError, OSError) as exc:
-            if _unavailable(exc):
-                raise BrokerUnavailable(f"Redis is unavailable: {exc}") from exc
-            raise
-        check_cancelled()
-        return reply
+        """Run a script, in the next pipeline. It runs whole even if the caller is cancelled (a
+        client hung up): a state change is applied entirely or not at all."""
+        script = self.scripts[name]
+        return await self._batch.call(script.command(keys, args), script=script)
 
-    async def _io(self, awaitable: Awaitable[T]) -> T:
-        """A plain command (or pipeline) with the same error mapping as scripts."""
+    async def _io(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
+        """A command outside the pipelines (blocking reads, stats), with the same error mapping;
+        ``timeout`` defaults to the command timeout."""
         try:
-            result = await awaitable
+            async with asyncio.timeout(timeout or self._timeout):
+                result = await awaitable
+        except TimeoutError as exc:
+            raise BrokerUnavailable("Redis did not answer in time") from exc
         except (RedisError, OSError) as exc:
-            if _unavailable(exc):
-                raise BrokerUnavailable(f"Redis is unavailable: {exc}") from exc
-            raise
+            raise translate(exc) from exc
         check_cancelled()
         return result
-
-    @staticmethod
-    async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
-        """Run to the end even if the caller is cancelled (a client hung up): a state change is
-        either fully applied or not at all, and the connection is never dropped mid-reply."""
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(_consume)
-        return await asyncio.shield(task)
 
     def _now(self) -> str:
         return repr(float(self.now()))
@@ -381,7 +367,7 @@ class RedisBroker(Broker):
     async def admit(self, job: Job) -> Admission:
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
-        return await self._shielded(self._admit(job))
+        return await self._admit(job)
 
     async def _admit(self, job: Job) -> Admission:
         k = self.keys
@@ -396,23 +382,20 @@ class RedisBroker(Broker):
             k.tq(job.model, job.priority, job.tenant),
             k.sched(job.model, job.priority),
             idem,
+            k.state(job.model),
             k.deadline,
             k.models,
-            k.drain,
+            k.capacity,
             k.workers,
             k.worker_slots,
-            k.slots,
             k.marker(job.model),
-            *(k.fq(job.model, c) for c in self._class_names),
         ]
         args: list[str | int | float] = [
             repr(float(now)),
-            k.prefix,
             job.id,
             job.model,
             job.tenant,
-            self._class_names.index(job.priority) + 1,
-            len(self._class_names),
+            job.priority,
             job.cost,
             repr(float(job.deadline)),
             _bound(limits.model.max_jobs),
@@ -422,6 +405,8 @@ class RedisBroker(Broker):
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
             STREAM_MAXLEN,
+            len(self._class_names),
+            *self._class_names,
             *encode_job(job),
         ]
         reply = await self._call("admit", keys, args)
@@ -456,7 +441,7 @@ class RedisBroker(Broker):
         raise RuntimeError("the admit script refused a job that admission.check() accepts")
 
     async def _record(self, job_id: str) -> dict[str, str]:
-        return cast(dict[str, str], await self._io(self._redis.hgetall(self.keys.job(job_id))))
+        return cast(dict[str, str], await self._batch.call(("HGETALL", self.keys.job(job_id))))
 
     async def get(self, job_id: str) -> Job | None:
         data = await self._record(job_id)
@@ -478,19 +463,23 @@ class RedisBroker(Broker):
 
     async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
         key = self.keys.out(job_id)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hget(self.keys.job(job_id), "state")
-            pipe.xrange(key, f"0-{max(after, 0) + 1}", "+")
-            state, backlog = await self._io(pipe.execute())
+        last = max(after, 0)
+        # Event 1 (QUEUED) is kept in the record; the stream starts at 0-2 (see admit.lua).
+        record = self._batch.call(("HMGET", self.keys.job(job_id), "state", "q"))
+        stream = self._batch.call(("XRANGE", key, f"0-{max(last + 1, 2)}", "+"))
+        (state, queued), backlog = await asyncio.gather(record, stream)
         if state is None:
             return
-        last = max(after, 0)
+        if last < 1 and queued is not None:
+            last = 1
+            yield Event(1, EventType.QUEUED, json.loads(queued))
         for entry_id, fields in backlog:
             event = decode_event(entry_id, fields)
             last = event.id
-            yield event
             if event.type in TERMINAL_EVENTS:
+                yield await self._terminal(job_id, event)
                 return
+            yield event
         if JobState(state) in TERMINAL_STATES:
             return  # resumed after the terminal event: nothing more will come
         async with self._hub.subscribe(key, last) as sub:
@@ -500,18 +489,24 @@ class RedisBroker(Broker):
                         event = await sub.queue.get()
                 except TimeoutError:
                     return
-                yield event
                 if event.type in TERMINAL_EVENTS:
+                    yield await self._terminal(job_id, event)
                     return
+                yield event
+
+    async def _terminal(self, job_id: str, event: Event) -> Event:
+        """A terminal event carries the job's view, read from its record, which no longer changes."""
+        job = await self.get(job_id)
+        return Event(event.id, event.type, job_view(job) if job else {"id": job_id, "object": "job"})
 
     async def cancel(self, job_id: str) -> Job | None:
-        return await self._shielded(self._cancel(job_id))
+        return await self._cancel(job_id)
 
     async def _cancel(self, job_id: str) -> Job | None:
         k = self.keys
         reply = await self._call(
             "cancel",
-            [k.job(job_id), k.out(job_id), k.deadline, k.results, k.running],
+            [k.job(job_id), k.deadline, k.results, k.running],
             [
                 self._now(),
                 k.prefix,
@@ -526,35 +521,37 @@ class RedisBroker(Broker):
 
     async def position(self, job_id: str) -> int | None:
         k = self.keys
-        pos = int(await self._call("position", [k.job(job_id)], [k.prefix, *self._class_names]))
+        pos = int(await self._call("position", [k.job(job_id)], [k.prefix, job_id, *self._class_names]))
         return None if pos < 0 else pos
 
     async def stats(self) -> dict[str, ModelStats]:
         k = self.keys
-        slots = {m: int(n) for m, n in (await self._workers("list")).items()}
+        capacity = await self._workers("list")
+        slots = {f[2:]: int(n) for f, n in capacity.items() if f.startswith("s:")}
         models = sorted(cast(set[str], await self._io(self._redis.smembers(k.models))) | set(slots))
+        fields = [f"{kind}:{part(c)}" for c in self._class_names for kind in ("j", "k")]
         async with self._redis.pipeline(transaction=False) as pipe:
             for model in models:
-                for cls in self._class_names:
-                    pipe.hmget(k.fq(model, cls), ["jobs", "tokens"])
-                pipe.hget(k.running, model)
-                pipe.hmget(k.drain, [f"p:{model}", f"n:{model}"])
+                pipe.hmget(k.state(model), fields)
+            pipe.hgetall(k.running)
             replies: list[Any] = await self._io(pipe.execute())
+        running: dict[str, str] = replies[-1]
         out: dict[str, ModelStats] = {}
-        per_model = len(self._class_names) + 2
-        for i, model in enumerate(models):
-            chunk = replies[i * per_model : (i + 1) * per_model]
-            jobs = sum(int(j or 0) for j, _ in chunk[:-2])
-            tokens = sum(int(t or 0) for _, t in chunk[:-2])
-            per_slot, samples = chunk[-1]
+        for model, counts in zip(models, replies, strict=False):
             drain = DrainRate(
                 prior_per_slot=self.settings.drain_prior_per_slot,
-                per_slot=float(per_slot or 0.0),
-                samples=int(samples or 0),
+                per_slot=float(capacity.get(f"p:{model}", 0.0)),
+                samples=int(capacity.get(f"n:{model}", 0)),
                 slots=slots.get(model, 0),
             )
-            running = int(chunk[-2] or 0)
-            out[model] = ModelStats(jobs, tokens, running, drain.slots, drain.rate, drain.measured)
+            out[model] = ModelStats(
+                sum(int(n or 0) for n in counts[0::2]),
+                sum(int(n or 0) for n in counts[1::2]),
+                int(running.get(model, 0)),
+                drain.slots,
+                drain.rate,
+                drain.measured,
+            )
         return out
 
     async def dead_letters(self) -> dict[str, float]:
@@ -573,7 +570,7 @@ class RedisBroker(Broker):
         expires = self.now() + max(self.settings.lease_s, 1.0)
         reply = await self._call(
             "workers",
-            [k.workers, k.worker_slots, k.slots],
+            [k.workers, k.worker_slots, k.capacity],
             [self._now(), op, worker_id, repr(float(expires)), _json(dict(sorted((slots or {}).items())))],
         )
         return _pairs(reply)
@@ -585,7 +582,8 @@ class RedisBroker(Broker):
         await self._workers("unregister", worker_id)
 
     async def served_models(self) -> dict[str, int]:
-        return {m: int(n) for m, n in (await self._workers("list")).items() if int(n) > 0}
+        capacity = await self._workers("list")
+        return {f[2:]: int(n) for f, n in capacity.items() if f.startswith("s:") and int(n) > 0}
 
     def _plan(self, models: Sequence[str]) -> _ClaimPlan:
         plan = self._plans.get(tuple(models))
@@ -593,8 +591,7 @@ class RedisBroker(Broker):
             k = self.keys
             keys = [k.active, k.deadline, k.results, k.running]
             for model in models:
-                keys += [k.credit(model), k.marker(model)]
-                keys += [k.fq(model, c) for c in self._class_names]
+                keys += [k.state(model), k.marker(model)]
                 keys += [k.sched(model, c) for c in self._class_names]
             tail = [*self._class_names, *self._min_shares, *models]
             plan = self._plans[tuple(models)] = _ClaimPlan(keys, [k.marker(m) for m in models], tail)
@@ -607,37 +604,38 @@ class RedisBroker(Broker):
         plan = self._plan(models)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
+        script = self.scripts["claim"]
         while True:
             token = secrets.token_hex(8)
-            call = asyncio.ensure_future(
-                self._call(
-                    "claim",
-                    plan.keys,
-                    [
-                        self._now(),
-                        self.keys.prefix,
-                        repr(float(self.settings.lease_s)),
-                        worker_id,
-                        token,
-                        repr(float(self.settings.result_ttl_s)),
-                        STREAM_MAXLEN,
-                        len(self._class_names),
-                        len(models),
-                        EXPIRED_PER_CLAIM,
-                        _json(_EXPIRED.to_dict()),
-                        *plan.tail,
-                    ],
-                )
+            command = script.command(
+                plan.keys,
+                [
+                    self._now(),
+                    self.keys.prefix,
+                    repr(float(self.settings.lease_s)),
+                    worker_id,
+                    token,
+                    repr(float(self.settings.result_ttl_s)),
+                    STREAM_MAXLEN,
+                    len(self._class_names),
+                    len(models),
+                    EXPIRED_PER_CLAIM,
+                    _json(_EXPIRED.to_dict()),
+                    *plan.tail,
+                ],
             )
-            try:
-                reply = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                # The claim may still go through: hand that job straight back rather than leave it
-                # leased to nobody until the lease runs out.
-                release = asyncio.ensure_future(self._release_claimed(call, worker_id, token))
+
+            def orphan(reply: Any, worker_id: str = worker_id, token: str = token) -> None:
+                # The caller was cancelled but its claim went through: hand that job straight
+                # back rather than leave it leased to nobody until the lease runs out.
+                release = asyncio.ensure_future(self._release_claimed(reply, worker_id, token))
                 self._releases.add(release)
                 release.add_done_callback(self._releases.discard)
-                raise
+
+            try:
+                reply = await self._batch.submit(command, script=script, orphan=orphan)
+            except (RedisError, OSError) as exc:
+                raise translate(exc) from exc
             code = int(reply[0])
             if code == 1:
                 job = decode_job(_pairs(reply[1:]))
@@ -650,20 +648,13 @@ class RedisBroker(Broker):
                 return None
             # Redis reads a zero timeout as "forever".
             block = max(min(remaining, CLAIM_BLOCK_S), 0.01)
-            try:
-                async with asyncio.timeout(block + 5.0):  # a connection that died silently
-                    await self._io(self._blocking.bzpopmin(plan.markers, timeout=block))
-            except TimeoutError as exc:
-                raise BrokerUnavailable("Redis did not answer a blocking claim") from exc
+            # The timeout above the block notices a connection that died silently.
+            await self._io(self._blocking.bzpopmin(plan.markers, timeout=block), timeout=block + 5.0)
 
-    async def _release_claimed(self, call: asyncio.Future[Any], worker_id: str, token: str) -> None:
-        try:
-            reply = await call
-        except Exception:
-            return
+    async def _release_claimed(self, reply: Any, worker_id: str, token: str) -> None:
         if int(reply[0]) != 1:
             return
-        job_id = _pairs(reply[1:])["id"]
+        job_id = decode_job(_pairs(reply[1:])).id
         k = self.keys
         with contextlib.suppress(Exception):
             await self._call(
@@ -716,14 +707,14 @@ class RedisBroker(Broker):
             fields += ["attempts", str(attempts)]
         if backend is not None:
             fields += ["backend", backend]
-        return await self._shielded(self._finish(job_id, worker_id, state, fields))
+        return await self._finish(job_id, worker_id, state, fields)
 
     async def _finish(self, job_id: str, worker_id: str, state: JobState, fields: list[str]) -> Job | None:
         k = self.keys
         token = self._tokens.pop((worker_id, job_id), "")
         reply = await self._call(
             "finish",
-            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.drain],
+            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.capacity],
             [
                 self._now(),
                 k.prefix,

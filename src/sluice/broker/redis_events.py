@@ -59,8 +59,10 @@ async def stop_task(task: asyncio.Task[None] | None) -> None:
 
 
 def decode_event(entry_id: str, fields: dict[str, str]) -> Event:
-    """A stream entry ``0-<seq>`` with fields ``t`` (type) and ``d`` (JSON data)."""
-    return Event(int(entry_id.rpartition("-")[2]), EventType(fields["t"]), json.loads(fields["d"]))
+    """A stream entry ``0-<seq>`` with fields ``t`` (type) and ``d`` (JSON data; empty for a terminal
+    event, whose data the reader builds from the job's record)."""
+    data = fields["d"]
+    return Event(int(entry_id.rpartition("-")[2]), EventType(fields["t"]), json.loads(data) if data else {})
 
 
 class Signal:
@@ -122,7 +124,7 @@ class StreamHub:
             # The running read does not include this stream yet.
             self._woken = True
             with contextlib.suppress(*_TRANSIENT):
-                async with self._commands.pipeline(transaction=False) as pipe:
+                async with asyncio.timeout(2.0), self._commands.pipeline(transaction=False) as pipe:
                     pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
                     pipe.pexpire(self._wake_key, WAKE_TTL_MS)
                     await pipe.execute()

@@ -5,52 +5,56 @@
 
 local J = {}
 
--- Appends one event; ids are 0-1, 0-2, ... so that the sequence number is the SSE event id.
-local function emit(jk, ok, etype, data)
-  local seq = redis.call('HINCRBY', jk, 'seq', 1)
+-- The whole record as a table by field name (empty when the job is unknown). One HGETALL costs
+-- about what a HMGET of the fields a script needs would, and lets a script answer with the record
+-- it changed without reading it again.
+local function job_read(jk)
+  local flat = redis.call('HGETALL', jk)
+  local f = {}
+  for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
+  return f
+end
+
+-- Records field, value pairs both in the hash and in f.
+local function job_set(jk, f, pairs_)
+  redis.call('HSET', jk, unpack(pairs_))
+  for i = 1, #pairs_, 2 do f[pairs_[i]] = pairs_[i + 1] end
+end
+
+-- The reply {1, field, value, ...} for Python's decode_job.
+local function job_reply(f)
+  local out = { 1 }
+  for k, v in pairs(f) do
+    out[#out + 1] = k
+    out[#out + 1] = v
+  end
+  return out
+end
+
+-- Appends event number `seq` (the caller stores seq in the record); ids 0-1, 0-2, ... make the
+-- sequence number the SSE event id.
+local function emit(ok, seq, etype, data)
   redis.call('XADD', ok, 'MAXLEN', '~', J.maxlen, '0-' .. seq, 't', etype, 'd', data)
 end
 
-local function jstr(v)
-  if v then return cjson.encode(v) end
-  return 'null'
-end
-
-local function jraw(v)
-  if v then return v end
-  return 'null'
-end
-
--- The public view of a job (sluice.broker.base.job_view). Numbers and JSON fields are stored as JSON
--- text by Python, so they are spliced in as they are: no float is rounded on the way.
-local function view(jk)
-  local f = redis.call('HMGET', jk, 'id', 'model', 'state', 'priority', 'created_at', 'started_at',
-    'first_token_at', 'finished_at', 'deadline', 'attempts', 'result', 'usage', 'error')
-  return '{"id":' .. jstr(f[1]) .. ',"object":"job","model":' .. jstr(f[2]) .. ',"status":' .. jstr(f[3])
-    .. ',"priority":' .. jstr(f[4]) .. ',"created_at":' .. jraw(f[5])
-    .. ',"timings":{"queued_at":' .. jraw(f[5]) .. ',"started_at":' .. jraw(f[6])
-    .. ',"first_token_at":' .. jraw(f[7]) .. ',"finished_at":' .. jraw(f[8]) .. ',"deadline":' .. jraw(f[9])
-    .. '},"attempts":' .. jraw(f[10]) .. ',"result":' .. jraw(f[11]) .. ',"usage":' .. jraw(f[12])
-    .. ',"error":' .. jraw(f[13]) .. '}'
-end
-
--- Puts a job in a terminal state, publishes its terminal event and starts its result TTL: the
--- results zset drives removal on the caller's clock; the Redis TTL (a minute later) only catches
--- records that no maintenance round ever reaped.
-local function settle(id, state, err)
+-- Puts a job in a terminal state, with `changes` (field, value, ...) recorded too, publishes its
+-- terminal event and starts its result TTL. f is the record as job_read returned it. The terminal
+-- event's data is empty: readers fill in the job's view from the record (sluice.broker.base.job_view),
+-- which then is final, so that the view is built in one place. The results zset drives removal on
+-- the caller's clock; the Redis TTL (a minute later) only catches records no upkeep ever reaped.
+local function settle(id, f, state, changes)
   local jk, ok = job_key(J.P, id), out_key(J.P, id)
-  local cur = redis.call('HMGET', jk, 'state', 'model')
-  if cur[1] == 'running' then
-    redis.call('HINCRBY', J.running, cur[2], -1)
+  if f.state == 'running' then
+    redis.call('HINCRBY', J.running, f.model, -1)
   end
-  redis.call('HSET', jk, 'state', state, 'finished_at', J.now_s)
-  if err then
-    redis.call('HSET', jk, 'error', err)
-  end
+  local seq = tonumber(f.seq) + 1
+  local args = { 'state', state, 'finished_at', J.now_s, 'seq', seq }
+  for i = 1, #changes do args[#args + 1] = changes[i] end
+  job_set(jk, f, args)
   redis.call('ZADD', J.results, J.now + J.ttl, id)
   local etype = 'error'
   if state == 'succeeded' then etype = 'done' end
-  emit(jk, ok, etype, view(jk))
+  emit(ok, seq, etype, '')
   local ms = math.ceil(J.ttl * 1000) + 60000
   redis.call('PEXPIRE', jk, ms)
   redis.call('PEXPIRE', ok, ms)

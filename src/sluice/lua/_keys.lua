@@ -3,8 +3,14 @@
 -- with the queue's hash-tagged prefix, so they live in the same cluster slot as the declared KEYS.
 -- tests/broker/test_redis.py checks that these builders and keys.py agree.
 
+local ESCAPES, PARTS = { ['%'] = '%25', [':'] = '%3A' }, {}
 local function part(s)
-  return (string.gsub(s, '[%%:]', { ['%'] = '%25', [':'] = '%3A' }))
+  local p = PARTS[s] -- memoized: a script builds the same few names many times
+  if p == nil then
+    p = string.gsub(s, '[%%:]', ESCAPES)
+    PARTS[s] = p
+  end
+  return p
 end
 
 local function job_key(P, id) return P .. 'job:' .. id end
@@ -13,7 +19,7 @@ local function tq_key(P, model, cls, tenant)
   return P .. 'tq:' .. part(model) .. ':' .. part(cls) .. ':' .. part(tenant)
 end
 local function sched_key(P, model, cls) return P .. 'sched:' .. part(model) .. ':' .. part(cls) end
-local function fq_key(P, model, cls) return P .. 'fq:' .. part(model) .. ':' .. part(cls) end
+local function state_key(P, model) return P .. 'qs:' .. part(model) end
 local function marker_key(P, model) return P .. 'marker:' .. part(model) end
 
 -- Numbers handed back to Python as strings: a Lua number in a reply is truncated to an integer, and

@@ -1,19 +1,31 @@
 -- Shared: the worker registry. A worker not refreshed before its registration expires is presumed
--- dead and its slots stop counting. The slots hash keeps the totals over live workers so that admit
--- reads one field; it is rebuilt only when a worker comes, changes or goes.
---   workers zset: worker -> expiry;  wslots hash: worker -> JSON {model: slots};  slots hash: model -> total
+-- dead and its slots stop counting. The capacity hash keeps s:<model>, the slots of the live workers,
+-- so that admit reads it with the drain rate in one call; it is rebuilt only when a worker comes,
+-- changes or goes.
+--   workers zset: worker -> expiry;  wslots hash: worker -> JSON {model: slots}
 
-local function workers_rebuild(workers, wslots, slots)
-  redis.call('DEL', slots)
-  local live = redis.call('ZRANGE', workers, 0, -1)
-  for _, w in ipairs(live) do
+local function workers_rebuild(workers, wslots, capacity)
+  local total = {}
+  for _, w in ipairs(redis.call('ZRANGE', workers, 0, -1)) do
     local js = redis.call('HGET', wslots, w)
     if js then
       for model, n in pairs(cjson.decode(js)) do
-        redis.call('HINCRBY', slots, model, n)
+        total[model] = (total[model] or 0) + n
       end
     end
   end
+  local fields = redis.call('HKEYS', capacity)
+  local gone = {}
+  for _, f in ipairs(fields) do
+    if string.sub(f, 1, 2) == 's:' and total[string.sub(f, 3)] == nil then gone[#gone + 1] = f end
+  end
+  if #gone > 0 then redis.call('HDEL', capacity, unpack(gone)) end
+  local sets = {}
+  for model, n in pairs(total) do
+    sets[#sets + 1] = 's:' .. model
+    sets[#sets + 1] = n
+  end
+  if #sets > 0 then redis.call('HSET', capacity, unpack(sets)) end
 end
 
 -- Drops the workers whose registration expired before now; true when any was dropped.
@@ -25,8 +37,8 @@ local function workers_expire(workers, wslots, now_s)
   return true
 end
 
-local function workers_refresh(workers, wslots, slots, now_s)
+local function workers_refresh(workers, wslots, capacity, now_s)
   if workers_expire(workers, wslots, now_s) then
-    workers_rebuild(workers, wslots, slots)
+    workers_rebuild(workers, wslots, capacity)
   end
 end

@@ -1,38 +1,38 @@
 -- admit: idempotency, bounds and the deadline prediction, then the enqueue: all or nothing.
--- Mirrors sluice.core.admission.check; on refusal it returns the numbers that check() needs, and
--- Python re-runs check() on them to raise the same Refused (status, code, message, Retry-After).
+-- Mirrors sluice.core.admission.check; on refusal it returns the numbers check() needs, and Python
+-- re-runs check() on them to raise the same Refused (status, code, message, Retry-After).
 --
--- KEYS[1]  job hash                 KEYS[2]  event stream of the job
+-- KEYS[1]  job hash                 KEYS[2]  event stream of the job (not written: see 'q')
 -- KEYS[3]  the tenant's list        KEYS[4]  sched zset of the job's class
 -- KEYS[5]  idempotency key (KEYS[1] again when the job has none)
--- KEYS[6]  deadline zset            KEYS[7]  models set         KEYS[8]  drain hash
--- KEYS[9]  workers zset             KEYS[10] worker slots hash  KEYS[11] slots hash
+-- KEYS[6]  state hash of the model  KEYS[7]  deadline zset      KEYS[8]  models set
+-- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model
--- KEYS[13 .. 12+ncls]  fq hash of every class of the model, highest class first
--- ARGV[1]  now                      ARGV[2]  queue prefix       ARGV[3]  job id
--- ARGV[4]  model                    ARGV[5]  tenant             ARGV[6]  class index (1-based)
--- ARGV[7]  number of classes        ARGV[8]  cost               ARGV[9]  deadline
--- ARGV[10] model max jobs           ARGV[11] model max tokens   (-1: unbounded)
--- ARGV[12] class max jobs           ARGV[13] class max tokens   (-1: unbounded)
--- ARGV[14] drain prior per slot     ARGV[15] idempotency TTL s (0: no key)
--- ARGV[16] events kept per stream
--- ARGV[17 ..] field, value pairs of the job record (Python's encoding, see sluice.broker.redis)
+-- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
+-- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
+-- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
+-- ARGV[10] class max jobs           ARGV[11] class max tokens   (-1: unbounded)
+-- ARGV[12] drain prior per slot     ARGV[13] idempotency TTL s (0: the job has no key)
+-- ARGV[14] (unused)                 ARGV[15] number of classes n
+-- ARGV[16 .. 15+n] class names, highest first
+-- ARGV[16+n ..] field, value pairs of the job record (Python's encoding, see sluice.broker.redis)
 -- Returns {1, position, estimated_start_s}           queued
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
 --             per_slot, samples, slots}              refused
--- Reads the earlier job's record for idempotency (built from the prefix, same slot).
+-- Reads the earlier job's record for idempotency (its key built from the prefix, same slot).
 
 -- @include _keys.lua
+-- @include _state.lua
 -- @include _fairqueue.lua
 -- @include _workers.lua
 
-local now_s, P, id, model, tenant = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local now = tonumber(now_s)
-local ci, ncls = tonumber(ARGV[6]), tonumber(ARGV[7])
-local cost, deadline = tonumber(ARGV[8]), tonumber(ARGV[9])
-local idem_ttl = tonumber(ARGV[15])
+local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
+local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[15])
+local classes = {}
+for i = 1, ncls do classes[i] = ARGV[15 + i] end
 
 if redis.call('EXISTS', KEYS[1]) == 1 then return { 3 } end
 
@@ -41,28 +41,37 @@ if idem_ttl > 0 then
   if hit then
     local sp = string.find(hit, ' ', 1, true)
     local first = string.sub(hit, 1, sp - 1)
+    local P = string.sub(KEYS[1], 1, -(#id + 5)) -- KEYS[1] is P .. 'job:' .. id
     if tonumber(string.sub(hit, sp + 1)) > now and redis.call('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
   end
 end
 
+local fields = class_fields(classes)
+fields[#fields + 1] = f_vtime(cls)
+fields[#fields + 1] = f_tag(cls, tenant)
+fields[#fields + 1] = f_finish(cls, tenant)
+fields[#fields + 1] = f_seq(cls)
+local st = st_open(KEYS[6], fields)
+
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
-for i = 1, ncls do
-  local c = redis.call('HMGET', KEYS[12 + i], 'jobs', 'tokens')
-  local j, t = tonumber(c[1]) or 0, tonumber(c[2]) or 0
+local above = true
+for _, c in ipairs(classes) do
+  local j, t = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
   model_jobs, model_tokens = model_jobs + j, model_tokens + t
-  if i <= ci then ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + t end
-  if i == ci then class_jobs, class_tokens = j, t end
+  if above then ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + t end
+  if c == cls then
+    class_jobs, class_tokens, above = j, t, false
+  end
 end
 
-local d = redis.call('HMGET', KEYS[8], 'p:' .. model, 'n:' .. model)
-local per_slot, samples = tonumber(d[1]) or 0, tonumber(d[2]) or 0
-workers_refresh(KEYS[9], KEYS[10], KEYS[11], now_s)
-local slots = tonumber(redis.call('HGET', KEYS[11], model)) or 0
+workers_refresh(KEYS[10], KEYS[11], KEYS[9], now_s)
+local d = redis.call('HMGET', KEYS[9], 'p:' .. model, 'n:' .. model, 's:' .. model)
+local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
 
--- DrainRate.rate / slot_rate
-local slot_rate = tonumber(ARGV[14])
+-- DrainRate.rate and slot_rate
+local slot_rate = tonumber(ARGV[12])
 if samples > 0 then slot_rate = per_slot end
 local rate = math.max(slot_rate * math.max(slots, 1), 1e-3)
 local avg_cost = cost
@@ -79,21 +88,27 @@ end
 
 local wait = ahead_tokens / rate
 local service = cost / math.max(slot_rate, 1e-3)
-if over(tonumber(ARGV[10]), tonumber(ARGV[11]), model_jobs, model_tokens)
-    or over(tonumber(ARGV[12]), tonumber(ARGV[13]), class_jobs, class_tokens)
+if over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
+    or over(tonumber(ARGV[10]), tonumber(ARGV[11]), class_jobs, class_tokens)
     or (samples > 0 and wait + service > deadline - now) then
   return { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, num(per_slot),
     samples, slots }
 end
 
-redis.call('HSET', KEYS[1], 'state', 'queued', 'seq', 1, unpack(ARGV, 17))
-fq_push(KEYS[12 + ci], KEYS[4], KEYS[3], tenant, id, cost, false)
-redis.call('ZADD', KEYS[6], deadline, id)
-redis.call('SADD', KEYS[7], model)
+-- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
+-- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
+redis.call('HSET', KEYS[1], 'state', 'queued', 'seq', 1,
+  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 16 + ncls))
+fq_push(st, cls, KEYS[4], KEYS[3], tenant, id, cost, false)
+st_flush(st)
+redis.call('ZADD', KEYS[7], deadline, id)
 if idem_ttl > 0 then
   redis.call('SET', KEYS[5], id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[16], '0-1', 't', 'queued',
-  'd', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}')
-redis.call('ZADD', KEYS[12], 0, 'w')
+if model_jobs == 0 then
+  -- While the model has queued work, every claim that leaves some behind sets the marker again
+  -- (claim.lua), so only the first job of an idle queue needs to wake a claimer.
+  redis.call('SADD', KEYS[8], model)
+  redis.call('ZADD', KEYS[12], 0, 'w')
+end
 return { 1, ahead_jobs, num(wait) }

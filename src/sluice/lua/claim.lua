@@ -4,8 +4,8 @@
 -- deadline is expired instead and the search goes on, up to a bound per call.
 --
 -- KEYS[1] active zset   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] running hash
--- then per model, in ARGV order, a block of 2 + 2*ncls keys:
---   credit hash, marker zset, fq hash of every class (highest first), sched zset of every class
+-- then per model, in ARGV order, a block of 2 + ncls keys:
+--   state hash, marker zset, sched zset of every class (highest first)
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] lease seconds   ARGV[4] worker id   ARGV[5] lease token
 -- ARGV[6] result TTL s   ARGV[7] events kept per stream   ARGV[8] ncls   ARGV[9] nmodels
 -- ARGV[10] most expired jobs to settle in this call   ARGV[11] error JSON of an expired job
@@ -16,6 +16,7 @@
 -- Builds tenant-list, job and stream keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
+-- @include _state.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 -- @include _classes.lua
@@ -34,38 +35,29 @@ for i = 1, ncls do
   mins[i] = tonumber(ARGV[11 + ncls + i])
 end
 for m = 1, nmodels do models[m] = ARGV[11 + 2 * ncls + m] end
+local fields = class_fields(classes)
 
-local function block(m) return 4 + (m - 1) * (2 + 2 * ncls) end
-local function fq_of(m, i) return KEYS[block(m) + 2 + i] end
-local function sched_of(m, i) return KEYS[block(m) + 2 + ncls + i] end
+local function block(m) return 4 + (m - 1) * (2 + ncls) end
 
-local function counts_of(m)
-  local counts = {}
-  for i = 1, ncls do
-    counts[i] = tonumber(redis.call('HGET', fq_of(m, i), 'jobs')) or 0
+-- Per model: its state view, and its queue lengths and credits by class index.
+local states, counts, credits = {}, {}, {}
+for m = 1, nmodels do
+  local st = st_open(KEYS[block(m) + 1], fields)
+  states[m], counts[m], credits[m] = st, {}, {}
+  for i, c in ipairs(classes) do
+    counts[m][i] = st_num(st, f_jobs(c), 0)
+    credits[m][i] = st_num(st, f_credit(c), 0.0)
   end
-  return counts
-end
-
-local function credits_of(m)
-  local raw = redis.call('HMGET', KEYS[block(m) + 1], unpack(classes))
-  local credits = {}
-  for i = 1, ncls do credits[i] = tonumber(raw[i]) or 0.0 end
-  return credits
 end
 
 local expired = 0
 while true do
-  -- the best head over the models: {class index, created_at, model name, m, head, counts, credits}
+  -- the best head over the models: {class index, created_at, model name, m, head}
   local best = nil
   for m = 1, nmodels do
-    local counts = counts_of(m)
-    local any = false
-    for i = 1, ncls do any = any or counts[i] > 0 end
-    if any then
-      local credits = credits_of(m)
-      local i = next_class(counts, credits)
-      local head = fq_peek(P, fq_of(m, i), sched_of(m, i), models[m], classes[i])
+    local i = next_class(counts[m], credits[m])
+    if i then
+      local head = fq_peek(P, states[m], models[m], classes[i], KEYS[block(m) + 2 + i])
       if head then
         local created = 0
         if nmodels > 1 then
@@ -73,7 +65,7 @@ while true do
         end
         if best == nil or i < best[1] or (i == best[1] and (created < best[2]
             or (created == best[2] and models[m] < best[3]))) then
-          best = { i, created, models[m], m, head, counts, credits }
+          best = { i, created, models[m], m, head }
         end
       end
     end
@@ -81,41 +73,39 @@ while true do
   if best == nil then return { 0 } end
 
   local i, m, head = best[1], best[4], best[5]
-  local id = head[5]
+  local st, id = states[m], head[5]
   local jk = job_key(P, id)
-  local f = redis.call('HMGET', jk, 'cost', 'deadline', 'weight')
-  fq_pop(fq_of(m, i), sched_of(m, i), head, tonumber(f[1]), tonumber(f[3]) or 1.0)
-  local credits, args = pay_credits(best[6], best[7], mins, i), {}
+  local f = job_read(jk)
+  fq_pop(st, classes[i], KEYS[block(m) + 2 + i], head, tonumber(f.cost), tonumber(f.weight) or 1.0)
+  local paid = pay_credits(counts[m], credits[m], mins, i)
+  counts[m][i] = counts[m][i] - 1
   for c = 1, ncls do
-    args[#args + 1] = classes[c]
-    args[#args + 1] = credits[c]
+    credits[m][c] = paid[c]
+    st_set(st, f_credit(classes[c]), paid[c])
   end
-  redis.call('HSET', KEYS[block(m) + 1], unpack(args))
+  st_flush(st)
   redis.call('ZREM', KEYS[2], id)
 
-  if tonumber(f[2]) <= now then
-    settle(id, 'expired', expired_error)
+  if tonumber(f.deadline) <= now then
+    settle(id, f, 'expired', { 'error', expired_error })
     expired = expired + 1
     if expired >= max_expired then return { 2 } end
   else
-    redis.call('HSET', jk, 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token)
-    local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
-    local model = models[m]
-    redis.call('HINCRBY', KEYS[4], model, 1)
+    local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
+    job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
+      'attempts', attempt, 'seq', seq })
+    redis.call('HINCRBY', KEYS[4], models[m], 1)
     redis.call('ZADD', KEYS[1], now + lease_s, id)
-    emit(jk, out_key(P, id), 'started', '{"attempt":' .. attempt .. '}')
+    emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
     -- Work left: wake one more idle claimer, so that a burst does not wait behind a single marker.
     for mm = 1, nmodels do
-      local counts = counts_of(mm)
       for c = 1, ncls do
-        if counts[c] > 0 then
+        if counts[mm][c] > 0 then
           redis.call('ZADD', KEYS[block(mm) + 2], 0, 'w')
           break
         end
       end
     end
-    local out = redis.call('HGETALL', jk)
-    table.insert(out, 1, 1)
-    return out
+    return job_reply(f)
   end
 end

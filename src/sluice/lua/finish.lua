@@ -3,7 +3,7 @@
 -- an EWMA of cost / service time per slot), which admit reads for its deadline prediction.
 --
 -- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
--- KEYS[5] running hash   KEYS[6] drain hash
+-- KEYS[5] running hash   KEYS[6] capacity hash
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
 -- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
 -- ARGV[10 ..] field, value pairs to record (result, usage, error, attempts, backend)
@@ -18,22 +18,20 @@ local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[7]), ARGV[8]
 J.results, J.running = KEYS[4], KEYS[5]
 
-local f = redis.call('HMGET', KEYS[1], 'state', 'worker', 'lease', 'model', 'cost', 'started_at')
-if not (redis.call('ZSCORE', KEYS[3], id) and f[2] == worker and (token == '' or f[3] == token)) then
-  return { 0 }
-end
-redis.call('ZREM', KEYS[3], id)
-if f[1] ~= 'running' then return { 0 } end
+local f = job_read(KEYS[1])
+if f.worker ~= worker or (token ~= '' and f.lease ~= token) then return { 0 } end
+if redis.call('ZREM', KEYS[3], id) == 0 then return { 0 } end -- not leased (any more)
+if f.state ~= 'running' then return { 0 } end -- cancelled while running: the lease is released above
 
-if #ARGV >= 10 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 10))
-end
-settle(id, state, nil)
+local changes = {}
+for i = 10, #ARGV do changes[#changes + 1] = ARGV[i] end
+local started = f.started_at
+settle(id, f, state, changes)
 
-if state == 'succeeded' and f[6] then
-  local cost, service = tonumber(f[5]), now - tonumber(f[6])
+if state == 'succeeded' and started then
+  local cost, service = tonumber(f.cost), now - tonumber(started)
   if cost > 0 and service > 0 then
-    local model = f[4]
+    local model = f.model
     local d = redis.call('HMGET', KEYS[6], 'p:' .. model, 'n:' .. model)
     local sample, per_slot, samples = cost / service, tonumber(d[1]) or 0, tonumber(d[2]) or 0
     if samples == 0 then
@@ -45,6 +43,4 @@ if state == 'succeeded' and f[6] then
   end
 end
 
-local out = redis.call('HGETALL', KEYS[1])
-table.insert(out, 1, 1)
-return out
+return job_reply(f)

@@ -4,31 +4,32 @@
 -- O(jobs ahead in the class): meant for a status query, not for a hot path.
 --
 -- KEYS[1] job hash
--- ARGV[1] queue prefix   ARGV[2 ..] class names, highest first
+-- ARGV[1] queue prefix   ARGV[2] job id   ARGV[3 ..] class names, highest first
 -- Returns the position, or -1 when the job is not queued.
--- Builds fair-queue, tenant-list and job keys from the prefix (same slot as KEYS).
+-- Builds state, sched, tenant-list and job keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
+-- @include _state.lua
 
-local P = ARGV[1]
-local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'priority', 'tenant', 'id')
+local P, id = ARGV[1], ARGV[2]
+local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'priority', 'tenant')
 if f[1] ~= 'queued' then return -1 end
-local model, cls, tenant, id = f[2], f[3], f[4], f[5]
+local model, cls, tenant = f[2], f[3], f[4]
+local st = st_open(state_key(P, model), {})
 
 local above = 0
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   if ARGV[i] == cls then break end
-  above = above + (tonumber(redis.call('HGET', fq_key(P, model, ARGV[i]), 'jobs')) or 0)
+  above = above + st_num(st, f_jobs(ARGV[i]), 0)
 end
 
-local fq, sched = fq_key(P, model, cls), sched_key(P, model, cls)
-local tq = tq_key(P, model, cls, tenant)
 -- a job's virtual service time, as in FairQueue: cost / weight
 local function cost_of(jid)
   local c = redis.call('HMGET', job_key(P, jid), 'cost', 'weight')
   return tonumber(c[1]) / (tonumber(c[2]) or 1.0)
 end
 
+local tq, sched = tq_key(P, model, cls, tenant), sched_key(P, model, cls)
 local idx = redis.call('LPOS', tq, id)
 if not idx then return -1 end
 local before = 0 -- summed first, then added to the tag, as Python's sum() does
@@ -37,7 +38,7 @@ if idx > 0 then
     before = before + cost_of(jid)
   end
 end
-local own = tonumber(redis.call('HGET', fq, 't:' .. tenant)) + before
+local own = st_num(st, f_tag(cls, tenant), 0) + before
 
 local ahead, seen = idx, { [tenant] = true }
 -- Heap entries in tag order: a tenant whose tag is below ours has a live entry below ours.
@@ -45,7 +46,7 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', sched, '-inf', '(' .. num(own))) 
   local other = string.sub(m, 16)
   if not seen[other] then
     seen[other] = true
-    local tag = tonumber(redis.call('HGET', fq, 't:' .. other))
+    local tag = st_num(st, f_tag(cls, other), nil)
     local otq = tq_key(P, model, cls, other)
     local n, start = redis.call('LLEN', otq), 0
     while tag and start < n and tag < own do

@@ -6,9 +6,10 @@
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most jobs of each kind in this call   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] error JSON of an expired job
 -- Returns {expired, dropped, 1 when a bound was reached (call again) else 0}.
--- Builds job, stream, tenant-list and fair-queue keys from the prefix (same slot as KEYS).
+-- Builds job, stream, tenant-list and state keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
+-- @include _state.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 
@@ -20,10 +21,12 @@ local late = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, lim
 local expired = 0
 for _, id in ipairs(late) do
   redis.call('ZREM', KEYS[1], id)
-  local f = redis.call('HMGET', job_key(P, id), 'state', 'model', 'priority', 'tenant', 'cost')
-  if f[1] == 'queued' then
-    fq_remove(fq_key(P, f[2], f[3]), tq_key(P, f[2], f[3], f[4]), id, tonumber(f[5]))
-    settle(id, 'expired', ARGV[6])
+  local f = job_read(job_key(P, id))
+  if f.state == 'queued' then
+    local st = st_open(state_key(P, f.model), {})
+    fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
+    st_flush(st)
+    settle(id, f, 'expired', { 'error', ARGV[6] })
     expired = expired + 1
   end
 end

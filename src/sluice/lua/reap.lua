@@ -9,9 +9,10 @@
 -- ARGV[5] events kept per stream   ARGV[6] error JSON of an exhausted job, '{attempts}' standing
 -- for the count
 -- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}.
--- Builds job, stream, tenant-list, fair-queue and marker keys from the prefix (same slot as KEYS).
+-- Builds job, stream, tenant-list, state and marker keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
+-- @include _state.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 
@@ -25,22 +26,23 @@ local requeued, dead = 0, 0
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
   local jk = job_key(P, id)
-  local f = redis.call('HMGET', jk, 'state', 'attempts', 'max_attempts', 'model', 'priority', 'tenant',
-    'cost', 'deadline')
-  if f[1] == 'running' then
-    local attempts = tonumber(f[2])
-    if attempts >= tonumber(f[3]) then
+  local f = job_read(jk)
+  if f.state == 'running' then
+    local attempts = tonumber(f.attempts)
+    if attempts >= tonumber(f.max_attempts) then
       redis.call('ZADD', KEYS[4], now, id)
-      settle(id, 'failed', (string.gsub(ARGV[6], '{attempts}', tostring(attempts))))
+      settle(id, f, 'failed', { 'error', (string.gsub(ARGV[6], '{attempts}', tostring(attempts))) })
       dead = dead + 1
     else
-      local model, cls, tenant = f[4], f[5], f[6]
+      local model, cls, tenant = f.model, f.priority, f.tenant
+      local seq = tonumber(f.seq) + 1
       redis.call('HINCRBY', KEYS[5], model, -1)
-      redis.call('HSET', jk, 'state', 'queued')
-      fq_push(fq_key(P, model, cls), sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id,
-        tonumber(f[7]), true)
-      redis.call('ZADD', KEYS[2], f[8], id)
-      emit(jk, out_key(P, id), 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')
+      redis.call('HSET', jk, 'state', 'queued', 'seq', seq)
+      local st = st_open(state_key(P, model), {})
+      fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
+      st_flush(st)
+      redis.call('ZADD', KEYS[2], f.deadline, id)
+      emit(out_key(P, id), seq, 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')
       redis.call('ZADD', marker_key(P, model), 0, 'w')
       requeued = requeued + 1
     end

@@ -1,9 +1,9 @@
 -- workers: the registry of live workers and their slots per model.
 --
--- KEYS[1] workers zset   KEYS[2] worker slots hash   KEYS[3] slots hash
+-- KEYS[1] workers zset   KEYS[2] worker slots hash   KEYS[3] capacity hash
 -- ARGV[1] now   ARGV[2] 'register' | 'unregister' | 'list'   ARGV[3] worker id
 -- ARGV[4] registration expiry (register)   ARGV[5] JSON {model: slots} (register)
--- Returns the slots hash after the change, flat: model, slots, ...
+-- Returns the capacity hash after the change, flat: field, value, ... (slots are the s:<model> fields)
 
 -- @include _workers.lua
 

@@ -1,0 +1,354 @@
+"""Broker throughput: admit → claim → finish cycles per second, and Redis memory per queued job.
+
+Runs, one after another, on a ``redis-server`` this script starts itself on a free port:
+
+* the Redis broker with ``--admitters`` processes admitting and ``--claimers`` processes claiming
+  and finishing (each process its own event loop with ``--concurrency`` tasks), on Redis without
+  persistence and on Redis with AOF ``appendfsync everysec``;
+* the memory broker, one process (it is embedded by design), the same loop;
+* RQ on the same Redis: enqueue the jobs, then ``SimpleWorker`` bursts in ``--claimers`` processes;
+* Redis memory per queued job (``used_memory`` delta over N queued jobs), Sluice and RQ.
+
+Jobs are empty on the engine side: this measures the broker, not an engine.
+
+Usage: python bench/broker_cycles.py [--jobs 20000] [--admitters 1] [--claimers 2] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # for tests.redis_server, the one way this project starts a redis-server
+
+from tests.redis_server import RedisServer  # noqa: E402
+
+from sluice.broker.base import Broker, BrokerSettings  # noqa: E402
+from sluice.broker.memory import MemoryBroker  # noqa: E402
+from sluice.broker.redis import RedisBroker  # noqa: E402
+from sluice.core.admission import Bounds, Limits  # noqa: E402
+from sluice.core.job import Endpoint, Job, JobState, new_job_id  # noqa: E402
+
+MODEL = "bench-model"
+TENANTS = [f"tenant-{i}" for i in range(8)]
+
+
+def settings() -> BrokerSettings:
+    return BrokerSettings(default_limits=Limits(model=Bounds(max_jobs=None)), lease_s=60.0)
+
+
+def make_job(i: int) -> Job:
+    now = time.time()
+    return Job(
+        id=new_job_id(),
+        model=MODEL,
+        endpoint=Endpoint.CHAT,
+        body={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say hello in one word."}],
+            "max_tokens": 16,
+        },
+        tenant=TENANTS[i % len(TENANTS)],
+        priority="normal",
+        prompt_tokens=12,
+        max_tokens=16,
+        created_at=now,
+        deadline=now + 600,
+    )
+
+
+# --- the Sluice loops -----------------------------------------------------------------------------
+
+
+async def admit_loop(broker: Broker, count: int, concurrency: int) -> None:
+    queue = iter(range(count))
+
+    async def one() -> None:
+        for i in queue:
+            await broker.admit(make_job(i))
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+
+
+async def claim_loop(
+    broker: Broker, done: Synchronized[int] | list[int], total: int, concurrency: int
+) -> int:
+    finished = 0
+
+    def count() -> int:
+        return done.value if isinstance(done, Synchronized) else done[0]
+
+    def add() -> None:
+        if isinstance(done, Synchronized):
+            with done.get_lock():
+                done.value += 1
+        else:
+            done[0] += 1
+
+    async def one(worker: str) -> None:
+        nonlocal finished
+        while count() < total:
+            job = await broker.claim(worker, [MODEL], timeout=0.2)
+            if job is None:
+                continue
+            await broker.finish(job.id, worker, JobState.SUCCEEDED, result={"ok": True})
+            add()
+            finished += 1
+
+    await asyncio.gather(*(one(f"bench-{i}") for i in range(concurrency)))
+    return finished
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process(
+    role: str, url: str, count: int, concurrency: int, start: Any, done: Any, total: int, cpu: Any
+) -> None:
+    async def main() -> None:
+        broker = RedisBroker(
+            url, settings(), blocking_connections=concurrency, max_connections=concurrency + 8
+        )
+        try:
+            await broker.ping()
+            start.wait()
+            began = _cpu_s()
+            if role == "admit":
+                await admit_loop(broker, count, concurrency)
+            else:
+                await claim_loop(broker, done, total, concurrency)
+            with cpu.get_lock():
+                cpu.value += _cpu_s() - began
+        finally:
+            await broker.close()
+
+    asyncio.run(main())
+
+
+def redis_cpu_s(url: str) -> float:
+    from redis import Redis
+
+    info = Redis.from_url(url).info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+@dataclass
+class Run:
+    rate: float  # cycles per second
+    client_cpu_us: float  # CPU of the benchmark processes per cycle
+    redis_cpu_us: float  # CPU of redis-server per cycle
+
+
+def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: int) -> Run:
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    done = ctx.Value("q", 0)
+    cpu = ctx.Value("d", 0.0)
+    procs = []
+    for i in range(admitters):
+        share = jobs // admitters + (1 if i < jobs % admitters else 0)
+        procs.append(
+            ctx.Process(target=_process, args=("admit", url, share, concurrency, start, done, jobs, cpu))
+        )
+    for _ in range(claimers):
+        procs.append(
+            ctx.Process(target=_process, args=("claim", url, 0, concurrency, start, done, jobs, cpu))
+        )
+    for p in procs:
+        p.start()
+    time.sleep(1.5)  # every process connected and waiting
+    redis_before = redis_cpu_s(url)
+    began = time.perf_counter()
+    start.set()
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - began
+    if done.value != jobs or any(p.exitcode for p in procs):
+        raise RuntimeError(f"only {done.value} of {jobs} jobs finished")
+    redis_cpu = redis_cpu_s(url) - redis_before
+    return Run(jobs / elapsed, cpu.value / jobs * 1e6, redis_cpu / jobs * 1e6)
+
+
+def run_memory(jobs: int, concurrency: int) -> float:
+    async def main() -> float:
+        async with MemoryBroker(settings()) as broker:
+            done = [0]
+            began = time.perf_counter()
+            await asyncio.gather(
+                admit_loop(broker, jobs, concurrency), claim_loop(broker, done, jobs, concurrency)
+            )
+            return jobs / (time.perf_counter() - began)
+
+    return asyncio.run(main())
+
+
+# --- RQ on the same Redis -------------------------------------------------------------------------
+
+
+def noop() -> bool:
+    return True
+
+
+def _rq_worker(url: str) -> None:
+    from redis import Redis
+    from rq import Queue, SimpleWorker
+
+    conn = Redis.from_url(url)  # bytes, as RQ needs (decode_responses=True breaks its workers)
+    SimpleWorker([Queue("bench", connection=conn)], connection=conn).work(burst=True, logging_level="WARNING")
+
+
+def run_rq(url: str, jobs: int, workers: int) -> float:
+    from redis import Redis
+    from rq import Queue
+
+    conn = Redis.from_url(url)
+    queue = Queue("bench", connection=conn)
+    began = time.perf_counter()
+    for _ in range(jobs):
+        queue.enqueue(time.time)
+    ctx = mp.get_context("fork")  # RQ resolves __main__.noop: the workers must share this module
+    procs = [ctx.Process(target=_rq_worker, args=(url,)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - began
+    finished = queue.finished_job_registry.count
+    if finished != jobs:
+        raise RuntimeError(f"RQ finished {finished} of {jobs}")
+    return jobs / elapsed
+
+
+# --- memory per queued job --------------------------------------------------------------------------
+
+
+def used_memory(url: str) -> int:
+    from redis import Redis
+
+    return int(Redis.from_url(url).info("memory")["used_memory"])
+
+
+def memory_per_job_sluice(url: str, jobs: int) -> float:
+    before = used_memory(url)
+
+    async def main() -> None:
+        async with RedisBroker(url, settings()) as broker:
+            await admit_loop(broker, jobs, 32)
+
+    asyncio.run(main())
+    return (used_memory(url) - before) / jobs
+
+
+def memory_per_job_rq(url: str, jobs: int) -> float:
+    from redis import Redis
+    from rq import Queue
+
+    before = used_memory(url)
+    queue = Queue("idle", connection=Redis.from_url(url))
+    for _ in range(jobs):
+        queue.enqueue(time.time)
+    return (used_memory(url) - before) / jobs
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    what: str
+    setup: str
+    value: str
+    cpu: str = ""
+
+
+def flush(url: str) -> None:
+    from redis import Redis
+
+    Redis.from_url(url).flushall()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=20_000, help="cycles per Sluice run (default 20000)")
+    parser.add_argument("--rq-jobs", type=int, default=3_000, help="jobs for the RQ run (default 3000)")
+    parser.add_argument("--admitters", type=int, default=1, help="admitting processes (default 1)")
+    parser.add_argument("--claimers", type=int, default=2, help="claiming processes (default 2)")
+    parser.add_argument("--concurrency", type=int, default=32, help="tasks per process (default 32)")
+    parser.add_argument("--memory-jobs", type=int, default=10_000, help="queued jobs for the memory probe")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs of each Sluice setup; the median is shown"
+    )
+    parser.add_argument("--skip-rq", action="store_true")
+    args = parser.parse_args()
+
+    procs = f"{args.admitters} admit + {args.claimers} claim processes x {args.concurrency} tasks"
+    rows: list[Row] = []
+
+    def show(row: Row) -> None:
+        rows.append(row)
+        print(row, flush=True)
+
+    for label, aof in (("no persistence", False), ("AOF everysec", True)):
+        runs = []
+        for _ in range(args.repeat):
+            with RedisServer(aof=aof, appendfsync="everysec") as server:
+                runs.append(run_redis(server.url, args.jobs, args.admitters, args.claimers, args.concurrency))
+        runs.sort(key=lambda r: r.rate)
+        mid = runs[len(runs) // 2]
+        cpu = f"{mid.client_cpu_us:,.0f} + {mid.redis_cpu_us:,.0f} µs"
+        show(Row(f"Sluice RedisBroker, Redis {label}", procs, f"{mid.rate:,.0f} cycles/s", cpu))
+
+    with RedisServer() as server:
+        show(Row("Sluice, Redis memory per queued job", f"{args.memory_jobs:,} jobs",
+                 f"{memory_per_job_sluice(server.url, args.memory_jobs):,.0f} B"))  # fmt: skip
+        if not args.skip_rq:
+            flush(server.url)
+            show(Row("RQ, Redis memory per queued job", f"{args.memory_jobs:,} jobs",
+                     f"{memory_per_job_rq(server.url, args.memory_jobs):,.0f} B"))  # fmt: skip
+            flush(server.url)
+            rate = run_rq(server.url, args.rq_jobs, args.claimers)
+            show(Row("RQ (enqueue, then SimpleWorker bursts)", f"{args.claimers} worker processes",
+                     f"{rate:,.0f} cycles/s"))  # fmt: skip
+
+    rates = sorted(run_memory(args.jobs, args.concurrency) for _ in range(args.repeat))
+    show(Row("Sluice MemoryBroker", f"1 process, {args.concurrency} + {args.concurrency} tasks",
+             f"{rates[len(rates) // 2]:,.0f} cycles/s"))  # fmt: skip
+
+    head = ("what", "setup", "result", "CPU per cycle (clients + Redis)")
+    cols = [[r.what for r in rows], [r.setup for r in rows], [r.value for r in rows], [r.cpu for r in rows]]
+    width = [max(len(h), *(len(v) for v in col)) for h, col in zip(head, cols, strict=True)]
+    print()
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, width, strict=True)) + " |")
+    print(
+        "|"
+        + "|".join("-" * (w + 2) for w in width[:2])
+        + "|"
+        + "|".join("-" * (w + 1) + ":" for w in width[2:])
+        + "|"
+    )
+    for r in rows:
+        cells = [
+            r.what.ljust(width[0]),
+            r.setup.ljust(width[1]),
+            r.value.rjust(width[2]),
+            r.cpu.rjust(width[3]),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
