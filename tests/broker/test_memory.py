@@ -6,6 +6,7 @@ import pytest
 
 from sluice.broker.memory import MemoryBroker
 from tests.broker.conformance import BrokerConformance, make_settings
+from tests.broker.tenant_conformance import TenantLimitsConformance
 from tests.helpers import FakeClock
 
 
@@ -20,5 +21,5 @@ async def broker(clock: FakeClock) -> AsyncIterator[MemoryBroker]:
         yield b
 
 
-class TestMemoryBroker(BrokerConformance):
+class TestMemoryBroker(BrokerConformance, TenantLimitsConformance):
     pass

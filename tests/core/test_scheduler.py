@@ -129,3 +129,17 @@ def test_idle_class_banks_no_credit() -> None:
     assert s.credit["low"] == 0.0  # emptied: nothing carried over
     s.push("low", Entry("l1", "t", 1))
     assert s.pop()[1].job_id == "h2"  # type: ignore[index]
+
+
+def test_blocked_tenants_are_passed_over_in_order() -> None:
+    q = FairQueue()
+    for i in range(2):
+        q.push(Entry(f"a{i}", "a", 10))
+        q.push(Entry(f"b{i}", "b", 10))
+    assert q.peek(blocked={"a"}).job_id == "b0"  # type: ignore[union-attr]
+    assert q.peek().job_id == "a0"  # type: ignore[union-attr]  # peeking changed nothing
+    assert q.pop(blocked={"a"}).job_id == "b0"  # type: ignore[union-attr]
+    assert q.has_eligible(blocked={"a"})
+    assert q.pop(blocked={"a"}).job_id == "b1"  # type: ignore[union-attr]
+    assert not q.has_eligible(blocked={"a"}) and q.pop(blocked={"a"}) is None
+    assert [q.pop().job_id for _ in range(2)] == ["a0", "a1"]  # type: ignore[union-attr]

@@ -55,13 +55,17 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
         self.job_id: str | None = None
+        self.extra_headers: dict[str, str] = {}
 
     @classmethod
     def from_refused(cls, r: Refused) -> APIError:
-        return cls(r.status, r.message, r.code, retry_after_s=r.retry_after_s, should_retry=r.should_retry)
+        error = cls(r.status, r.message, r.code, retry_after_s=r.retry_after_s, should_retry=r.should_retry)
+        if r.rate is not None:
+            error.extra_headers = r.rate.headers()
+        return error
 
     def headers(self) -> dict[str, str]:
-        h: dict[str, str] = {}
+        h: dict[str, str] = dict(self.extra_headers)
         if self.retry_after_s is not None:
             # Retry-After takes whole seconds; retry-after-ms (honoured by the OpenAI SDKs) keeps precision.
             h["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))

@@ -20,6 +20,7 @@ from sluice.core.admission import Refused
 from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.metrics import Metrics
+from sluice.webhooks import CallbackRefused, check_callback_url
 
 log = logging.getLogger("sluice.gateway")
 
@@ -179,11 +180,23 @@ class Gateway:
             max_attempts=s.max_attempts,
             idempotency_key=request.headers.get("idempotency-key") or None,
             weight=caller.policy.weight,
+            callback_url=await self.callback_url(body.get("callback_url")),
         )
 
-    async def admit(self, job: Job) -> Admission:
+    async def callback_url(self, url: Any) -> str | None:
+        if url is None:
+            return None
         try:
-            admission = await self.broker.admit(job)
+            await check_callback_url(str(url), allow_private=self.settings.webhooks_allow_private)
+        except CallbackRefused as exc:
+            raise APIError(
+                400, f"callback_url refused: {exc}", "invalid_callback_url", param="callback_url"
+            ) from None
+        return str(url)
+
+    async def admit(self, job: Job, caller: Caller) -> Admission:
+        try:
+            admission = await self.broker.admit(job, caller.policy)
         except Refused as refused:
             self.metrics.admissions.labels("refused", refused.code).inc()
             log.info(
@@ -202,3 +215,7 @@ class Gateway:
             raise APIError.from_refused(refused) from None
         self.metrics.admissions.labels("duplicate" if admission.duplicate else "admitted", "").inc()
         return admission
+
+
+def rate_headers(admission: Admission) -> dict[str, str]:
+    return admission.rate.headers() if admission.rate is not None else {}

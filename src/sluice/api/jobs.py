@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway
+from sluice.api.intake import Gateway, rate_headers
 from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.broker.base import job_view
@@ -53,7 +53,7 @@ async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONRespon
     endpoint = Endpoint.CHAT if body.messages is not None else Endpoint.COMPLETIONS
     data.pop("stream", None)  # a job's output is read through its events, never inline
     job = await gw.build_job(request, who, endpoint, data)
-    admission = await gw.admit(job)
+    admission = await gw.admit(job, who)
     job = admission.job
     payload = {
         "id": job.id,
@@ -62,9 +62,8 @@ async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONRespon
         "position": admission.position,
         "estimated_start_s": round(admission.estimated_start_s, 3),
     }
-    return JSONResponse(
-        payload, status_code=200 if admission.duplicate else 202, headers={"Location": f"/v1/jobs/{job.id}"}
-    )
+    headers = {"Location": f"/v1/jobs/{job.id}", **rate_headers(admission)}
+    return JSONResponse(payload, status_code=200 if admission.duplicate else 202, headers=headers)
 
 
 @router.get("/v1/jobs/{job_id}")
@@ -136,8 +135,8 @@ async def submit(request: Request, body: SubmitRequest, who: Who) -> JSONRespons
     prompt = data.pop("prompt")
     data["messages"] = [{"role": "user", "content": prompt}]
     job = await gw.build_job(request, who, Endpoint.CHAT, data)
-    admission = await gw.admit(job)
-    return JSONResponse({"job_id": admission.job.id, "status": "queued"})
+    admission = await gw.admit(job, who)
+    return JSONResponse({"job_id": admission.job.id, "status": "queued"}, headers=rate_headers(admission))
 
 
 @router.get("/result/{job_id}", tags=["article"])

@@ -11,7 +11,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway
+from sluice.api.intake import Gateway, rate_headers
 from sluice.api.relay import answer, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint
@@ -32,7 +32,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
     # A synchronous request holds a connection until it ends: count it before queueing anything.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(gw.connection(who))
-        admission = await gw.admit(job)
+        admission = await gw.admit(job, who)
         job = admission.job
         if body.get("stream"):
             options = body.get("stream_options")
@@ -42,7 +42,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
                 openai_stream(gw.broker, job, include_usage, gw.settings.max_stream_s, held),
                 ping=PING_S,
                 sep="\n",
-                headers={"x-sluice-job-id": job.id},
+                headers={"x-sluice-job-id": job.id, **rate_headers(admission)},
             )
         finished = await wait_for_client(request, gw.broker, job)
         try:
@@ -50,7 +50,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
         except APIError as exc:
             exc.job_id = job.id
             raise
-        response.headers["x-sluice-job-id"] = job.id
+        response.headers.update({"x-sluice-job-id": job.id, **rate_headers(admission)})
         return response
 
 

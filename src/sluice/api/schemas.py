@@ -43,6 +43,11 @@ class JobRequest(SchedulingOptions):
 
     messages: list[Message] | None = Field(default=None, min_length=1)
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
+    callback_url: StrictStr | None = Field(
+        default=None,
+        max_length=2048,
+        description="A webhook: Sluice POSTs the finished job here, signed with the key's webhook secret.",
+    )
 
 
 class SubmitRequest(BaseModel):

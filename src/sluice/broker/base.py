@@ -16,6 +16,7 @@ from typing import Any
 
 from sluice.core.admission import Limits
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.ratelimit import RateStatus, TenantPolicy
 from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
 
 
@@ -85,6 +86,8 @@ class Admission:
     duplicate: bool
     position: int
     estimated_start_s: float
+    #: the caller's rate-limit standing after this admission, for the x-ratelimit-* headers
+    rate: RateStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -123,10 +126,12 @@ class Broker(ABC):
     # --- gateway side -------------------------------------------------------------------------
 
     @abstractmethod
-    async def admit(self, job: Job) -> Admission:
+    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
         """Queue ``job`` or raise :class:`sluice.core.admission.Refused`.
 
-        Idempotency, bounds and the deadline prediction are decided atomically with the enqueue.
+        Idempotency, the tenant's limits (``policy``: requests and tokens per minute, jobs queued),
+        the queue's bounds and the deadline prediction are decided atomically with the enqueue. The
+        dispatcher never runs more of a tenant's jobs at once than ``policy.max_concurrent``.
         """
 
     @abstractmethod
@@ -230,4 +235,6 @@ def job_view(job: Job) -> dict[str, Any]:
         "result": job.result,
         "usage": job.usage,
         "error": job.error.to_dict() if job.error else None,
+        "callback_url": job.callback_url,
+        "deliveries": job.extra.get("deliveries", []),
     }

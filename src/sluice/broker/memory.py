@@ -22,6 +22,7 @@ from sluice.broker.base import (
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.ratelimit import TenantLimiter, TenantPolicy
 from sluice.core.scheduler import ClassScheduler, Entry
 
 MAINTAIN_INTERVAL_S = 0.1
@@ -49,6 +50,19 @@ class _Record:
 
 
 @dataclass
+class _Tenant:
+    limiter: TenantLimiter
+    queued: int = 0
+    running: int = 0
+
+    @property
+    def idle(self) -> bool:
+        # Nothing to remember: no jobs and no buckets whose levels matter.
+        lim = self.limiter
+        return not (self.queued or self.running or lim.requests or lim.tokens)
+
+
+@dataclass
 class _Lease:
     worker_id: str
     expires: float
@@ -64,6 +78,7 @@ class MemoryBroker(Broker):
         self._drain: dict[str, DrainRate] = {}
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
+        self._tenants: dict[str, _Tenant] = {}
         self._idempotency: dict[str, tuple[str, float]] = {}
         self._workers: dict[str, tuple[dict[str, int], float]] = {}
         self._deadlines: list[tuple[float, str]] = []
@@ -117,12 +132,42 @@ class MemoryBroker(Broker):
         rec.events.append(Event(len(rec.events) + 1, type, data))
         rec.signal.notify()
 
+    def _tenant(self, name: str, policy: TenantPolicy | None = None) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            t = self._tenants[name] = _Tenant(TenantLimiter(policy or TenantPolicy(name)))
+        elif policy is not None and policy != t.limiter.policy:
+            t.limiter.update(policy)
+        return t
+
+    def _move(self, job: Job, state: JobState) -> None:
+        """Change a job's state, keeping the per-model and per-tenant counts in step."""
+        t = self._tenant(job.tenant)
+        if job.state is JobState.RUNNING:
+            self._running[job.model] -= 1
+            t.running -= 1
+        elif job.state is JobState.QUEUED:
+            t.queued -= 1
+        if state is JobState.RUNNING:
+            self._running[job.model] = self._running.get(job.model, 0) + 1
+            t.running += 1
+        elif state is JobState.QUEUED:
+            t.queued += 1
+        job.state = state
+        if t.idle:
+            del self._tenants[job.tenant]
+
+    def _blocked(self) -> set[str]:
+        return {
+            name
+            for name, t in self._tenants.items()
+            if t.limiter.policy.max_concurrent is not None and t.running >= t.limiter.policy.max_concurrent
+        }
+
     def _settle(self, rec: _Record, state: JobState, error: JobError | None = None) -> None:
         """Put a job in a terminal state and publish its terminal event."""
         job = rec.job
-        if job.state is JobState.RUNNING:
-            self._running[job.model] -= 1
-        job.state = state
+        self._move(job, state)
         job.finished_at = self.now()
         if error is not None:
             job.error = error
@@ -134,7 +179,7 @@ class MemoryBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job) -> Admission:
+    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
         now = self.now()
         idem = f"{job.tenant}:{job.idempotency_key}" if job.idempotency_key else None
         if idem is not None:
@@ -145,6 +190,9 @@ class MemoryBroker(Broker):
                 return Admission(first, True, pos or 0, 0.0)
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
+        tenant = self._tenant(job.tenant, policy)
+        drain = self._drain_rate(job.model)
+        admission.check_tenant(tenant.limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
         q = self._queue(job.model)
         cls_q = q.queues[job.priority]
         ahead_jobs, ahead_tokens = q.ahead(job.priority)
@@ -156,8 +204,10 @@ class MemoryBroker(Broker):
             deadline=job.deadline,
             view=view,
             limits=self.settings.limits_for(job.model),
-            drain=self._drain_rate(job.model),
+            drain=drain,
         )
+        tenant.limiter.take(job.cost, now)
+        tenant.queued += 1
         job.state = JobState.QUEUED
         rec = self._records[job.id] = _Record(job)
         q.push(job.priority, self._entry(job))
@@ -168,7 +218,7 @@ class MemoryBroker(Broker):
             rec, EventType.QUEUED, {"position": ok.position, "estimated_start_s": ok.estimated_start_s}
         )
         self._work.notify()
-        return Admission(job, False, ok.position, ok.estimated_start_s)
+        return Admission(job, False, ok.position, ok.estimated_start_s, tenant.limiter.status(now))
 
     async def get(self, job_id: str) -> Job | None:
         rec = self._records.get(job_id)
@@ -249,21 +299,22 @@ class MemoryBroker(Broker):
 
     def _pop(self, models: Sequence[str]) -> Job | None:
         now = self.now()
+        blocked = self._blocked()
         while True:
             best: tuple[int, float, str] | None = None
             for model in models:
                 q = self._queues.get(model)
-                cls = q.next_class() if q else None
+                cls = q.next_class(blocked) if q else None
                 if q is None or cls is None:
                     continue
-                head = q.queues[cls].peek()
+                head = q.queues[cls].peek(blocked)
                 assert head is not None
                 rank = (self.classes.index(cls), self._records[head.job_id].job.created_at, model)
                 if best is None or rank < best:
                     best = rank
             if best is None:
                 return None
-            popped = self._queues[best[2]].pop()
+            popped = self._queues[best[2]].pop(blocked)
             assert popped is not None
             rec = self._records[popped[1].job_id]
             if rec.job.deadline <= now:
@@ -283,10 +334,9 @@ class MemoryBroker(Broker):
         except TimeoutError:
             return None
         now = self.now()
-        job.state = JobState.RUNNING
+        self._move(job, JobState.RUNNING)
         job.started_at = now
         job.attempts += 1
-        self._running[job.model] = self._running.get(job.model, 0) + 1
         self._leases[job.id] = _Lease(worker_id, now + self.settings.lease_s)
         self._emit(self._records[job.id], EventType.STARTED, {"attempt": job.attempts})
         return job
@@ -344,6 +394,8 @@ class MemoryBroker(Broker):
         if backend is not None:
             job.backend = backend
         self._settle(rec, state, error)
+        if usage is not None and isinstance(usage.get("total_tokens"), int):
+            self._tenant(job.tenant).limiter.settle(job.cost, usage["total_tokens"], self.now())
         if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
             self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
         return job
@@ -377,8 +429,7 @@ class MemoryBroker(Broker):
                     ),
                 )
                 continue
-            self._running[job.model] -= 1
-            job.state = JobState.QUEUED
+            self._move(job, JobState.QUEUED)
             self._queue(job.model).push(job.priority, self._entry(job), front=True)
             self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
             self._work.notify()

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from sluice.core.capacity import DrainRate
+from sluice.core.ratelimit import RateStatus, TenantLimiter
 
 # Retry-After is a promise to the client; keep it inside what the official SDKs honour (≤ 120 s)
 # and never zero, which would invite a tight retry loop.
@@ -57,6 +58,7 @@ class Refused(Exception):
         retry_after_s: float,
         *,
         should_retry: bool = True,
+        rate: RateStatus | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -64,6 +66,7 @@ class Refused(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
+        self.rate = rate
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,37 @@ def check(
             clamp_retry_after((view.ahead_tokens - fits_ahead) / rate),
         )
     return Admitted(position=view.ahead_jobs, estimated_start_s=wait)
+
+
+def check_tenant(limiter: TenantLimiter, *, cost: int, queued: int, now: float, drain: DrainRate) -> None:
+    """The tenant's own limits, checked before the queue's: requests and tokens per minute, jobs queued."""
+    policy = limiter.policy
+    wait, which = limiter.check(cost, now)
+    if which is not None:
+        status = limiter.status(now)
+        if not math.isfinite(wait):
+            raise Refused(
+                429,
+                "rate_limit_exceeded",
+                f"The request's {cost} tokens exceed this key's limit of {policy.tpm} tokens per minute; "
+                "lower max_tokens.",
+                MAX_RETRY_AFTER_S,
+                should_retry=False,
+                rate=status,
+            )
+        limit = policy.rpm if which == "requests" else policy.tpm
+        raise Refused(
+            429,
+            "rate_limit_exceeded",
+            f"Rate limit reached: {limit} {which} per minute for this key.",
+            clamp_retry_after(wait),
+            rate=status,
+        )
+    if policy.max_queued is not None and queued >= policy.max_queued:
+        raise Refused(
+            429,
+            "too_many_queued",
+            f"This key already has {queued} jobs waiting, its limit; retry when one has started.",
+            clamp_retry_after(drain.wait_s(cost)),
+            rate=limiter.status(now),
+        )

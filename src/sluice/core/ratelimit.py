@@ -116,6 +116,14 @@ class TenantLimiter:
         self.requests = Bucket(policy.rpm) if policy.rpm else None
         self.tokens = Bucket(policy.tpm) if policy.tpm else None
 
+    def update(self, policy: TenantPolicy) -> None:
+        """Take a changed policy, keeping the levels of buckets whose size did not change."""
+        if policy.rpm != self.policy.rpm:
+            self.requests = Bucket(policy.rpm) if policy.rpm else None
+        if policy.tpm != self.policy.tpm:
+            self.tokens = Bucket(policy.tpm) if policy.tpm else None
+        self.policy = policy
+
     def check(self, cost: int, now: float) -> tuple[float, str | None]:
         """(seconds to wait, which limit) — (0, None) when the job fits both buckets."""
         waits = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -86,26 +86,42 @@ class FairQueue:
         self.jobs += 1
         self.tokens += entry.cost
 
-    def _head(self) -> tuple[str, _Tenant] | None:
+    def _take_head(self, blocked: Collection[str]) -> tuple[tuple[float, int, str], _Tenant] | None:
+        """Remove and return the heap item of the first tenant not in ``blocked``."""
+        skipped = []
+        found = None
         while self._heap:
-            tag, _, name = self._heap[0]
-            t = self._tenants.get(name)
-            if t is None or not t.jobs or t.tag != tag:
-                heapq.heappop(self._heap)  # stale: the tenant was re-tagged or emptied
+            item = heapq.heappop(self._heap)
+            t = self._tenants.get(item[2])
+            if t is None or not t.jobs or t.tag != item[0]:
+                continue  # stale: the tenant was re-tagged or emptied
+            if item[2] in blocked:
+                skipped.append(item)  # at its concurrency cap: look past it
                 continue
-            return name, t
-        return None
+            found = (item, t)
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return found
 
-    def peek(self) -> Entry | None:
-        head = self._head()
-        return head[1].jobs[0] if head else None
-
-    def pop(self) -> Entry | None:
-        head = self._head()
+    def peek(self, blocked: Collection[str] = ()) -> Entry | None:
+        head = self._take_head(blocked)
         if head is None:
             return None
-        name, t = head
-        heapq.heappop(self._heap)
+        heapq.heappush(self._heap, head[0])  # the same item: ties keep their order
+        return head[1].jobs[0]
+
+    def has_eligible(self, blocked: Collection[str] = ()) -> bool:
+        if not blocked:
+            return self.jobs > 0
+        return any(t.jobs for name, t in self._tenants.items() if name not in blocked)
+
+    def pop(self, blocked: Collection[str] = ()) -> Entry | None:
+        """The next job in fair order, passing over the tenants in ``blocked``."""
+        head = self._take_head(blocked)
+        if head is None:
+            return None
+        (_, _, name), t = head
         entry = t.jobs.popleft()
         self.vtime = t.tag
         t.finish = t.tag + entry.cost / entry.weight
@@ -183,8 +199,8 @@ class ClassScheduler:
     def push(self, cls: str, entry: Entry, *, front: bool = False) -> None:
         self.queues[cls].push(entry, front=front)
 
-    def next_class(self) -> str | None:
-        waiting = [c for c in self.classes if self.queues[c.name].jobs]
+    def next_class(self, blocked: Collection[str] = ()) -> str | None:
+        waiting = [c for c in self.classes if self.queues[c.name].has_eligible(blocked)]
         if not waiting:
             return None
         due = [c for c in waiting[1:] if self.credit[c.name] >= 1.0]
@@ -192,12 +208,13 @@ class ClassScheduler:
             return max(due, key=lambda c: self.credit[c.name]).name
         return waiting[0].name
 
-    def pop(self) -> tuple[str, Entry] | None:
-        cls = self.next_class()
+    def pop(self, blocked: Collection[str] = ()) -> tuple[str, Entry] | None:
+        """The next job of the model; tenants in ``blocked`` (at their concurrency cap) wait."""
+        cls = self.next_class(blocked)
         if cls is None:
             return None
-        waiting = [c for c in self.classes if self.queues[c.name].jobs]
-        entry = self.queues[cls].pop()
+        waiting = [c for c in self.classes if self.queues[c.name].has_eligible(blocked)]
+        entry = self.queues[cls].pop(blocked)
         assert entry is not None
         if self.credit[cls] >= 1.0:
             self.credit[cls] -= 1.0
