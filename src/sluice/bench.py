@@ -79,8 +79,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--sluice-args",
         default="",
         metavar="ARGS",
-        help="extra flags for the spawned gateway, e.g. '--max-queued-jobs 50' (--max-concurrency "
-        "defaults to the preset's batch size)",
+        help="extra flags for the spawned gateway, e.g. --sluice-args='--max-queued-jobs 50' "
+        "(--max-concurrency defaults to the preset's batch size)",
     )
 
     load = parser.add_argument_group("offered load")

@@ -250,7 +250,12 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
         c = r["config"]
         lines.append(
             f"- **{label}**: {c['mode']} → {c['target']}, {c['profile_text']}, seed {c['seed']}, "
-            f"client timeout {c['client_timeout']} s, max_tokens {c['max_tokens']}"
+            + (
+                f"client timeout {c['client_timeout']:g} s"
+                if c["client_timeout"]
+                else "clients never give up"
+            )
+            + f", max_tokens {c['max_tokens']}"
             + (f", {c['users']} users" if c.get("users", 1) > 1 else "")
             + (
                 f"; load average {c['load_avg_1m'][0]} → {c['load_avg_1m'][1]}"
