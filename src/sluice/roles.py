@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from sluice.api.app import broker_settings, create_app
+from sluice.api.app import broker_settings, create_app, webhook_options
 from sluice.broker import create_broker
 from sluice.config import ConfigError, Settings
 from sluice.logs import setup_logging
@@ -85,7 +85,7 @@ async def _work(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     broker = create_broker(settings.broker, broker_settings(settings))
     await broker.start()
-    dispatcher = Dispatcher(broker, backends)
+    dispatcher = Dispatcher(broker, backends, **webhook_options(settings))
     try:
         await dispatcher.start()
         log.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -31,6 +32,12 @@ def broker_settings(settings: Settings) -> BrokerSettings:
     )
 
 
+def webhook_options(settings: Settings) -> dict[str, Any]:
+    """What a dispatcher needs to sign and send webhooks: each tenant's secret, and the SSRF policy."""
+    secrets = {k.tenant: k.webhook_secret for k in settings.keys if k.webhook_secret}
+    return {"webhook_secrets": secrets, "webhooks_allow_private": settings.webhooks_allow_private}
+
+
 def create_app(
     settings: Settings,
     *,
@@ -47,7 +54,7 @@ def create_app(
         engines: Sequence[Backend] = backends() if backends else ()
         try:
             if engines:
-                dispatcher = Dispatcher(broker, engines, metrics=metrics)
+                dispatcher = Dispatcher(broker, engines, metrics=metrics, **webhook_options(settings))
                 await dispatcher.start()
             app.state.gateway = Gateway(settings, broker, metrics)
             app.state.keyring = KeyRing(settings)

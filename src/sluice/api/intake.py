@@ -186,6 +186,10 @@ class Gateway:
     async def callback_url(self, url: Any) -> str | None:
         if url is None:
             return None
+        if not self.broker.supports_callbacks:
+            raise APIError(
+                400, "This deployment does not deliver webhooks.", "unsupported", param="callback_url"
+            )
         try:
             await check_callback_url(str(url), allow_private=self.settings.webhooks_allow_private)
         except CallbackRefused as exc:

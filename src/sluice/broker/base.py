@@ -7,6 +7,7 @@ read from ``settings.clock`` (seconds since the epoch) so that tests can move it
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -214,6 +215,22 @@ class Broker(ABC):
 
         Ignored (returns None) when the worker no longer holds the job's lease.
         """
+
+    # --- webhooks -----------------------------------------------------------------------------
+
+    #: whether this broker hands ended jobs with a ``callback_url`` to workers (see ``ended_callbacks``)
+    supports_callbacks = False
+
+    async def ended_callbacks(self, worker_id: str, timeout: float) -> list[str]:
+        """Ids of jobs that ended with a ``callback_url`` and await delivery; waits up to ``timeout``."""
+        await asyncio.sleep(timeout)
+        return []
+
+    async def ack_callback(self, job_id: str) -> None:
+        """The webhook of ``job_id`` was delivered, or given up on: do not hand it out again."""
+
+    async def add_delivery(self, job_id: str, attempt: dict[str, Any]) -> None:
+        """Append one delivery attempt to the job's log (``deliveries`` in its view)."""
 
     @abstractmethod
     async def maintain(self) -> None:

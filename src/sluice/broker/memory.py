@@ -84,6 +84,8 @@ class MemoryBroker(Broker):
         self._deadlines: list[tuple[float, str]] = []
         self._ttl: list[tuple[float, str]] = []
         self.dead_letters: dict[str, float] = {}
+        self._callbacks: list[str] = []
+        self._callback_signal = _Signal()
         self._work = _Signal()
         self._abort = _Signal()
         self._task: asyncio.Task[None] | None = None
@@ -173,6 +175,9 @@ class MemoryBroker(Broker):
             job.error = error
         heapq.heappush(self._ttl, (job.finished_at + self.settings.result_ttl_s, job.id))
         self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
+        if job.callback_url:
+            self._callbacks.append(job.id)
+            self._callback_signal.notify()
 
     def _entry(self, job: Job) -> Entry:
         return Entry(job.id, job.tenant, job.cost, job.weight)
@@ -399,6 +404,21 @@ class MemoryBroker(Broker):
         if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
             self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
         return job
+
+    supports_callbacks = True
+
+    async def ended_callbacks(self, worker_id: str, timeout: float) -> list[str]:
+        if not self._callbacks:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._callback_signal.current().wait()
+        ids, self._callbacks = self._callbacks, []
+        return ids
+
+    async def add_delivery(self, job_id: str, attempt: dict[str, Any]) -> None:
+        rec = self._records.get(job_id)
+        if rec is not None:
+            rec.job.extra.setdefault("deliveries", []).append(attempt)
 
     async def maintain(self) -> None:
         now = self.now()
