@@ -327,3 +327,23 @@ class BrokerConformance:
                 await broker.admit(job)
         order = [(await broker.claim(W, ["m"], timeout=1.0)).tenant for _ in range(9)]  # type: ignore[union-attr]
         assert order.count("heavy") == 6 and order.count("light") == 3
+
+
+class DispatchDeadlineConformance:
+    async def test_job_that_cannot_finish_is_not_dispatched(self, broker: Broker, clock: FakeClock) -> None:
+        await broker.register(W, {"m": 1})
+        # Measure: 100 cost units take 1 s on a slot.
+        warm = make_job(clock, prompt_tokens=50, max_tokens=50)
+        await broker.admit(warm)
+        await broker.claim(W, ["m"], timeout=1.0)
+        clock.advance(1.0)
+        await broker.finish(warm.id, W, JobState.SUCCEEDED, result={})
+        short = make_job(clock, prompt_tokens=50, max_tokens=250, timeout=10)  # needs ~3 s
+        fine = make_job(clock, prompt_tokens=50, max_tokens=50, timeout=60)
+        await broker.admit(short)
+        await broker.admit(fine)
+        clock.advance(8)  # 2 s left: not enough for 3 s of generation
+        claimed = await broker.claim(W, ["m"], timeout=1.0)
+        assert claimed is not None and claimed.id == fine.id
+        dropped = await broker.get(short.id)
+        assert dropped is not None and dropped.state is JobState.EXPIRED and dropped.started_at is None

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sluice.broker.memory import MemoryBroker
-from tests.broker.conformance import BrokerConformance, make_settings
+from tests.broker.conformance import BrokerConformance, DispatchDeadlineConformance, make_settings
 from tests.broker.tenant_conformance import TenantLimitsConformance
 from tests.helpers import FakeClock
 
@@ -21,5 +21,5 @@ async def broker(clock: FakeClock) -> AsyncIterator[MemoryBroker]:
         yield b
 
 
-class TestMemoryBroker(BrokerConformance, TenantLimitsConformance):
+class TestMemoryBroker(BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance):
     pass
