@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))  # for tests.redis_server, the one way this projec
 from tests.redis_server import RedisServer  # noqa: E402
 
 from sluice.broker.base import Broker, BrokerSettings  # noqa: E402
-from sluice.broker.memory import MemoryBroker  # noqa: E402
 from sluice.broker.redis import RedisBroker  # noqa: E402
 from sluice.core.admission import Bounds, Limits  # noqa: E402
 from sluice.core.job import Endpoint, Job, JobState, new_job_id  # noqa: E402
@@ -181,6 +180,8 @@ def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: i
 
 
 def run_memory(jobs: int, concurrency: int) -> float:
+    from sluice.broker.memory import MemoryBroker
+
     async def main() -> float:
         async with MemoryBroker(settings()) as broker:
             done = [0]

@@ -519,3 +519,22 @@ async def test_claim_cancelled_in_flight_hands_the_job_back(
 
 async def _collect_now(broker: Broker, job_id: str) -> list[Any]:
     return [e async for e in broker.events(job_id, timeout=0.2)]
+
+
+async def test_a_burst_wakes_every_idle_claimer(redis_url: str) -> None:
+    """Only the first job of an idle queue sets the wake-up marker; each woken claimer passes it on
+    while work is left, so a burst reaches every idle claimer at once, not one per block timeout."""
+    clock = FakeClock()
+    async with (
+        RedisBroker(redis_url, make_settings(clock)) as gateway,
+        RedisBroker(redis_url, make_settings(clock)) as worker,
+    ):
+        claims = [asyncio.create_task(worker.claim(f"w{i}", ["m"], timeout=8)) for i in range(6)]
+        await asyncio.sleep(0.2)  # all blocked on the marker
+        jobs = [make_job(clock, tenant=f"t{i}") for i in range(6)]
+        for job in jobs:
+            await gateway.admit(job)
+        started = time.monotonic()
+        claimed = await asyncio.wait_for(asyncio.gather(*claims), 4)
+        assert time.monotonic() - started < 2
+        assert sorted(j.id for j in claimed if j is not None) == sorted(j.id for j in jobs)

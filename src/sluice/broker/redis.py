@@ -48,6 +48,7 @@ from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
+from sluice.core.ratelimit import TenantPolicy
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
@@ -222,7 +223,9 @@ class _ClaimPlan:
 
     keys: list[str]
     markers: list[str]
-    tail: list[str]
+    lease_s: str
+    fixed: list[str]  # ARGV[6 .. 11]
+    tail: list[str]  # class names, minimum shares, models
 
 
 # --- the broker -------------------------------------------------------------------------------
@@ -262,6 +265,9 @@ class RedisBroker(Broker):
         # connection is dead then); timeouts are not retried, as the command may have run.
         retry = Retry(NoBackoff(), 1, (RedisConnectionError,))
         common: dict[str, Any] = {
+            # RESP2: the pipelines read raw replies, which must keep one shape (redis-py 8 speaks
+            # RESP3 by default, where a hash comes back as a map).
+            "protocol": 2,
             "decode_responses": True,
             "socket_connect_timeout": connect_timeout_s,
             "retry": retry,
@@ -303,6 +309,7 @@ class RedisBroker(Broker):
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
         self._task: asyncio.Task[None] | None = None
+        self._warned_policy = False
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -364,7 +371,14 @@ class RedisBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job) -> Admission:
+    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
+        limited = policy is not None and any(
+            v is not None for v in (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
+        )
+        if limited and not self._warned_policy:
+            # Not mirrored in the scripts yet: say so loudly rather than pretend.
+            log.warning("RedisBroker does not enforce per-tenant rpm/tpm/max_queued/max_concurrent yet")
+            self._warned_policy = True
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
         return await self._admit(job)
@@ -441,7 +455,7 @@ class RedisBroker(Broker):
         raise RuntimeError("the admit script refused a job that admission.check() accepts")
 
     async def _record(self, job_id: str) -> dict[str, str]:
-        return cast(dict[str, str], await self._batch.call(("HGETALL", self.keys.job(job_id))))
+        return _pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))
 
     async def get(self, job_id: str) -> Job | None:
         data = await self._record(job_id)
@@ -474,7 +488,7 @@ class RedisBroker(Broker):
             last = 1
             yield Event(1, EventType.QUEUED, json.loads(queued))
         for entry_id, fields in backlog:
-            event = decode_event(entry_id, fields)
+            event = decode_event(entry_id, _pairs(fields))
             last = event.id
             if event.type in TERMINAL_EVENTS:
                 yield await self._terminal(job_id, event)
@@ -593,8 +607,21 @@ class RedisBroker(Broker):
             for model in models:
                 keys += [k.state(model), k.marker(model)]
                 keys += [k.sched(model, c) for c in self._class_names]
-            tail = [*self._class_names, *self._min_shares, *models]
-            plan = self._plans[tuple(models)] = _ClaimPlan(keys, [k.marker(m) for m in models], tail)
+            fixed = [
+                repr(float(self.settings.result_ttl_s)),
+                str(STREAM_MAXLEN),
+                str(len(self._class_names)),
+                str(len(models)),
+                str(EXPIRED_PER_CLAIM),
+                _json(_EXPIRED.to_dict()),
+            ]
+            plan = self._plans[tuple(models)] = _ClaimPlan(
+                keys,
+                [k.marker(m) for m in models],
+                repr(float(self.settings.lease_s)),
+                fixed,
+                [*self._class_names, *self._min_shares, *models],
+            )
         return plan
 
     async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
@@ -605,6 +632,7 @@ class RedisBroker(Broker):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
         script = self.scripts["claim"]
+        woken = 0
         while True:
             token = secrets.token_hex(8)
             command = script.command(
@@ -612,15 +640,11 @@ class RedisBroker(Broker):
                 [
                     self._now(),
                     self.keys.prefix,
-                    repr(float(self.settings.lease_s)),
+                    plan.lease_s,
                     worker_id,
                     token,
-                    repr(float(self.settings.result_ttl_s)),
-                    STREAM_MAXLEN,
-                    len(self._class_names),
-                    len(models),
-                    EXPIRED_PER_CLAIM,
-                    _json(_EXPIRED.to_dict()),
+                    *plan.fixed,
+                    woken,
                     *plan.tail,
                 ],
             )
@@ -649,7 +673,8 @@ class RedisBroker(Broker):
             # Redis reads a zero timeout as "forever".
             block = max(min(remaining, CLAIM_BLOCK_S), 0.01)
             # The timeout above the block notices a connection that died silently.
-            await self._io(self._blocking.bzpopmin(plan.markers, timeout=block), timeout=block + 5.0)
+            popped = await self._io(self._blocking.bzpopmin(plan.markers, timeout=block), timeout=block + 5.0)
+            woken = 1 if popped else 0
 
     async def _release_claimed(self, reply: Any, worker_id: str, token: str) -> None:
         if int(reply[0]) != 1:

@@ -173,20 +173,9 @@ class Batcher:
             task.add_done_callback(self._inflight.discard)
 
     async def _send(self, batch: list[_Entry], retried: bool = False) -> None:
-        replies: list[Any]
         try:
             async with asyncio.timeout(self._timeout):  # one timer per batch, not one per reply
-                if len(batch) == 1:  # a pipeline's own overhead buys nothing for one command
-                    try:
-                        reply = await self._client.execute_command(*batch[0].command)  # type: ignore[no-untyped-call]
-                        replies = [reply]
-                    except ResponseError as exc:
-                        replies = [exc]
-                else:
-                    async with self._client.pipeline(transaction=False) as pipe:
-                        for entry in batch:
-                            pipe.execute_command(*entry.command)
-                        replies = await pipe.execute(raise_on_error=False)
+                replies = await self._roundtrip(batch)
         except Exception as exc:  # the connection failed: the whole batch shares the outcome
             if isinstance(exc, TimeoutError):
                 exc = RedisTimeoutError(f"no answer within {self._timeout} s")
@@ -210,6 +199,36 @@ class Batcher:
                     entry.fail(exc)
                 return
             await self._send(missing, retried=True)
+
+    async def _roundtrip(self, batch: list[_Entry]) -> list[Any]:
+        """One write of every command, then their raw replies (no response callbacks: callers get
+        lists as Redis sends them). redis-py's own pipeline costs more than the scripts it carries.
+
+        A connection that turns out dead before any reply came back (Redis restarted) is replaced
+        and the batch sent once more: nothing of it can have run on the new server."""
+        pool = self._client.connection_pool
+        payload = b"".join(hiredis.pack_command(e.command) for e in batch)
+        for attempt in (1, 2):
+            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+            replies: list[Any] = []
+            try:
+                await conn.send_packed_command(payload, check_health=False)
+                for _ in batch:
+                    try:
+                        replies.append(await conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except RedisConnectionError:
+                await conn.disconnect()
+                if replies or attempt == 2:
+                    raise
+            except BaseException:
+                await conn.disconnect()  # a half-read reply must not reach the next caller
+                raise
+            finally:
+                await pool.release(conn)
+        raise AssertionError("unreachable")
 
     async def drain(self, timeout: float = 2.0) -> None:
         """Let the pipelines in flight finish (on close)."""

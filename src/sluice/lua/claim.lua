@@ -9,6 +9,7 @@
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] lease seconds   ARGV[4] worker id   ARGV[5] lease token
 -- ARGV[6] result TTL s   ARGV[7] events kept per stream   ARGV[8] ncls   ARGV[9] nmodels
 -- ARGV[10] most expired jobs to settle in this call   ARGV[11] error JSON of an expired job
+-- ARGV[12] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
 -- then ncls class names, ncls class minimum shares, nmodels model names
 -- Returns {1, field, value, ...} the leased job's record
 --         {0}                    nothing to claim
@@ -25,16 +26,16 @@ local now_s, P = ARGV[1], ARGV[2]
 local now = tonumber(now_s)
 local lease_s, worker, token = tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local ncls, nmodels, max_expired = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local expired_error = ARGV[11]
+local expired_error, woken = ARGV[11], ARGV[12] == '1'
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[6]), ARGV[7]
 J.results, J.running = KEYS[3], KEYS[4]
 
 local classes, mins, models = {}, {}, {}
 for i = 1, ncls do
-  classes[i] = ARGV[11 + i]
-  mins[i] = tonumber(ARGV[11 + ncls + i])
+  classes[i] = ARGV[12 + i]
+  mins[i] = tonumber(ARGV[12 + ncls + i])
 end
-for m = 1, nmodels do models[m] = ARGV[11 + 2 * ncls + m] end
+for m = 1, nmodels do models[m] = ARGV[12 + 2 * ncls + m] end
 local fields = class_fields(classes)
 
 local function block(m) return 4 + (m - 1) * (2 + ncls) end
@@ -80,8 +81,10 @@ while true do
   local paid = pay_credits(counts[m], credits[m], mins, i)
   counts[m][i] = counts[m][i] - 1
   for c = 1, ncls do
-    credits[m][c] = paid[c]
-    st_set(st, f_credit(classes[c]), paid[c])
+    if paid[c] ~= credits[m][c] then
+      credits[m][c] = paid[c]
+      st_set(st, f_credit(classes[c]), paid[c])
+    end
   end
   st_flush(st)
   redis.call('ZREM', KEYS[2], id)
@@ -97,12 +100,16 @@ while true do
     redis.call('HINCRBY', KEYS[4], models[m], 1)
     redis.call('ZADD', KEYS[1], now + lease_s, id)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
-    -- Work left: wake one more idle claimer, so that a burst does not wait behind a single marker.
-    for mm = 1, nmodels do
-      for c = 1, ncls do
-        if counts[mm][c] > 0 then
-          redis.call('ZADD', KEYS[block(mm) + 2], 0, 'w')
-          break
+    -- A claimer that was idle wakes the next idle one while work is left, so that a burst does not
+    -- wait behind a single marker. Busy claimers come back by themselves and consume no markers,
+    -- so only woken ones need to pass it on.
+    if woken then
+      for mm = 1, nmodels do
+        for c = 1, ncls do
+          if counts[mm][c] > 0 then
+            redis.call('ZADD', KEYS[block(mm) + 2], 0, 'w')
+            break
+          end
         end
       end
     end
