@@ -39,8 +39,12 @@ class _Slots:
     cooldown_until: float = 0.0
     failures: int = 0
 
+    draining: bool = False
+
     def available(self, now: float) -> bool:
-        return self.inflight < self.backend.max_concurrency and now >= self.cooldown_until
+        return (
+            self.inflight < self.backend.max_concurrency and now >= self.cooldown_until and not self.draining
+        )
 
     def fits(self, cost: int) -> bool:
         budget = self.backend.max_inflight_tokens
@@ -125,6 +129,25 @@ class Dispatcher:
             for model in s.backend.models:
                 out[model] = out.get(model, 0) + s.backend.max_concurrency
         return out
+
+    def apply_draining(self, names: set[str]) -> None:
+        for s in self.slots:
+            s.draining = s.backend.name in names
+        self._capacity.set()
+
+    def backends(self) -> list[dict[str, object]]:
+        return [
+            {
+                "name": s.backend.name,
+                "models": list(s.backend.models),
+                "max_concurrency": s.backend.max_concurrency,
+                "inflight": s.inflight,
+                "inflight_tokens": s.inflight_tokens,
+                "draining": s.draining,
+                "failures": s.failures,
+            }
+            for s in self.slots
+        ]
 
     def models(self) -> list[str]:
         return sorted(self.capacity())
@@ -306,6 +329,7 @@ class Dispatcher:
             try:
                 await self.broker.register(self.worker_id, self.capacity())
                 abort = await self.broker.heartbeat(self.worker_id, list(self.running))
+                self.apply_draining(await self.broker.draining())
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from sluice import __version__
-from sluice.api import errors, health, jobs, openai, ws
+from sluice.api import admin, errors, health, jobs, openai, ws
 from sluice.api.auth import KeyRing
 from sluice.api.intake import Gateway
 from sluice.api.limits import BodySizeLimit
@@ -78,5 +78,6 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(ws.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

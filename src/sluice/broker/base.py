@@ -107,6 +107,8 @@ class Broker(ABC):
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
         self.classes = [c.name for c in settings.classes]
+        # Draining is kept here in the embedded broker; a shared store keeps it for all processes.
+        self._draining: set[str] = set()
 
     def now(self) -> float:
         return self.settings.clock()
@@ -215,6 +217,28 @@ class Broker(ABC):
 
         Ignored (returns None) when the worker no longer holds the job's lease.
         """
+
+    # --- administration -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def dead_letters(self) -> dict[str, float]:
+        """Jobs that failed for good after losing their worker ``max_attempts`` times: id → when.
+
+        Their records (with the error) stay readable with :meth:`get` until the result TTL."""
+
+    async def purge_dead_letters(self, ids: Sequence[str] | None = None) -> int:
+        """Forget dead letters (all, or ``ids``), records included; returns how many went."""
+        raise NotImplementedError
+
+    async def set_draining(self, backend: str, draining: bool) -> None:
+        """Mark a backend as draining: dispatchers send it no new jobs, running ones finish."""
+        if draining:
+            self._draining.add(backend)
+        else:
+            self._draining.discard(backend)
+
+    async def draining(self) -> set[str]:
+        return set(self._draining)
 
     # --- webhooks -----------------------------------------------------------------------------
 

@@ -50,6 +50,8 @@ class _Record:
     # hundreds of thousands of token events for the result TTL; as dicts they made GC pauses of 0.2 s.
     events: list[tuple[EventType, str]] = field(default_factory=list)
     signal: _Signal = field(default_factory=_Signal)
+    #: set once, when the job ends: waiters for the outcome do not wake for every token
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -86,7 +88,7 @@ class MemoryBroker(Broker):
         self._workers: dict[str, tuple[dict[str, int], float]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._ttl: list[tuple[float, str]] = []
-        self.dead_letters: dict[str, float] = {}
+        self._dead: dict[str, float] = {}
         self._callbacks: list[str] = []
         self._callback_signal = _Signal()
         self._work = _Signal()
@@ -178,6 +180,7 @@ class MemoryBroker(Broker):
             job.error = error
         heapq.heappush(self._ttl, (job.finished_at + self.settings.result_ttl_s, job.id))
         self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
+        rec.ended.set()
         if job.callback_url:
             self._callbacks.append(job.id)
             self._callback_signal.notify()
@@ -238,8 +241,7 @@ class MemoryBroker(Broker):
             return None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                while not rec.job.terminal:
-                    await rec.signal.current().wait()
+                await rec.ended.wait()
         return rec.job
 
     async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
@@ -414,6 +416,16 @@ class MemoryBroker(Broker):
             self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
         return job
 
+    async def dead_letters(self) -> dict[str, float]:
+        return dict(self._dead)
+
+    async def purge_dead_letters(self, ids: Sequence[str] | None = None) -> int:
+        gone = [i for i in (ids if ids is not None else list(self._dead)) if i in self._dead]
+        for job_id in gone:
+            del self._dead[job_id]
+            self._records.pop(job_id, None)
+        return len(gone)
+
     supports_callbacks = True
 
     async def ended_callbacks(self, worker_id: str, timeout: float) -> list[str]:
@@ -447,7 +459,7 @@ class MemoryBroker(Broker):
                 continue
             job = rec.job
             if job.attempts >= job.max_attempts:
-                self.dead_letters[job.id] = now
+                self._dead[job.id] = now
                 self._settle(
                     rec,
                     JobState.FAILED,
@@ -465,7 +477,7 @@ class MemoryBroker(Broker):
         while self._ttl and self._ttl[0][0] <= now:
             _, job_id = heapq.heappop(self._ttl)
             self._records.pop(job_id, None)
-            self.dead_letters.pop(job_id, None)
+            self._dead.pop(job_id, None)
         for key, (_, expires) in list(self._idempotency.items()):
             if expires <= now:
                 del self._idempotency[key]
