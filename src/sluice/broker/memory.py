@@ -472,6 +472,8 @@ class MemoryBroker(Broker):
                 continue
             self._move(job, JobState.QUEUED)
             self._queue(job.model).push(job.priority, self._entry(job), front=True)
+            # Its deadline entry may have gone while it ran: queued again, it must expire again.
+            heapq.heappush(self._deadlines, (job.deadline, job.id))
             self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
             self._work.notify()
         while self._ttl and self._ttl[0][0] <= now:
