@@ -211,6 +211,16 @@ class BrokerConformance:
         types = [e.type for e in await drain_events(broker, job.id)]
         assert types.count(EventType.RETRY) == 1 and types[-1] is EventType.ERROR
 
+    async def test_requeued_job_past_its_deadline_expires(self, broker: Broker, clock: FakeClock) -> None:
+        job = make_job(clock, timeout=8)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        clock.advance(10)  # its lease and its deadline both pass while it runs
+        await broker.maintain()
+        await broker.maintain()
+        got = await broker.get(job.id)
+        assert got is not None and got.state is JobState.EXPIRED
+
     async def test_heartbeat_keeps_lease(self, broker: Broker, clock: FakeClock) -> None:
         job = make_job(clock)
         await broker.admit(job)

@@ -24,7 +24,9 @@ from sluice.broker.redis import RedisBroker, Script
 from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
-from tests.broker.conformance import BrokerConformance, make_settings
+from sluice.core.ratelimit import TenantPolicy
+from tests.broker.conformance import BrokerConformance, DispatchDeadlineConformance, make_settings
+from tests.broker.tenant_conformance import TenantLimitsConformance
 from tests.helpers import FakeClock, make_job, wait_until
 from tests.redis_server import RedisServer
 
@@ -40,7 +42,7 @@ async def broker(clock: FakeClock, redis_url: str) -> AsyncIterator[RedisBroker]
         yield b
 
 
-class TestRedisBroker(BrokerConformance):
+class TestRedisBroker(BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance):
     pass
 
 
@@ -225,11 +227,35 @@ def test_escaped_names_never_collide() -> None:
 # --- the same decisions as the memory broker ----------------------------------------------------
 
 
+POLICIES: dict[str, TenantPolicy | None] = {
+    "a": TenantPolicy("a", max_concurrent=2),
+    "b": TenantPolicy("b", rpm=40, tpm=3000),
+    "c": TenantPolicy("c", max_queued=6, weight=2.5),
+    "d": None,
+}
+
+
+def _outcome(result: Any) -> Any:
+    """What a client sees of an admit: the admission or the refusal, rate headers included."""
+    if isinstance(result, Refused):
+        headers = result.rate.headers() if result.rate else None
+        return (
+            result.status,
+            result.code,
+            result.message,
+            result.retry_after_s,
+            result.should_retry,
+            headers,
+        )
+    return (result.position, result.estimated_start_s, result.rate.headers() if result.rate else None)
+
+
 @pytest.mark.parametrize("seed", range(8))
 async def test_dispatch_order_matches_memory_broker(redis_url: str, seed: int) -> None:
-    """A random mix of admits, claims over two models, cancels, finishes and lost leases gives the
-    same claims, positions and queue sizes on both brokers: the scripts mirror the core scheduler
-    (SFQ tags and their ties, front re-queues, class credits, the rank across models)."""
+    """A random mix of admits under tenant policies, claims over two models, cancels, finishes with
+    usage, lost leases and jobs that run out of time gives the same answers, claims, positions and
+    queue sizes on both brokers: the scripts mirror the core (SFQ tags and their ties, front
+    re-queues, class credits, concurrency caps, rate buckets, the rank across models)."""
     rng = random.Random(seed)
     clock = FakeClock()
     memory = MemoryBroker(make_settings(clock))
@@ -238,52 +264,65 @@ async def test_dispatch_order_matches_memory_broker(redis_url: str, seed: int) -
     queued: list[str] = []
     running: list[str] = []
     try:
-        for step in range(250):
+        for b in brokers:
+            await b.register("w", {"m": 2, "x": 1})
+        for step in range(300):
             op = rng.random()
             if op < 0.5:
+                tenant = rng.choice(["a", "b", "c", "d"])
                 job = make_job(
                     clock,
                     model=rng.choice(["m", "m", "x"]),
-                    tenant=rng.choice(["a", "b", "c", "d"]),
+                    tenant=tenant,
                     priority=rng.choice(["high", "normal", "normal", "low", "low"]),
                     prompt_tokens=rng.choice([10, 10, 50]),
                     max_tokens=rng.choice([0, 20, 20, 300]),
+                    timeout=rng.choice([600, 600, 3, 1]),
                 )
-                job.weight = {"a": 1.0, "b": 1.0, "c": 2.5, "d": 0.3}[job.tenant]
+                job.weight = {"a": 1.0, "b": 1.0, "c": 2.5, "d": 0.3}[tenant]
+                outcomes = []
                 for b in brokers:
-                    await b.admit(copy.deepcopy(job))
-                queued.append(job.id)
+                    try:
+                        outcomes.append(_outcome(await b.admit(copy.deepcopy(job), POLICIES[tenant])))
+                    except Refused as exc:
+                        outcomes.append(_outcome(exc))
+                assert outcomes[0] == outcomes[1], f"step {step}"
+                if len(outcomes[0]) == 3:
+                    queued.append(job.id)
             elif op < 0.8:
                 models = rng.choice([["m"], ["m", "x"], ["x", "m"]])
                 got = [await b.claim("w", models, timeout=0.01) for b in brokers]
                 ids = [j.id if j else None for j in got]
                 assert ids[0] == ids[1], f"step {step}"
                 if ids[0] is not None:
-                    queued.remove(ids[0])
                     running.append(ids[0])
             elif op < 0.87 and queued:
                 victim = rng.choice(queued)
                 for b in brokers:
                     await b.cancel(victim)
-                queued.remove(victim)
             elif op < 0.95 and running:
                 done = running.pop(rng.randrange(len(running)))
+                usage = {"total_tokens": rng.randrange(0, 60)}
                 for b in brokers:
-                    await b.finish(done, "w", JobState.SUCCEEDED, result={})
+                    await b.finish(done, "w", JobState.SUCCEEDED, result={}, usage=usage)
             elif running:
-                lost = running.pop(rng.randrange(len(running)))
-                keep = [j for j in running]
+                keep = [j for j in running if rng.random() < 0.7]
                 clock.advance(6)
                 for b in brokers:
                     await b.heartbeat("w", keep)
                     await b.maintain()
-                if (await memory.get(lost)).state is JobState.QUEUED:  # type: ignore[union-attr]
-                    queued.append(lost)
-            clock.advance(0.01 * rng.randrange(3))
-            if step % 25 == 0 or step > 240:
+                    await b.register("w", {"m": 2, "x": 1})
+                running = keep
+            clock.advance(rng.choice([0.0, 0.01, 0.02, 0.5]))
+            queued = [
+                j for j in queued if (await memory.get(j)) and (await memory.get(j)).state is JobState.QUEUED
+            ]  # type: ignore[union-attr]
+            if step % 20 == 0 or step > 290:
                 for job_id in queued:
                     positions = [await b.position(job_id) for b in brokers]
                     assert positions[0] == positions[1], f"step {step}"
+                states = [[(await b.get(j)).state for j in queued + running] for b in brokers]  # type: ignore[union-attr]
+                assert states[0] == states[1], f"step {step}"
                 stats = [await b.stats() for b in brokers]
                 assert {m: (s.queued_jobs, s.queued_tokens, s.running_jobs) for m, s in stats[0].items()} == {
                     m: (s.queued_jobs, s.queued_tokens, s.running_jobs) for m, s in stats[1].items()

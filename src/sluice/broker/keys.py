@@ -70,6 +70,10 @@ class QueueKeys:
         finish tag. Mirrored in Lua."""
         return f"{self.prefix}qs:{part(model)}"
 
+    def tenant(self, tenant: str) -> str:
+        """Hash: a tenant's jobs queued and running, its policy and its rate buckets. Mirrored in Lua."""
+        return f"{self.prefix}tenant:{part(tenant)}"
+
     def marker(self, model: str) -> str:
         """Zset: wake-up marker that idle claimers block on (BZPOPMIN). Mirrored in Lua."""
         return f"{self.prefix}marker:{part(model)}"
@@ -105,6 +109,16 @@ class QueueKeys:
     def running(self) -> str:
         """Hash: model → running jobs."""
         return f"{self.prefix}running"
+
+    @property
+    def blocked(self) -> str:
+        """Set: tenants at their concurrency cap, whom claim passes over."""
+        return f"{self.prefix}blocked"
+
+    @property
+    def draining(self) -> str:
+        """Set: backends that take no new jobs (an administrator drains them)."""
+        return f"{self.prefix}draining"
 
     @property
     def capacity(self) -> str:

@@ -2,26 +2,27 @@
 
 Every key of a queue carries the queue's hash tag (``sluice.broker.keys``), so each script touches
 one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller
-(``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure.
+(``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure. The
+scripts mirror the core's scheduling (``lua/_fairqueue.lua`` is FairQueue, ``lua/_classes.lua`` is
+ClassScheduler, ``admit.lua`` is admission.check), and a test checks that the memory broker and this
+one make the same decisions.
 
-Connections: a ``BlockingConnectionPool`` with short timeouts for commands (a dead Redis answers
-with :class:`BrokerUnavailable` in about a second, never a hang), a second pool for the blocking
-claim (``BZPOPMIN`` on the models' wake-up markers, at most 10 s per block) and the abort
-subscription, and one connection per process for the multiplexed event reader.
+Connections (``redis_pipe``): commands and scripts go out in pipelines, one per event-loop turn, on a
+``BlockingConnectionPool`` with short timeouts, so that a dead Redis answers with
+:class:`BrokerUnavailable` in about a second, never a hang; a second pool serves the blocking claim
+(``BZPOPMIN`` on the models' wake-up markers, at most 10 s per block) and the abort subscription;
+each process follows all the job streams it is asked for with one multiplexed reader
+(``redis_events``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import enum
 import json
 import logging
 import secrets
-import types
-import typing
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -43,12 +44,13 @@ from sluice.broker.base import (
     job_view,
 )
 from sluice.broker.keys import QueueKeys, part
+from sluice.broker.redis_codec import decode_job, encode_job, pairs, to_json
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
 from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
-from sluice.core.ratelimit import TenantPolicy
+from sluice.core.ratelimit import TenantLimiter, TenantPolicy
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
@@ -69,6 +71,11 @@ EXPIRED_PER_CLAIM = 64
 
 _EXPIRED = JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
 _CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
+_DROPPED = JobError(
+    "Dropped before dispatch: {left} s were left before the deadline, less than the generation needs.",
+    "timeout",
+    "deadline_exceeded",
+)
 _EXHAUSTED = JobError(
     "The worker running the job was lost {attempts} times; giving up.", "server_error", "attempts_exhausted"
 )
@@ -88,133 +95,36 @@ SCRIPT_NAMES = (
 )
 
 
-# --- the job record in a hash -----------------------------------------------------------------
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-def _field_kinds() -> dict[str, tuple[str, Any]]:
-    """How each Job field is stored, from its type: strings and enums as text; numbers, dicts and
-    the error as JSON text, so that the scripts can splice them into event data unchanged."""
-    hints = typing.get_type_hints(Job)
-    kinds: dict[str, tuple[str, Any]] = {}
-    for f in dataclasses.fields(Job):
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
-            hint = args[0]
-        if hint is str:
-            kinds[f.name] = ("str", str)
-        elif hint is int or hint is float:
-            kinds[f.name] = ("num", hint)
-        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-            kinds[f.name] = ("enum", hint)
-        elif hint is JobError:
-            kinds[f.name] = ("error", JobError)
-        else:  # dicts and lists
-            kinds[f.name] = ("json", hint)
-    return kinds
-
-
-_KINDS = _field_kinds()
-
-#: Job fields the scripts read or write, each a field of the record hash. The others never change
-#: after admission and travel as one JSON field, ``spec``: every argument and reply element that
-#: crosses into a script costs Redis time, and a record is read whole on every claim and finish.
-OWN_FIELDS = frozenset(
-    {
-        "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
-        "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
-        "error", "extra",
-    }
-)  # fmt: skip
-
-
-Conv = Callable[[Any], Any] | None  # None: the value as it is
-Plan = list[tuple[str, Conv]]
-
-
-def _num_text(cls: type) -> Callable[[Any], str]:
-    return lambda value: repr(cls(value))  # repr of an int or a float is its JSON text
-
-
-def _convs(kind: str, cls: Any) -> tuple[Conv, Conv, Conv, Conv]:
-    """(to hash text, to spec JSON, from hash text, from spec JSON) for one kind of field."""
-    if kind == "str":
-        return None, None, None, None
-    if kind == "num":
-        return _num_text(cls), None, cls, cls
-    if kind == "enum":
-        return (lambda v: v.value), (lambda v: v.value), cls, cls
-    if kind == "error":
-        return (
-            lambda v: _json(v.to_dict()),
-            lambda v: v.to_dict(),
-            lambda t: JobError(**json.loads(t)),
-            lambda d: JobError(**d),
-        )
-    return _json, None, json.loads, None
-
-
-def _plans() -> tuple[Plan, Plan, Plan, Plan]:
-    """How each field is written and read: own field out, spec out, own field in, spec in."""
-    own_out: Plan = []
-    spec_out: Plan = []
-    own_in: Plan = []
-    spec_in: Plan = []
-    for name, (kind, cls) in _KINDS.items():
-        text_out, json_out, text_in, json_in = _convs(kind, cls)
-        if name in OWN_FIELDS:
-            own_out.append((name, text_out))
-            own_in.append((name, text_in))
-        else:
-            spec_out.append((name, json_out))
-            spec_in.append((name, json_in))
-    return own_out, spec_out, own_in, spec_in
-
-
-_OWN_OUT, _SPEC_OUT, _OWN_IN, _SPEC_IN = _plans()
-
-
-def encode_job(job: Job) -> list[str]:
-    """Field, value pairs of the job's hash; None is left out. ``cost`` is added for the scripts."""
-    out = ["cost", str(job.cost)]
-    for name, conv in _OWN_OUT:
-        value = getattr(job, name)
-        if value is not None:
-            out += [name, value if conv is None else conv(value)]
-    spec = {}
-    for name, conv in _SPEC_OUT:
-        value = getattr(job, name)
-        if value is not None:
-            spec[name] = value if conv is None else conv(value)
-    out += ["spec", _json(spec)]
-    return out
-
-
-def decode_job(data: Mapping[str, str]) -> Job:
-    values: dict[str, Any] = {}
-    spec = json.loads(data["spec"])
-    for name, conv in _SPEC_IN:
-        value = spec.get(name)
-        if value is not None:
-            values[name] = value if conv is None else conv(value)
-    for name, conv in _OWN_IN:
-        text = data.get(name)
-        if text is not None:
-            values[name] = text if conv is None else conv(text)
-    return Job(**values)
-
-
-def _pairs(flat: Sequence[Any]) -> dict[str, str]:
-    it = iter(flat)
-    return dict(zip(it, it, strict=False))
-
-
 def _bound(value: int | None) -> int:
     return -1 if value is None else value
+
+
+def _policy_args(policy: TenantPolicy | None) -> list[int]:
+    if policy is None:
+        return [0, -1, -1, -1, -1]
+    limits = (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
+    return [1, *map(_bound, limits)]
+
+
+def _limiter(tenant: str, state: Sequence[str]) -> TenantLimiter:
+    """A TenantLimiter as the admit script left (or found) the tenant: rpm, tpm, max queued, max
+    concurrent, queued, requests level and stamp, tokens level and stamp ('' for none)."""
+
+    def opt(i: int) -> float | None:
+        return float(state[i]) if state[i] != "" else None
+
+    def opt_int(i: int) -> int | None:
+        value = opt(i)
+        return None if value is None else int(value)
+
+    policy = TenantPolicy(
+        tenant, rpm=opt_int(0), tpm=opt_int(1), max_queued=opt_int(2), max_concurrent=opt_int(3)
+    )
+    limiter = TenantLimiter(policy)
+    for bucket, level, stamp in ((limiter.requests, opt(5), opt(6)), (limiter.tokens, opt(7), opt(8))):
+        if bucket is not None and level is not None and stamp is not None:
+            bucket.level, bucket.stamp = level, stamp
+    return limiter
 
 
 @dataclass(frozen=True)
@@ -225,6 +135,7 @@ class _ClaimPlan:
     markers: list[str]
     lease_s: str
     fixed: list[str]  # ARGV[6 .. 11]
+    dropped: str  # ARGV[13]
     tail: list[str]  # class names, minimum shares, models
 
 
@@ -309,7 +220,6 @@ class RedisBroker(Broker):
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
         self._task: asyncio.Task[None] | None = None
-        self._warned_policy = False
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -372,18 +282,11 @@ class RedisBroker(Broker):
     # --- gateway side -------------------------------------------------------------------------
 
     async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
-        limited = policy is not None and any(
-            v is not None for v in (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
-        )
-        if limited and not self._warned_policy:
-            # Not mirrored in the scripts yet: say so loudly rather than pretend.
-            log.warning("RedisBroker does not enforce per-tenant rpm/tpm/max_queued/max_concurrent yet")
-            self._warned_policy = True
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
-        return await self._admit(job)
+        return await self._admit(job, policy)
 
-    async def _admit(self, job: Job) -> Admission:
+    async def _admit(self, job: Job, policy: TenantPolicy | None) -> Admission:
         k = self.keys
         limits = self.settings.limits_for(job.model)
         cls_bounds = limits.classes.get(job.priority, admission.Bounds())
@@ -403,6 +306,8 @@ class RedisBroker(Broker):
             k.workers,
             k.worker_slots,
             k.marker(job.model),
+            k.tenant(job.tenant),
+            k.blocked,
         ]
         args: list[str | int | float] = [
             repr(float(now)),
@@ -418,7 +323,7 @@ class RedisBroker(Broker):
             _bound(cls_bounds.max_tokens),
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
-            STREAM_MAXLEN,
+            *_policy_args(policy),
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
@@ -426,15 +331,18 @@ class RedisBroker(Broker):
         reply = await self._call("admit", keys, args)
         code = int(reply[0])
         if code == 1:
-            return Admission(job, False, int(reply[1]), float(reply[2]))
+            rate = _limiter(job.tenant, reply[3:12]).status(now)
+            return Admission(job, False, int(reply[1]), float(reply[2]), rate)
         if code in (2, 3):
             # 2: a repeat of an idempotent request; 3: our own earlier try of this call got through.
             first_id = str(reply[1]) if code == 2 else job.id
             first = await self.get(first_id)
             if first is None:  # dropped in between: admit afresh
-                return await self._admit(job)
+                return await self._admit(job, policy)
             pos = await self.position(first_id)
             return Admission(first, code == 2, pos or 0, 0.0)
+        # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
+        # the memory broker raises (tenant limits first, then the queue).
         drain = DrainRate(
             prior_per_slot=self.settings.drain_prior_per_slot,
             per_slot=float(reply[7]),
@@ -442,7 +350,9 @@ class RedisBroker(Broker):
             slots=int(reply[9]),
         )
         view = admission.QueueView(*map(int, reply[1:7]))
-        # The script decided; check() turns the same numbers into the same Refused the memory broker raises.
+        limiter = _limiter(job.tenant, reply[10:19])
+        queued = int(float(reply[14]))
+        admission.check_tenant(limiter, cost=job.cost, queued=queued, now=now, drain=drain)
         admission.check(
             cost=job.cost,
             priority=job.priority,
@@ -455,7 +365,7 @@ class RedisBroker(Broker):
         raise RuntimeError("the admit script refused a job that admission.check() accepts")
 
     async def _record(self, job_id: str) -> dict[str, str]:
-        return _pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))
+        return pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))
 
     async def get(self, job_id: str) -> Job | None:
         data = await self._record(job_id)
@@ -488,7 +398,7 @@ class RedisBroker(Broker):
             last = 1
             yield Event(1, EventType.QUEUED, json.loads(queued))
         for entry_id, fields in backlog:
-            event = decode_event(entry_id, _pairs(fields))
+            event = decode_event(entry_id, pairs(fields))
             last = event.id
             if event.type in TERMINAL_EVENTS:
                 yield await self._terminal(job_id, event)
@@ -514,13 +424,10 @@ class RedisBroker(Broker):
         return Event(event.id, event.type, job_view(job) if job else {"id": job_id, "object": "job"})
 
     async def cancel(self, job_id: str) -> Job | None:
-        return await self._cancel(job_id)
-
-    async def _cancel(self, job_id: str) -> Job | None:
         k = self.keys
         reply = await self._call(
             "cancel",
-            [k.job(job_id), k.deadline, k.results, k.running],
+            [k.job(job_id), k.deadline, k.results, k.running, k.blocked],
             [
                 self._now(),
                 k.prefix,
@@ -528,10 +435,10 @@ class RedisBroker(Broker):
                 repr(float(self.settings.result_ttl_s)),
                 STREAM_MAXLEN,
                 k.abort_channel,
-                _json(_CANCELLED.to_dict()),
+                to_json(_CANCELLED.to_dict()),
             ],
         )
-        return decode_job(_pairs(reply[1:])) if int(reply[0]) == 1 else None
+        return decode_job(pairs(reply[1:])) if int(reply[0]) == 1 else None
 
     async def position(self, job_id: str) -> int | None:
         k = self.keys
@@ -585,9 +492,9 @@ class RedisBroker(Broker):
         reply = await self._call(
             "workers",
             [k.workers, k.worker_slots, k.capacity],
-            [self._now(), op, worker_id, repr(float(expires)), _json(dict(sorted((slots or {}).items())))],
+            [self._now(), op, worker_id, repr(float(expires)), to_json(dict(sorted((slots or {}).items())))],
         )
-        return _pairs(reply)
+        return pairs(reply)
 
     async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
         await self._workers("register", worker_id, slots)
@@ -603,7 +510,7 @@ class RedisBroker(Broker):
         plan = self._plans.get(tuple(models))
         if plan is None:
             k = self.keys
-            keys = [k.active, k.deadline, k.results, k.running]
+            keys = [k.active, k.deadline, k.results, k.running, k.blocked, k.capacity]
             for model in models:
                 keys += [k.state(model), k.marker(model)]
                 keys += [k.sched(model, c) for c in self._class_names]
@@ -613,13 +520,14 @@ class RedisBroker(Broker):
                 str(len(self._class_names)),
                 str(len(models)),
                 str(EXPIRED_PER_CLAIM),
-                _json(_EXPIRED.to_dict()),
+                to_json(_EXPIRED.to_dict()),
             ]
             plan = self._plans[tuple(models)] = _ClaimPlan(
                 keys,
                 [k.marker(m) for m in models],
                 repr(float(self.settings.lease_s)),
                 fixed,
+                to_json(_DROPPED.to_dict()),
                 [*self._class_names, *self._min_shares, *models],
             )
         return plan
@@ -645,6 +553,7 @@ class RedisBroker(Broker):
                     token,
                     *plan.fixed,
                     woken,
+                    plan.dropped,
                     *plan.tail,
                 ],
             )
@@ -662,7 +571,7 @@ class RedisBroker(Broker):
                 raise translate(exc) from exc
             code = int(reply[0])
             if code == 1:
-                job = decode_job(_pairs(reply[1:]))
+                job = decode_job(pairs(reply[1:]))
                 self._tokens[(worker_id, job.id)] = token
                 return job
             if code == 2:
@@ -679,12 +588,12 @@ class RedisBroker(Broker):
     async def _release_claimed(self, reply: Any, worker_id: str, token: str) -> None:
         if int(reply[0]) != 1:
             return
-        job_id = decode_job(_pairs(reply[1:])).id
+        job_id = decode_job(pairs(reply[1:])).id
         k = self.keys
         with contextlib.suppress(Exception):
             await self._call(
                 "release",
-                [k.job(job_id), k.out(job_id), k.active, k.deadline, k.running],
+                [k.job(job_id), k.out(job_id), k.active, k.deadline, k.running, k.blocked],
                 [k.prefix, job_id, worker_id, token, STREAM_MAXLEN],
             )
 
@@ -706,7 +615,7 @@ class RedisBroker(Broker):
     async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
         k = self.keys
         await self._call(
-            "publish", [k.job(job_id), k.out(job_id)], [self._now(), type.value, _json(data), STREAM_MAXLEN]
+            "publish", [k.job(job_id), k.out(job_id)], [self._now(), type.value, to_json(data), STREAM_MAXLEN]
         )
 
     async def finish(
@@ -723,23 +632,26 @@ class RedisBroker(Broker):
     ) -> Job | None:
         fields: list[str] = []
         if result is not None:
-            fields += ["result", _json(result)]
+            fields += ["result", to_json(result)]
         if usage is not None:
-            fields += ["usage", _json(usage)]
+            fields += ["usage", to_json(usage)]
         if error is not None:
-            fields += ["error", _json(error.to_dict())]
+            fields += ["error", to_json(error.to_dict())]
         if attempts is not None:
             fields += ["attempts", str(attempts)]
         if backend is not None:
             fields += ["backend", backend]
-        return await self._finish(job_id, worker_id, state, fields)
+        used = usage.get("total_tokens") if usage is not None else None
+        return await self._finish(job_id, worker_id, state, used if isinstance(used, int) else -1, fields)
 
-    async def _finish(self, job_id: str, worker_id: str, state: JobState, fields: list[str]) -> Job | None:
+    async def _finish(
+        self, job_id: str, worker_id: str, state: JobState, used: int, fields: list[str]
+    ) -> Job | None:
         k = self.keys
         token = self._tokens.pop((worker_id, job_id), "")
         reply = await self._call(
             "finish",
-            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.capacity],
+            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.capacity, k.blocked],
             [
                 self._now(),
                 k.prefix,
@@ -750,10 +662,11 @@ class RedisBroker(Broker):
                 repr(float(self.settings.result_ttl_s)),
                 STREAM_MAXLEN,
                 self._drain_alpha,
+                used,
                 *fields,
             ],
         )
-        return decode_job(_pairs(reply[1:])) if int(reply[0]) == 1 else None
+        return decode_job(pairs(reply[1:])) if int(reply[0]) == 1 else None
 
     async def maintain(self) -> None:
         k = self.keys
@@ -763,19 +676,20 @@ class RedisBroker(Broker):
             repr(float(self.settings.result_ttl_s)),
             STREAM_MAXLEN,
         ]
+        # Deadlines before leases, as the memory broker: a job handed back now waits a round.
         while True:
             reply = await self._call(
-                "reap",
-                [k.active, k.deadline, k.results, k.dead, k.running],
-                [self._now(), *common, _json(_EXHAUSTED.to_dict())],
+                "purge_expired",
+                [k.deadline, k.results, k.dead, k.running, k.blocked],
+                [self._now(), *common, to_json(_EXPIRED.to_dict())],
             )
             if not int(reply[2]):
                 break
         while True:
             reply = await self._call(
-                "purge_expired",
-                [k.deadline, k.results, k.dead, k.running],
-                [self._now(), *common, _json(_EXPIRED.to_dict())],
+                "reap",
+                [k.active, k.deadline, k.results, k.dead, k.running, k.blocked],
+                [self._now(), *common, to_json(_EXHAUSTED.to_dict())],
             )
             if not int(reply[2]):
                 break

@@ -2,13 +2,14 @@
 -- sluice.core.scheduler.ClassScheduler: strict priority, with credits for the minimum shares.
 -- While classes compete, every waiting class that is not served earns its minimum share in
 -- credit; a lower class holding a whole credit is served next (the richest first) and pays one.
--- counts, credits, mins: arrays by class index, highest class first.
+-- A class "waits" when it has a job of a tenant not at its concurrency cap (has_eligible).
+-- eligible, counts, credits, mins: arrays by class index, highest class first.
 
--- ClassScheduler.next_class: the class index to serve, or nil when no class has work.
-local function next_class(counts, credits)
+-- ClassScheduler.next_class: the class index to serve, or nil when no class can be served.
+local function next_class(eligible, credits)
   local first, due = nil, nil
-  for i = 1, #counts do
-    if counts[i] > 0 then
+  for i = 1, #eligible do
+    if eligible[i] then
       if first == nil then
         first = i
       elseif credits[i] >= 1.0 and (due == nil or credits[i] > credits[due]) then
@@ -19,19 +20,17 @@ local function next_class(counts, credits)
   return due or first
 end
 
--- The credit bookkeeping of ClassScheduler.pop after class `served` gave up one job; counts are
--- the queue lengths before that job left. Returns the new credits.
-local function pay_credits(counts, credits, mins, served)
+-- The credit bookkeeping of ClassScheduler.pop after class `served` gave up one job: eligible is
+-- as it was before, counts are the queue lengths after. Returns the new credits.
+local function pay_credits(eligible, counts, credits, mins, served)
   local out = {}
-  for i = 1, #counts do out[i] = credits[i] end
+  for i = 1, #eligible do out[i] = credits[i] end
   if out[served] >= 1.0 then out[served] = out[served] - 1.0 end
-  for i = 1, #counts do
-    if counts[i] > 0 and i ~= served then out[i] = out[i] + mins[i] end
+  for i = 1, #eligible do
+    if eligible[i] and i ~= served then out[i] = out[i] + mins[i] end
   end
-  for i = 1, #counts do
-    local left = counts[i]
-    if i == served then left = left - 1 end
-    if left <= 0 then out[i] = 0.0 end
+  for i = 1, #eligible do
+    if counts[i] <= 0 then out[i] = 0.0 end
   end
   return out
 end

@@ -38,20 +38,44 @@ local function fq_push(st, c, sched, tq, tenant, id, cost, front)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) + cost)
 end
 
--- FairQueue._head / peek: the first valid heap entry, dropping stale ones on the way.
+-- FairQueue._take_head / peek: the first valid heap entry of a tenant not in `blocked` (a set:
+-- tenant -> true), dropping the stale entries met on the way; the entries of blocked tenants stay.
 -- Returns nil or {member, tag, tenant, tq, head job id}.
-local function fq_peek(P, st, model, c, sched)
+local function fq_peek(P, st, model, c, sched, blocked)
+  local kept = 0 -- entries of blocked tenants, left in place at the front
   while true do
-    local top = redis.call('ZRANGE', sched, 0, 0, 'WITHSCORES')
+    local top = redis.call('ZRANGE', sched, kept, kept + 15, 'WITHSCORES')
     if #top == 0 then return nil end
-    local tag, tenant = tonumber(top[2]), string.sub(top[1], 16)
-    local tq = tq_key(P, model, c, tenant)
-    if st_num(st, f_tag(c, tenant), nil) == tag then
-      local id = redis.call('LINDEX', tq, 0)
-      if id then return { top[1], tag, tenant, tq, id } end
+    for i = 1, #top, 2 do
+      local member, tag = top[i], tonumber(top[i + 1])
+      local tenant = string.sub(member, 16)
+      local tq = tq_key(P, model, c, tenant)
+      local id = false
+      if st_num(st, f_tag(c, tenant), nil) == tag then id = redis.call('LINDEX', tq, 0) end
+      if not id then
+        redis.call('ZREM', sched, member) -- stale: the tenant was re-tagged or emptied
+      elseif blocked[tenant] then
+        kept = kept + 1
+      else
+        return { member, tag, tenant, tq, id }
+      end
     end
-    redis.call('ZREM', sched, top[1])
   end
+end
+
+-- FairQueue.has_eligible: a tenant not in `blocked` has work in this class. Reads only.
+local function fq_has_eligible(P, st, model, c, sched, blocked, jobs)
+  if jobs <= 0 then return false end
+  if next(blocked) == nil then return true end
+  local members = redis.call('ZRANGE', sched, 0, -1, 'WITHSCORES')
+  for i = 1, #members, 2 do
+    local tenant = string.sub(members[i], 16)
+    if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tonumber(members[i + 1])
+        and redis.call('LLEN', tq_key(P, model, c, tenant)) > 0 then
+      return true
+    end
+  end
+  return false
 end
 
 -- FairQueue.pop of the head found by fq_peek; cost and weight are the head job's.

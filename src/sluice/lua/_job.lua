@@ -1,7 +1,8 @@
 -- Shared: the job record, its event stream and its terminal states.
 -- A script that includes this fills the context table J first:
 --   J.P prefix, J.now (number), J.now_s (the caller's exact text of now), J.ttl result TTL in seconds,
---   J.maxlen events kept per stream, J.results zset, J.running hash.
+--   J.maxlen events kept per stream, J.results zset, J.running hash, J.blocked set (and it
+--   includes _tenant.lua before this file).
 
 local J = {}
 
@@ -47,6 +48,7 @@ local function settle(id, f, state, changes)
   if f.state == 'running' then
     redis.call('HINCRBY', J.running, f.model, -1)
   end
+  tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
   local seq = tonumber(f.seq) + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', seq }
   for i = 1, #changes do args[#args + 1] = changes[i] end

@@ -1,7 +1,8 @@
 -- Shared: the worker registry. A worker not refreshed before its registration expires is presumed
 -- dead and its slots stop counting. The capacity hash keeps s:<model>, the slots of the live workers,
 -- so that admit reads it with the drain rate in one call; it is rebuilt only when a worker comes,
--- changes or goes.
+-- changes or goes. It also keeps 'e', the earliest registration expiry (or less), so that admit
+-- looks at the registry only once some worker may have expired.
 --   workers zset: worker -> expiry;  wslots hash: worker -> JSON {model: slots}
 
 local function workers_rebuild(workers, wslots, capacity)
@@ -40,5 +41,14 @@ end
 local function workers_refresh(workers, wslots, capacity, now_s)
   if workers_expire(workers, wslots, now_s) then
     workers_rebuild(workers, wslots, capacity)
+  end
+end
+
+local function workers_mark(workers, capacity)
+  local first = redis.call('ZRANGE', workers, 0, 0, 'WITHSCORES')
+  if #first == 0 then
+    redis.call('HDEL', capacity, 'e')
+  else
+    redis.call('HSET', capacity, 'e', first[2])
   end
 end

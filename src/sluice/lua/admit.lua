@@ -1,38 +1,43 @@
--- admit: idempotency, bounds and the deadline prediction, then the enqueue: all or nothing.
--- Mirrors sluice.core.admission.check; on refusal it returns the numbers check() needs, and Python
--- re-runs check() on them to raise the same Refused (status, code, message, Retry-After).
+-- admit: idempotency, the tenant's limits, the queue's bounds and the deadline prediction, then the
+-- enqueue: all or nothing. Mirrors the memory broker's admit (admission.check_tenant with its
+-- TenantLimiter, then admission.check); on refusal it returns the state those functions need, and
+-- Python re-runs them on it to raise the same Refused (status, code, message, Retry-After, rate).
 --
 -- KEYS[1]  job hash                 KEYS[2]  event stream of the job (not written: see 'q')
 -- KEYS[3]  the tenant's list        KEYS[4]  sched zset of the job's class
 -- KEYS[5]  idempotency key (KEYS[1] again when the job has none)
 -- KEYS[6]  state hash of the model  KEYS[7]  deadline zset      KEYS[8]  models set
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
--- KEYS[12] marker of the model
+-- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
 -- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
 -- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
 -- ARGV[10] class max jobs           ARGV[11] class max tokens   (-1: unbounded)
 -- ARGV[12] drain prior per slot     ARGV[13] idempotency TTL s (0: the job has no key)
--- ARGV[14] (unused)                 ARGV[15] number of classes n
--- ARGV[16 .. 15+n] class names, highest first
--- ARGV[16+n ..] field, value pairs of the job record (Python's encoding, see sluice.broker.redis)
--- Returns {1, position, estimated_start_s}           queued
+-- ARGV[14] 1 when a tenant policy comes with the job, else 0 (the stored one holds)
+-- ARGV[15] rpm   ARGV[16] tpm   ARGV[17] max queued   ARGV[18] max concurrent   (-1: none)
+-- ARGV[19] number of classes n      ARGV[20 .. 19+n] class names, highest first
+-- ARGV[20+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
---             per_slot, samples, slots}              refused
+--             per_slot, samples, slots, T...}        refused; T is the tenant before the checks
+-- where T is rpm, tpm, max queued, max concurrent, queued, requests level, stamp, tokens level,
+-- stamp ('' for none).
 -- Reads the earlier job's record for idempotency (its key built from the prefix, same slot).
 
 -- @include _keys.lua
 -- @include _state.lua
+-- @include _tenant.lua
 -- @include _fairqueue.lua
 -- @include _workers.lua
 
 local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
-local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[15])
+local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[19])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[15 + i] end
+for i = 1, ncls do classes[i] = ARGV[19 + i] end
 
 if redis.call('EXISTS', KEYS[1]) == 1 then return { 3 } end
 
@@ -45,6 +50,72 @@ if idem_ttl > 0 then
     if tonumber(string.sub(hit, sp + 1)) > now and redis.call('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
+  end
+end
+
+-- The tenant (the memory broker's _tenant): a policy that comes with the job replaces the stored
+-- one, and a bucket whose size changed starts afresh (TenantLimiter.update).
+local t = {}
+local flat = redis.call('HGETALL', KEYS[13])
+for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
+if ARGV[14] == '1' then
+  local names = { 'rpm', 'tpm', 'mq', 'mc' }
+  for i, name in ipairs(names) do
+    local v = tonumber(ARGV[14 + i])
+    if v < 0 or (v == 0 and i <= 2) then v = nil end -- a zero-sized bucket is no bucket
+    if i <= 2 and tonumber(t[name]) ~= v then
+      local lf, sf = 'rl', 'rs'
+      if name == 'tpm' then lf, sf = 'tl', 'ts' end
+      t[lf], t[sf] = nil, nil
+    end
+    t[name] = v
+  end
+end
+local rpm, tpm, mq, mc = tonumber(t.rpm), tonumber(t.tpm), tonumber(t.mq), tonumber(t.mc)
+local queued_by_tenant = tonumber(t.q) or 0
+local function tenant_state(rl, rs, tl, ts)
+  local vals, out = { rpm, tpm, mq, mc, queued_by_tenant, rl, rs, tl, ts }, {}
+  for i = 1, 9 do -- not ipairs: absent values are holes
+    if vals[i] == nil then out[i] = '' else out[i] = num(vals[i]) end
+  end
+  return out
+end
+local before = tenant_state(tonumber(t.rl), tonumber(t.rs), tonumber(t.tl), tonumber(t.ts))
+
+-- Stores the tenant: policy, counts, buckets (and which of its fields went).
+local function tenant_store(rl, rs, tl, ts)
+  local sets, dels = { 'q', queued_by_tenant, 'r', tonumber(t.r) or 0 }, {}
+  for _, kv in ipairs({ { 'rpm', rpm }, { 'tpm', tpm }, { 'mq', mq }, { 'mc', mc }, { 'rl', rl },
+    { 'rs', rs }, { 'tl', tl }, { 'ts', ts } }) do
+    if kv[2] == nil then
+      dels[#dels + 1] = kv[1]
+    else
+      sets[#sets + 1] = kv[1]
+      sets[#sets + 1] = kv[2]
+    end
+  end
+  redis.call('HSET', KEYS[13], unpack(sets))
+  if #dels > 0 then redis.call('HDEL', KEYS[13], unpack(dels)) end
+  if mc and (tonumber(t.r) or 0) >= mc then
+    redis.call('SADD', KEYS[14], tenant)
+  else
+    redis.call('SREM', KEYS[14], tenant)
+  end
+end
+
+-- TenantLimiter.check: both buckets refilled; the longer wait decides (tokens on a tie).
+local rl, rs, tl, ts
+local wait_r, wait_t = 0.0, 0.0
+if rpm then
+  rl, rs = bucket_refill(tonumber(t.rl), tonumber(t.rs), rpm, now)
+  if 1 > rl then
+    if 1 > rpm then wait_r = math.huge else wait_r = (1 - rl) / (rpm / 60.0) end
+  end
+end
+if tpm then
+  tl, ts = bucket_refill(tonumber(t.tl), tonumber(t.ts), tpm, now)
+  if cost > tl then
+    if cost > tpm then wait_t = math.huge else wait_t = (cost - tl) / (tpm / 60.0) end
   end
 end
 
@@ -66,9 +137,13 @@ for _, c in ipairs(classes) do
   end
 end
 
-workers_refresh(KEYS[10], KEYS[11], KEYS[9], now_s)
-local d = redis.call('HMGET', KEYS[9], 'p:' .. model, 'n:' .. model, 's:' .. model)
+local d = redis.call('HMGET', KEYS[9], 'p:' .. model, 'n:' .. model, 's:' .. model, 'e')
 local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
+if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
+  workers_refresh(KEYS[10], KEYS[11], KEYS[9], now_s)
+  workers_mark(KEYS[10], KEYS[9])
+  slots = tonumber(redis.call('HGET', KEYS[9], 's:' .. model)) or 0
+end
 
 -- DrainRate.rate and slot_rate
 local slot_rate = tonumber(ARGV[12])
@@ -88,17 +163,27 @@ end
 
 local wait = ahead_tokens / rate
 local service = cost / math.max(slot_rate, 1e-3)
-if over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
+if wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
+    or over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
     or over(tonumber(ARGV[10]), tonumber(ARGV[11]), class_jobs, class_tokens)
     or (samples > 0 and wait + service > deadline - now) then
-  return { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, num(per_slot),
+  if next(flat) ~= nil or rpm or tpm or mq or mc then tenant_store(rl, rs, tl, ts) end -- the refills stand
+  local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, num(per_slot),
     samples, slots }
+  for _, v in ipairs(before) do out[#out + 1] = v end
+  return out
 end
+
+-- TenantLimiter.take, and one more job queued for the tenant.
+if rpm then rl = rl - 1 end
+if tpm then tl = tl - cost end
+queued_by_tenant = queued_by_tenant + 1
+tenant_store(rl, rs, tl, ts)
 
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
 redis.call('HSET', KEYS[1], 'state', 'queued', 'seq', 1,
-  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 16 + ncls))
+  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 20 + ncls))
 fq_push(st, cls, KEYS[4], KEYS[3], tenant, id, cost, false)
 st_flush(st)
 redis.call('ZADD', KEYS[7], deadline, id)
@@ -111,4 +196,6 @@ if model_jobs == 0 then
   redis.call('SADD', KEYS[8], model)
   redis.call('ZADD', KEYS[12], 0, 'w')
 end
-return { 1, ahead_jobs, num(wait) }
+local out = { 1, ahead_jobs, num(wait) }
+for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end
+return out

@@ -3,19 +3,21 @@
 -- message or its next heartbeat). A terminal job is left as it is.
 --
 -- KEYS[1] job hash   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] running hash
+-- KEYS[5] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] abort channel   ARGV[7] error JSON of a cancelled job
 -- Returns {1, field, value, ...} the record after the request; {0} when the job is unknown.
--- Builds the stream, tenant-list and state keys of the job from the prefix (same slot as KEYS).
+-- Builds the stream, tenant-list, tenant and state keys of the job from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
+-- @include _tenant.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 
 local now_s, P, id = ARGV[1], ARGV[2], ARGV[3]
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running = KEYS[3], KEYS[4]
+J.results, J.running, J.blocked = KEYS[3], KEYS[4], KEYS[5]
 
 local f = job_read(KEYS[1])
 if not f.state then return { 0 } end

@@ -1,23 +1,28 @@
--- claim: take the next job of one of the worker's models and lease it (like BullMQ moveToActive).
--- Across models: the highest class first, then the oldest head job, then the model name (as the
--- memory broker). Inside a model: next_class, then the fair queue of that class. A job found past its
--- deadline is expired instead and the search goes on, up to a bound per call.
+-- claim: take the next job of one of the worker's models and lease it (like BullMQ moveToActive),
+-- a mirror of the memory broker's _pop and claim. Across models: the highest class first, then the
+-- oldest head job, then the model name. Inside a model: next_class, then the fair queue of that
+-- class, passing over the tenants at their concurrency cap. A job found past its deadline, or with
+-- less time left than its generation needs at the measured rate, is expired instead and the search
+-- goes on, up to a bound per call.
 --
 -- KEYS[1] active zset   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] running hash
+-- KEYS[5] blocked set   KEYS[6] capacity hash (drain rates; 'ls' counts the leases taken)
 -- then per model, in ARGV order, a block of 2 + ncls keys:
 --   state hash, marker zset, sched zset of every class (highest first)
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] lease seconds   ARGV[4] worker id   ARGV[5] lease token
 -- ARGV[6] result TTL s   ARGV[7] events kept per stream   ARGV[8] ncls   ARGV[9] nmodels
 -- ARGV[10] most expired jobs to settle in this call   ARGV[11] error JSON of an expired job
 -- ARGV[12] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
+-- ARGV[13] error JSON of a job dropped at dispatch, '{left}' standing for the seconds it had left
 -- then ncls class names, ncls class minimum shares, nmodels model names
 -- Returns {1, field, value, ...} the leased job's record
 --         {0}                    nothing to claim
 --         {2}                    the bound of expired jobs was reached: call again
--- Builds tenant-list, job and stream keys from the prefix (same slot as KEYS).
+-- Builds tenant-list, tenant, job and stream keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
+-- @include _tenant.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 -- @include _classes.lua
@@ -26,19 +31,23 @@ local now_s, P = ARGV[1], ARGV[2]
 local now = tonumber(now_s)
 local lease_s, worker, token = tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local ncls, nmodels, max_expired = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local expired_error, woken = ARGV[11], ARGV[12] == '1'
+local expired_error, woken, dropped_error = ARGV[11], ARGV[12] == '1', ARGV[13]
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[6]), ARGV[7]
-J.results, J.running = KEYS[3], KEYS[4]
+J.results, J.running, J.blocked = KEYS[3], KEYS[4], KEYS[5]
 
 local classes, mins, models = {}, {}, {}
 for i = 1, ncls do
-  classes[i] = ARGV[12 + i]
-  mins[i] = tonumber(ARGV[12 + ncls + i])
+  classes[i] = ARGV[13 + i]
+  mins[i] = tonumber(ARGV[13 + ncls + i])
 end
-for m = 1, nmodels do models[m] = ARGV[12 + 2 * ncls + m] end
+for m = 1, nmodels do models[m] = ARGV[13 + 2 * ncls + m] end
 local fields = class_fields(classes)
 
-local function block(m) return 4 + (m - 1) * (2 + ncls) end
+local function block(m) return 6 + (m - 1) * (2 + ncls) end
+local function sched_of(m, i) return KEYS[block(m) + 2 + i] end
+
+local blocked = {}
+for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do blocked[t] = true end
 
 -- Per model: its state view, and its queue lengths and credits by class index.
 local states, counts, credits = {}, {}, {}
@@ -51,14 +60,23 @@ for m = 1, nmodels do
   end
 end
 
+local function eligible_of(m)
+  local out = {}
+  for i, c in ipairs(classes) do
+    out[i] = fq_has_eligible(P, states[m], models[m], c, sched_of(m, i), blocked, counts[m][i])
+  end
+  return out
+end
+
 local expired = 0
 while true do
-  -- the best head over the models: {class index, created_at, model name, m, head}
+  -- the best head over the models: {class index, created_at, model name, m, head, eligible}
   local best = nil
   for m = 1, nmodels do
-    local i = next_class(counts[m], credits[m])
+    local eligible = eligible_of(m)
+    local i = next_class(eligible, credits[m])
     if i then
-      local head = fq_peek(P, states[m], models[m], classes[i], KEYS[block(m) + 2 + i])
+      local head = fq_peek(P, states[m], models[m], classes[i], sched_of(m, i), blocked)
       if head then
         local created = 0
         if nmodels > 1 then
@@ -66,7 +84,7 @@ while true do
         end
         if best == nil or i < best[1] or (i == best[1] and (created < best[2]
             or (created == best[2] and models[m] < best[3]))) then
-          best = { i, created, models[m], m, head }
+          best = { i, created, models[m], m, head, eligible }
         end
       end
     end
@@ -77,9 +95,9 @@ while true do
   local st, id = states[m], head[5]
   local jk = job_key(P, id)
   local f = job_read(jk)
-  fq_pop(st, classes[i], KEYS[block(m) + 2 + i], head, tonumber(f.cost), tonumber(f.weight) or 1.0)
-  local paid = pay_credits(counts[m], credits[m], mins, i)
+  fq_pop(st, classes[i], sched_of(m, i), head, tonumber(f.cost), tonumber(f.weight) or 1.0)
   counts[m][i] = counts[m][i] - 1
+  local paid = pay_credits(best[6], counts[m], credits[m], mins, i)
   for c = 1, ncls do
     if paid[c] ~= credits[m][c] then
       credits[m][c] = paid[c]
@@ -89,15 +107,27 @@ while true do
   st_flush(st)
   redis.call('ZREM', KEYS[2], id)
 
-  if tonumber(f.deadline) <= now then
-    settle(id, f, 'expired', { 'error', expired_error })
+  -- DrainRate.service_s at the measured rate; before any measurement only the deadline counts.
+  local left, service = tonumber(f.deadline) - now, nil
+  if left > 0 then
+    local d = redis.call('HMGET', KEYS[6], 'p:' .. models[m], 'n:' .. models[m])
+    if (tonumber(d[2]) or 0) > 0 then service = tonumber(f.cost) / math.max(tonumber(d[1]), 1e-3) end
+  end
+  if left <= 0 or (service and left < service) then
+    local err = expired_error
+    if left > 0 then -- it would be aborted half-way: the engine's time goes to a job that can finish
+      err = string.gsub(dropped_error, '{left}', string.format('%.1f', left))
+    end
+    settle(id, f, 'expired', { 'error', err })
     expired = expired + 1
     if expired >= max_expired then return { 2 } end
   else
     local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
+    local ls = redis.call('HINCRBY', KEYS[6], 'ls', 1) -- the order leases are taken in (reap.lua)
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
-      'attempts', attempt, 'seq', seq })
+      'attempts', attempt, 'seq', seq, 'ls', ls })
     redis.call('HINCRBY', KEYS[4], models[m], 1)
+    tenant_move(P, KEYS[5], f.tenant, 'queued', 'running')
     redis.call('ZADD', KEYS[1], now + lease_s, id)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
     -- A claimer that was idle wakes the next idle one while work is left, so that a burst does not

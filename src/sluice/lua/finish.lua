@@ -3,20 +3,22 @@
 -- an EWMA of cost / service time per slot), which admit reads for its deadline prediction.
 --
 -- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
--- KEYS[5] running hash   KEYS[6] capacity hash
+-- KEYS[5] running hash   KEYS[6] capacity hash   KEYS[7] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
 -- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
--- ARGV[10 ..] field, value pairs to record (result, usage, error, attempts, backend)
--- Returns {1, field, value, ...} the settled record
+-- ARGV[10] tokens the engine reported using (-1: unknown), to give back to the tenant's bucket
+-- ARGV[11 ..] field, value pairs to record (result, usage, error, attempts, backend)
+-- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 
 -- @include _keys.lua
+-- @include _tenant.lua
 -- @include _job.lua
 
 local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[7]), ARGV[8]
-J.results, J.running = KEYS[4], KEYS[5]
+J.results, J.running, J.blocked = KEYS[4], KEYS[5], KEYS[7]
 
 local f = job_read(KEYS[1])
 if f.worker ~= worker or (token ~= '' and f.lease ~= token) then return { 0 } end
@@ -24,9 +26,10 @@ if redis.call('ZREM', KEYS[3], id) == 0 then return { 0 } end -- not leased (any
 if f.state ~= 'running' then return { 0 } end -- cancelled while running: the lease is released above
 
 local changes = {}
-for i = 10, #ARGV do changes[#changes + 1] = ARGV[i] end
+for i = 11, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 settle(id, f, state, changes)
+tenant_give_back(P, f.tenant, tonumber(f.cost), tonumber(ARGV[10]), now)
 
 if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)

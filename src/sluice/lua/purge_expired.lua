@@ -3,19 +3,21 @@
 -- TTL are dropped with their events and dead-letter entry.
 --
 -- KEYS[1] deadline zset   KEYS[2] results zset   KEYS[3] dead zset   KEYS[4] running hash
+-- KEYS[5] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most jobs of each kind in this call   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] error JSON of an expired job
 -- Returns {expired, dropped, 1 when a bound was reached (call again) else 0}.
--- Builds job, stream, tenant-list and state keys from the prefix (same slot as KEYS).
+-- Builds job, stream, tenant-list, tenant and state keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
+-- @include _tenant.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 
 local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running = KEYS[2], KEYS[4]
+J.results, J.running, J.blocked = KEYS[2], KEYS[4], KEYS[5]
 
 local late = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
 local expired = 0

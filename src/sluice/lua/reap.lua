@@ -4,29 +4,38 @@
 -- Like BullMQ moveStalledJobsToWait, minus its two-phase stalled set: a lease here is a deadline.
 --
 -- KEYS[1] active zset   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] dead zset
--- KEYS[5] running hash
+-- KEYS[5] running hash   KEYS[6] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most leases to reap in this call   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] error JSON of an exhausted job, '{attempts}' standing
 -- for the count
 -- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}.
--- Builds job, stream, tenant-list, state and marker keys from the prefix (same slot as KEYS).
+-- Builds job, stream, tenant-list, tenant, state and marker keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
+-- @include _tenant.lua
 -- @include _job.lua
 -- @include _fairqueue.lua
 
 local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running = KEYS[3], KEYS[5]
+J.results, J.running, J.blocked = KEYS[3], KEYS[5], KEYS[6]
 
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
-local requeued, dead = 0, 0
+-- In the order the leases were taken ('ls', from claim), as the memory broker walks its leases:
+-- two jobs of one tenant handed back in one round then keep the memory broker's order.
+local lost = {}
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
-  local jk = job_key(P, id)
-  local f = job_read(jk)
+  local f = job_read(job_key(P, id))
+  f.id = id
+  lost[#lost + 1] = f
+end
+table.sort(lost, function(a, b) return (tonumber(a.ls) or 0) < (tonumber(b.ls) or 0) end)
+local requeued, dead = 0, 0
+for _, f in ipairs(lost) do
+  local id, jk = f.id, job_key(P, f.id)
   if f.state == 'running' then
     local attempts = tonumber(f.attempts)
     if attempts >= tonumber(f.max_attempts) then
@@ -37,6 +46,7 @@ for _, id in ipairs(ids) do
       local model, cls, tenant = f.model, f.priority, f.tenant
       local seq = tonumber(f.seq) + 1
       redis.call('HINCRBY', KEYS[5], model, -1)
+      tenant_move(P, KEYS[6], tenant, 'running', 'queued')
       redis.call('HSET', jk, 'state', 'queued', 'seq', seq)
       local st = st_open(state_key(P, model), {})
       fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)

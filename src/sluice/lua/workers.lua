@@ -20,4 +20,5 @@ elseif op == 'unregister' then
   redis.call('HDEL', KEYS[2], worker)
 end
 if changed then workers_rebuild(KEYS[1], KEYS[2], KEYS[3]) end
+workers_mark(KEYS[1], KEYS[3])
 return redis.call('HGETALL', KEYS[3])

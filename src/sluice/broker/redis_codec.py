@@ -1,0 +1,142 @@
+"""The job record as the Redis broker stores it: one hash per job.
+
+Fields the scripts read or write are fields of their own, as JSON text when they are numbers or
+JSON (so a script can splice them into a reply unchanged); the fields that never change after
+admission travel as one JSON field, ``spec``: every argument and reply element that crosses into a
+script costs Redis time, and a record is read whole on every claim and finish. The layout follows
+the ``Job`` dataclass's type hints, so a field added to ``Job`` is stored without a change here
+(in ``spec``, unless it is listed in :data:`OWN_FIELDS` because a script needs it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sluice.core.job import Job, JobError
+
+
+def to_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _field_kinds() -> dict[str, tuple[str, Any]]:
+    """How each Job field is stored, from its type: strings and enums as text; numbers, dicts and
+    the error as JSON text, so that the scripts can splice them into event data unchanged."""
+    hints = typing.get_type_hints(Job)
+    kinds: dict[str, tuple[str, Any]] = {}
+    for f in dataclasses.fields(Job):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
+            hint = args[0]
+        if hint is str:
+            kinds[f.name] = ("str", str)
+        elif hint is int or hint is float:
+            kinds[f.name] = ("num", hint)
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            kinds[f.name] = ("enum", hint)
+        elif hint is JobError:
+            kinds[f.name] = ("error", JobError)
+        else:  # dicts and lists
+            kinds[f.name] = ("json", hint)
+    return kinds
+
+
+_KINDS = _field_kinds()
+
+#: Job fields the scripts read or write, each a field of the record hash; the others go in ``spec``.
+OWN_FIELDS = frozenset(
+    {
+        "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
+        "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
+        "error", "extra",
+    }
+)  # fmt: skip
+
+
+Conv = Callable[[Any], Any] | None  # None: the value as it is
+Plan = list[tuple[str, Conv]]
+
+
+def _num_text(cls: type) -> Callable[[Any], str]:
+    return lambda value: repr(cls(value))  # repr of an int or a float is its JSON text
+
+
+def _convs(kind: str, cls: Any) -> tuple[Conv, Conv, Conv, Conv]:
+    """(to hash text, to spec JSON, from hash text, from spec JSON) for one kind of field."""
+    if kind == "str":
+        return None, None, None, None
+    if kind == "num":
+        return _num_text(cls), None, cls, cls
+    if kind == "enum":
+        return (lambda v: v.value), (lambda v: v.value), cls, cls
+    if kind == "error":
+        return (
+            lambda v: to_json(v.to_dict()),
+            lambda v: v.to_dict(),
+            lambda t: JobError(**json.loads(t)),
+            lambda d: JobError(**d),
+        )
+    return to_json, None, json.loads, None
+
+
+def _plans() -> tuple[Plan, Plan, Plan, Plan]:
+    """How each field is written and read: own field out, spec out, own field in, spec in."""
+    own_out: Plan = []
+    spec_out: Plan = []
+    own_in: Plan = []
+    spec_in: Plan = []
+    for name, (kind, cls) in _KINDS.items():
+        text_out, json_out, text_in, json_in = _convs(kind, cls)
+        if name in OWN_FIELDS:
+            own_out.append((name, text_out))
+            own_in.append((name, text_in))
+        else:
+            spec_out.append((name, json_out))
+            spec_in.append((name, json_in))
+    return own_out, spec_out, own_in, spec_in
+
+
+_OWN_OUT, _SPEC_OUT, _OWN_IN, _SPEC_IN = _plans()
+
+
+def encode_job(job: Job) -> list[str]:
+    """Field, value pairs of the job's hash; None is left out. ``cost`` is added for the scripts."""
+    out = ["cost", str(job.cost)]
+    for name, conv in _OWN_OUT:
+        value = getattr(job, name)
+        if value is not None:
+            out += [name, value if conv is None else conv(value)]
+    spec = {}
+    for name, conv in _SPEC_OUT:
+        value = getattr(job, name)
+        if value is not None:
+            spec[name] = value if conv is None else conv(value)
+    out += ["spec", to_json(spec)]
+    return out
+
+
+def decode_job(data: Mapping[str, str]) -> Job:
+    values: dict[str, Any] = {}
+    spec = json.loads(data["spec"])
+    for name, conv in _SPEC_IN:
+        value = spec.get(name)
+        if value is not None:
+            values[name] = value if conv is None else conv(value)
+    for name, conv in _OWN_IN:
+        text = data.get(name)
+        if text is not None:
+            values[name] = text if conv is None else conv(text)
+    return Job(**values)
+
+
+def pairs(flat: Sequence[Any]) -> dict[str, str]:
+    """A flat reply ``[field, value, ...]`` as a dict."""
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
