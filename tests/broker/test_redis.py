@@ -114,7 +114,7 @@ async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
     model, tenant = "org/llama:8b", "acme:eu{1}%"
     await broker.register("w:1", {model: 2, "x": 1})
     first = make_job(clock, model=model, tenant=tenant, idempotency_key="k:1", max_attempts=1)
-    await broker.admit(first)
+    await broker.admit(first, TenantPolicy(tenant, rpm=100, tpm=10_000, max_queued=10, max_concurrent=3))
     assert (await broker.admit(make_job(clock, model=model, tenant=tenant, idempotency_key="k:1"))).duplicate
     others = [
         make_job(clock, model=model, tenant=t, priority=p) for t in ("a", "b:c") for p in ("low", "high")
@@ -139,10 +139,20 @@ async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
     await broker.cancel(running[0].id)
     await aborted
     await broker.finish(running[1].id, "w:1", JobState.SUCCEEDED, result={"ok": 1}, usage={"total_tokens": 3})
+    hooked = make_job(clock, model=model, tenant=tenant)
+    hooked.callback_url = "https://example.com/hook"
+    await broker.admit(hooked)
+    await broker.cancel(hooked.id)
+    assert await broker.ended_callbacks("w:1", timeout=1) == [hooked.id]
+    await broker.add_delivery(hooked.id, {"attempt": 1, "status": 200})
+    await broker.ack_callback(hooked.id)
+    await broker.set_draining("b:1", True)
+    assert await broker.draining() == {"b:1"}
     await broker.cancel(others[2].id)  # still queued
     clock.advance(10)  # leases lost: one job goes back to its queue, the first one dies (max_attempts 1)
     await broker.maintain()
     assert first.id in await broker.dead_letters()
+    assert await broker.purge_dead_letters([first.id]) == 1
     await reader
     await follower
     clock.advance(4000)  # deadlines and result TTLs pass
@@ -170,7 +180,7 @@ async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server:
     slot = key_slot(QueueKeys().prefix)
     names = {name for name, _ in declared}
     assert names >= {"admit", "claim", "heartbeat", "publish", "finish", "cancel", "reap", "purge_expired"}
-    assert names >= {"position", "workers"}
+    assert names >= {"position", "workers", "callbacks", "purge_dead"}
     for name, keys in declared:
         assert {key_slot(k) for k in keys} == {slot}, name
 
@@ -199,7 +209,8 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                 got = await r.eval(
                     lib + "local P, t, m, c = ARGV[1], ARGV[2], ARGV[3], ARGV[4]\n"
                     "return {job_key(P, t), out_key(P, t), tq_key(P, m, c, t), sched_key(P, m, c),"
-                    " state_key(P, m), marker_key(P, m)}",
+                    " state_key(P, m), marker_key(P, m), tenant_key(P, t), callbacks_key(P),"
+                    " callbacks_marker_key(P)}",
                     0,
                     keys.prefix,
                     tenant,
@@ -213,6 +224,9 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                     keys.sched(model, "normal"),
                     keys.state(model),
                     keys.marker(model),
+                    keys.tenant(tenant),
+                    keys.callbacks,
+                    keys.callbacks_marker,
                 ]
 
 
@@ -577,3 +591,60 @@ async def test_a_burst_wakes_every_idle_claimer(redis_url: str) -> None:
         claimed = await asyncio.wait_for(asyncio.gather(*claims), 4)
         assert time.monotonic() - started < 2
         assert sorted(j.id for j in claimed if j is not None) == sorted(j.id for j in jobs)
+
+
+async def test_webhooks_handed_out_acked_and_logged(broker: RedisBroker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    job.callback_url = "https://example.com/hook"
+    plain = make_job(clock)
+    for j in (job, plain):
+        await broker.admit(j)
+        await broker.claim("w", ["m"], timeout=1)
+        await broker.finish(j.id, "w", JobState.SUCCEEDED, result={})
+    assert await broker.ended_callbacks("w", timeout=1) == [job.id]
+    assert await broker.ended_callbacks("w", timeout=0.1) == []  # in flight with w
+    await broker.add_delivery(job.id, {"attempt": 1, "at": clock() + 0.123456789, "status": 500})
+    await broker.add_delivery(job.id, {"attempt": 2, "at": clock() + 1.5, "status": 200})
+    got = await broker.get(job.id)
+    assert got is not None and [d["status"] for d in got.extra["deliveries"]] == [500, 200]
+    assert got.extra["deliveries"][0]["at"] == clock() + 0.123456789  # not rounded on the way
+    clock.advance(601)  # w went quiet: the webhook goes to another worker
+    assert await broker.ended_callbacks("w2", timeout=1) == [job.id]
+    await broker.ack_callback(job.id)
+    clock.advance(601)
+    assert await broker.ended_callbacks("w3", timeout=0.1) == []
+
+
+async def test_waiting_for_webhooks_wakes_on_an_ending_job(broker: RedisBroker, clock: FakeClock) -> None:
+    waiter = asyncio.create_task(broker.ended_callbacks("w", timeout=5))
+    await asyncio.sleep(0.1)
+    job = make_job(clock)
+    job.callback_url = "https://example.com/hook"
+    await broker.admit(job)
+    await broker.cancel(job.id)
+    assert await asyncio.wait_for(waiter, 2) == [job.id]
+
+
+async def test_dead_letters_purged_and_draining_shared(redis_url: str) -> None:
+    clock = FakeClock()
+    async with (
+        RedisBroker(redis_url, make_settings(clock)) as a,
+        RedisBroker(redis_url, make_settings(clock)) as b,
+    ):
+        jobs = [make_job(clock, max_attempts=1) for _ in range(3)]
+        for job in jobs:
+            await a.admit(job)
+            await a.claim("w", ["m"], timeout=1)
+        clock.advance(6)
+        await a.maintain()
+        assert set(await b.dead_letters()) == {j.id for j in jobs}
+        assert await b.purge_dead_letters([]) == 0
+        assert await b.purge_dead_letters([jobs[0].id, "job_unknown"]) == 1
+        assert await a.get(jobs[0].id) is None
+        assert await b.purge_dead_letters() == 2
+        assert await a.dead_letters() == {}
+
+        await a.set_draining("gpu-1", True)
+        assert await b.draining() == {"gpu-1"}
+        await b.set_draining("gpu-1", False)
+        assert await a.draining() == set()

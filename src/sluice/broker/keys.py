@@ -137,6 +137,21 @@ class QueueKeys:
         return f"{self.prefix}wslots"
 
     @property
+    def callbacks(self) -> str:
+        """List: ended jobs whose webhook awaits a worker. Mirrored in Lua."""
+        return f"{self.prefix}callbacks"
+
+    @property
+    def callbacks_marker(self) -> str:
+        """Zset: wake-up marker for workers waiting on webhooks (BZPOPMIN). Mirrored in Lua."""
+        return f"{self.prefix}cbmarker"
+
+    @property
+    def callbacks_inflight(self) -> str:
+        """Zset: webhooks handed to a worker, job id → when they are handed out again."""
+        return f"{self.prefix}cbinflight"
+
+    @property
     def maintain_lock(self) -> str:
         """String: taken with ``SET NX PX`` so one process per interval runs background upkeep."""
         return f"{self.prefix}maintain"

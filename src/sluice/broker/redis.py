@@ -68,6 +68,10 @@ STREAM_MAXLEN = 10_000
 UPKEEP_BATCH = 500
 #: Jobs found expired per claim call before the call returns to be repeated.
 EXPIRED_PER_CLAIM = 64
+#: How long a worker may take to deliver a webhook before it is handed to another worker.
+CALLBACK_LEASE_S = 600.0
+#: Webhooks handed to one worker at a time.
+CALLBACK_BATCH = 100
 
 _EXPIRED = JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
 _CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
@@ -92,6 +96,8 @@ SCRIPT_NAMES = (
     "position",
     "workers",
     "release",
+    "callbacks",
+    "purge_dead",
 )
 
 
@@ -475,6 +481,19 @@ class RedisBroker(Broker):
             )
         return out
 
+    async def purge_dead_letters(self, ids: Sequence[str] | None = None) -> int:
+        if ids is not None and not ids:
+            return 0
+        k = self.keys
+        return int(await self._call("purge_dead", [k.dead, k.results], [k.prefix, *(ids or ())]))
+
+    async def set_draining(self, backend: str, draining: bool) -> None:
+        key = self.keys.draining
+        await self._io(self._redis.sadd(key, backend) if draining else self._redis.srem(key, backend))
+
+    async def draining(self) -> set[str]:
+        return cast(set[str], await self._io(self._redis.smembers(self.keys.draining)))
+
     async def dead_letters(self) -> dict[str, float]:
         """Jobs that failed for good after losing their worker ``max_attempts`` times: id → when.
 
@@ -667,6 +686,47 @@ class RedisBroker(Broker):
             ],
         )
         return decode_job(pairs(reply[1:])) if int(reply[0]) == 1 else None
+
+    # --- webhooks -----------------------------------------------------------------------------
+
+    supports_callbacks = True
+
+    async def ended_callbacks(self, worker_id: str, timeout: float) -> list[str]:
+        k = self.keys
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        while True:
+            ids = await self._call(
+                "callbacks",
+                [k.callbacks, k.callbacks_inflight, k.callbacks],
+                ["take", self._now(), repr(CALLBACK_LEASE_S), CALLBACK_BATCH],
+            )
+            if ids:
+                return [str(i) for i in ids]
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                return []
+            block = max(min(remaining, CLAIM_BLOCK_S), 0.01)
+            await self._io(self._blocking.bzpopmin([k.callbacks_marker], timeout=block), timeout=block + 5.0)
+
+    async def ack_callback(self, job_id: str) -> None:
+        k = self.keys
+        await self._call(
+            "callbacks", [k.callbacks, k.callbacks_inflight, k.callbacks], ["ack", self._now(), job_id]
+        )
+
+    async def add_delivery(self, job_id: str, attempt: dict[str, Any]) -> None:
+        k = self.keys
+        for _ in range(10):  # compare and set: another writer is unlikely, but never lost
+            before = await self._batch.call(("HGET", k.job(job_id), "extra"))
+            if before is None:
+                return
+            extra = json.loads(before)
+            extra.setdefault("deliveries", []).append(attempt)
+            keys = [k.callbacks, k.callbacks_inflight, k.job(job_id)]
+            if int(await self._call("callbacks", keys, ["extra", self._now(), before, to_json(extra)])) != 0:
+                return
+        log.warning("delivery log of %s kept changing; attempt not recorded", job_id)
 
     async def maintain(self) -> None:
         k = self.keys

@@ -55,7 +55,7 @@ OWN_FIELDS = frozenset(
     {
         "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
         "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
-        "error", "extra",
+        "error", "extra", "callback_url",
     }
 )  # fmt: skip
 

@@ -2,7 +2,8 @@
 -- A script that includes this fills the context table J first:
 --   J.P prefix, J.now (number), J.now_s (the caller's exact text of now), J.ttl result TTL in seconds,
 --   J.maxlen events kept per stream, J.results zset, J.running hash, J.blocked set (and it
---   includes _tenant.lua before this file).
+--   includes _tenant.lua before this file). Jobs with a callback_url join the callbacks list when
+--   they end (callbacks.lua).
 
 local J = {}
 
@@ -57,6 +58,10 @@ local function settle(id, f, state, changes)
   local etype = 'error'
   if state == 'succeeded' then etype = 'done' end
   emit(ok, seq, etype, '')
+  if f.callback_url then
+    redis.call('RPUSH', callbacks_key(J.P), id)
+    redis.call('ZADD', callbacks_marker_key(J.P), 0, 'w')
+  end
   local ms = math.ceil(J.ttl * 1000) + 60000
   redis.call('PEXPIRE', jk, ms)
   redis.call('PEXPIRE', ok, ms)

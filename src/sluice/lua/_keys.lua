@@ -21,6 +21,9 @@ end
 local function sched_key(P, model, cls) return P .. 'sched:' .. part(model) .. ':' .. part(cls) end
 local function state_key(P, model) return P .. 'qs:' .. part(model) end
 local function marker_key(P, model) return P .. 'marker:' .. part(model) end
+local function tenant_key(P, tenant) return P .. 'tenant:' .. part(tenant) end
+local function callbacks_key(P) return P .. 'callbacks' end
+local function callbacks_marker_key(P) return P .. 'cbmarker' end
 
 -- Numbers handed back to Python as strings: a Lua number in a reply is truncated to an integer, and
 -- tostring() keeps only 14 digits.

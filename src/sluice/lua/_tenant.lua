@@ -7,8 +7,6 @@
 -- The blocked set holds the tenants at their concurrency cap, so that claim skips them.
 -- A tenant with no jobs and no buckets is forgotten, policy and all, as the memory broker does.
 
-local function tenant_key(P, tenant) return P .. 'tenant:' .. part(tenant) end
-
 -- Bucket.refill: the level now, and the new stamp.
 local function bucket_refill(level, stamp, cap, now)
   if level == nil or level < 0 then return cap, now end

@@ -1,0 +1,25 @@
+-- purge_dead: forget dead letters, records and events included.
+--
+-- KEYS[1] dead zset   KEYS[2] results zset
+-- ARGV[1] queue prefix   ARGV[2 ..] the job ids (none: every dead letter)
+-- Returns how many went.
+-- Builds job and stream keys from the prefix (same slot as KEYS).
+
+-- @include _keys.lua
+
+local P = ARGV[1]
+local ids = {}
+if #ARGV > 1 then
+  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
+else
+  ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+end
+local gone = 0
+for _, id in ipairs(ids) do
+  if redis.call('ZREM', KEYS[1], id) == 1 then
+    redis.call('DEL', job_key(P, id), out_key(P, id))
+    redis.call('ZREM', KEYS[2], id)
+    gone = gone + 1
+  end
+end
+return gone
