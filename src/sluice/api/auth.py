@@ -22,6 +22,8 @@ class Caller:
     admin: bool = False
     webhook_secret: str | None = None
     max_connections: int | None = None
+    #: False in open mode: with no keys there is nobody to hold to a per-key connection cap
+    keyed: bool = True
 
     @property
     def tenant(self) -> str:
@@ -77,7 +79,7 @@ class KeyRing:
         if self.open:
             # Open mode: callers are told apart by their bearer token, never kept in clear.
             tenant = "key-" + hash_key(token)[:16] if token else "anonymous"
-            return Caller(TenantPolicy(tenant))
+            return Caller(TenantPolicy(tenant), keyed=False)
         if token is None:
             raise APIError(
                 401,

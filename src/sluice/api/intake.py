@@ -39,7 +39,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def connection(self, caller: Caller) -> AsyncIterator[None]:
-        """Count a long-lived connection (stream, long poll, websocket) against the caller's cap."""
+        """Count a long-lived connection (stream, long poll, websocket) against the caller's key's cap."""
+        if not caller.keyed:
+            yield
+            return
         cap = caller.max_connections or self.settings.max_connections_per_key
         open_now = self.connections.get(caller.tenant, 0)
         if open_now >= cap:
