@@ -8,16 +8,17 @@ from redis.asyncio import Redis
 from tests.redis_server import RedisServer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def redis_server() -> Iterator[RedisServer]:
-    """One throw-away ``redis-server`` for the session (never the shared one on 6379)."""
+    """One throw-away ``redis-server`` for the broker tests (never the shared one on 6379); it goes
+    when they are done, so that no other test finds a stray child process."""
     with RedisServer() as server:
         yield server
 
 
 @pytest.fixture
 async def redis_url(redis_server: RedisServer) -> AsyncIterator[str]:
-    """The session server's URL, emptied before the test."""
+    """The server's URL, emptied before the test."""
     if not redis_server.running:  # a test killed it
         redis_server.start()
     client = Redis.from_url(redis_server.url)
