@@ -29,6 +29,7 @@ def gateway(request: Request) -> Gateway:
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:
     gw = gateway(request)
     job = await gw.build_job(request, who, endpoint, body)
+    job.stream_tokens = bool(body.get("stream"))
     # A synchronous request holds a connection until it ends: count it before queueing anything.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(gw.connection(who))

@@ -69,6 +69,9 @@ class OpenAIBackend(Backend):
         return r.status_code == 200
 
     async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        if not job.stream_tokens:
+            yield await self._whole(job)
+            return
         body = dict(job.body)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -100,8 +103,36 @@ class OpenAIBackend(Backend):
         except httpx.HTTPError as exc:
             raise BackendError(f"{type(exc).__name__} talking to {self.name}: {exc}", retryable=True) from exc
 
+    async def _whole(self, job: Job) -> dict[str, Any]:
+        """One request for the whole answer, returned as a single chunk holding all of it.
+
+        Closing the connection still aborts the generation: vLLM and llama-server watch for it.
+        """
+        body = {k: v for k, v in job.body.items() if k != "stream_options"}
+        body["stream"] = False
+        try:
+            response = await self._client.post(job.endpoint.path, json=body)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{type(exc).__name__} talking to {self.name}: {exc}", retryable=True) from exc
+        if response.status_code != 200:
+            raise _status_error(response.status_code, response.content[:MAX_ERROR_BODY])
+        try:
+            data = response.json()
+            choices = [_as_delta(c) for c in data.get("choices") or []]
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise BackendError("the engine sent a malformed answer", retryable=True) from exc
+        return {"choices": choices, "usage": data.get("usage")}
+
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _as_delta(choice: dict[str, Any]) -> dict[str, Any]:
+    """A whole answer's choice in the shape of a stream chunk's, so one assembler handles both."""
+    out = {k: v for k, v in choice.items() if k != "message"}
+    if "message" in choice:
+        out["delta"] = choice["message"]
+    return out
 
 
 def _message(data: Any) -> str:
