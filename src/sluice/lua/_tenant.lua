@@ -22,7 +22,7 @@ local function tenant_move(P, blocked, tenant, from, to)
   if to == 'queued' then q = q + 1 elseif to == 'running' then r = r + 1 end
   if q <= 0 and r <= 0 and not t[4] and not t[5] then
     redis.call('DEL', tk)
-    redis.call('SREM', blocked, tenant)
+    if mc then redis.call('SREM', blocked, tenant) end
     return
   end
   redis.call('HSET', tk, 'q', q, 'r', r)

@@ -58,6 +58,7 @@ end
 local t = {}
 local flat = redis.call('HGETALL', KEYS[13])
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
+local had_mc = t.mc ~= nil
 if ARGV[14] == '1' then
   local names = { 'rpm', 'tpm', 'mq', 'mc' }
   for i, name in ipairs(names) do
@@ -98,7 +99,7 @@ local function tenant_store(rl, rs, tl, ts)
   if #dels > 0 then redis.call('HDEL', KEYS[13], unpack(dels)) end
   if mc and (tonumber(t.r) or 0) >= mc then
     redis.call('SADD', KEYS[14], tenant)
-  else
+  elseif mc or had_mc then -- only a tenant that has, or had, a cap can be in the set
     redis.call('SREM', KEYS[14], tenant)
   end
 end
