@@ -138,3 +138,25 @@ async def test_queue_full_beyond_slots_and_bound(
     await wait_until(idle, timeout=30)
     states = {(await gw.broker.get(j)).state for j in accepted}
     assert states == {JobState.CANCELLED}
+
+
+async def test_engine_killed_mid_job_is_restarted_and_the_job_retried(
+    engine: LocalEngine, http: httpx.AsyncClient
+) -> None:
+    import os
+    import signal
+
+    async with run_gateway([engine.url], max_concurrency=engine.slots, max_attempts=5) as gw:
+        job_id = (await http.post(gw.url + "/v1/jobs", json={**LONG, "max_tokens": 200})).json()["id"]
+
+        async def streaming() -> bool:
+            job = await gw.broker.get(job_id)
+            return job.first_token_at is not None
+
+        await wait_until(streaming, timeout=60)
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        view = (await http.get(f"{gw.url}/v1/jobs/{job_id}", params={"wait": 60}, timeout=90)).json()
+        assert view["status"] == "succeeded", view
+        assert view["attempts"] >= 2 and view["usage"]["completion_tokens"] == 200
+        assert engine.restarts >= 1
