@@ -59,6 +59,8 @@ local t = {}
 local flat = redis.call('HGETALL', KEYS[13])
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
 local had_mc = t.mc ~= nil
+local stored = {} -- the fields the hash has now
+for i = 1, #flat, 2 do stored[flat[i]] = true end
 if ARGV[14] == '1' then
   local names = { 'rpm', 'tpm', 'mq', 'mc' }
   for i, name in ipairs(names) do
@@ -89,7 +91,7 @@ local function tenant_store(rl, rs, tl, ts)
   for _, kv in ipairs({ { 'rpm', rpm }, { 'tpm', tpm }, { 'mq', mq }, { 'mc', mc }, { 'rl', rl },
     { 'rs', rs }, { 'tl', tl }, { 'ts', ts } }) do
     if kv[2] == nil then
-      dels[#dels + 1] = kv[1]
+      if stored[kv[1]] then dels[#dels + 1] = kv[1] end -- only what is there
     else
       sets[#sets + 1] = kv[1]
       sets[#sets + 1] = kv[2]
