@@ -30,28 +30,38 @@ MAINTAIN_INTERVAL_S = 0.1
 
 
 class _Signal:
-    """A broadcast wake-up: waiters take the current event, the notifier swaps in a fresh one."""
+    """A broadcast wake-up: waiters take the current event, the notifier swaps in a fresh one.
+
+    The event is made only when someone waits: most queued jobs are never watched, and an
+    ``asyncio.Event`` costs about 700 bytes.
+    """
+
+    __slots__ = ("_event",)
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._event: asyncio.Event | None = None
 
     def current(self) -> asyncio.Event:
+        if self._event is None:
+            self._event = asyncio.Event()
         return self._event
 
     def notify(self) -> None:
-        old, self._event = self._event, asyncio.Event()
-        old.set()
+        old, self._event = self._event, None
+        if old is not None:
+            old.set()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     job: Job
     # (type, data as JSON): strings are invisible to the garbage collector, and a busy gateway holds
     # hundreds of thousands of token events for the result TTL; as dicts they made GC pauses of 0.2 s.
     events: list[tuple[EventType, str]] = field(default_factory=list)
+    #: every new event
     signal: _Signal = field(default_factory=_Signal)
-    #: set once, when the job ends: waiters for the outcome do not wake for every token
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the end of the job only: waiters for the outcome do not wake for every token
+    ended: _Signal = field(default_factory=_Signal)
 
 
 @dataclass
@@ -180,7 +190,7 @@ class MemoryBroker(Broker):
             job.error = error
         heapq.heappush(self._ttl, (job.finished_at + self.settings.result_ttl_s, job.id))
         self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
-        rec.ended.set()
+        rec.ended.notify()
         if job.callback_url:
             self._callbacks.append(job.id)
             self._callback_signal.notify()
@@ -241,7 +251,8 @@ class MemoryBroker(Broker):
             return None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await rec.ended.wait()
+                if not rec.job.terminal:
+                    await rec.ended.current().wait()
         return rec.job
 
     async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:

@@ -56,7 +56,7 @@ def new_job_id() -> str:
     return "job_" + secrets.token_urlsafe(16)
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One inference request.
 

@@ -35,7 +35,7 @@ DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     job_id: str
     tenant: str
