@@ -44,13 +44,21 @@ from sluice.broker.base import (
     job_view,
 )
 from sluice.broker.keys import QueueKeys, part
-from sluice.broker.redis_codec import decode_job, encode_job, pairs, to_json
+from sluice.broker.redis_codec import (
+    bound,
+    decode_job,
+    encode_job,
+    limiter_from_state,
+    pairs,
+    policy_args,
+    to_json,
+)
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
 from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
-from sluice.core.ratelimit import TenantLimiter, TenantPolicy
+from sluice.core.ratelimit import TenantPolicy
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
@@ -99,38 +107,6 @@ SCRIPT_NAMES = (
     "callbacks",
     "purge_dead",
 )
-
-
-def _bound(value: int | None) -> int:
-    return -1 if value is None else value
-
-
-def _policy_args(policy: TenantPolicy | None) -> list[int]:
-    if policy is None:
-        return [0, -1, -1, -1, -1]
-    limits = (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
-    return [1, *map(_bound, limits)]
-
-
-def _limiter(tenant: str, state: Sequence[str]) -> TenantLimiter:
-    """A TenantLimiter as the admit script left (or found) the tenant: rpm, tpm, max queued, max
-    concurrent, queued, requests level and stamp, tokens level and stamp ('' for none)."""
-
-    def opt(i: int) -> float | None:
-        return float(state[i]) if state[i] != "" else None
-
-    def opt_int(i: int) -> int | None:
-        value = opt(i)
-        return None if value is None else int(value)
-
-    policy = TenantPolicy(
-        tenant, rpm=opt_int(0), tpm=opt_int(1), max_queued=opt_int(2), max_concurrent=opt_int(3)
-    )
-    limiter = TenantLimiter(policy)
-    for bucket, level, stamp in ((limiter.requests, opt(5), opt(6)), (limiter.tokens, opt(7), opt(8))):
-        if bucket is not None and level is not None and stamp is not None:
-            bucket.level, bucket.stamp = level, stamp
-    return limiter
 
 
 @dataclass(frozen=True)
@@ -323,13 +299,13 @@ class RedisBroker(Broker):
             job.priority,
             job.cost,
             repr(float(job.deadline)),
-            _bound(limits.model.max_jobs),
-            _bound(limits.model.max_tokens),
-            _bound(cls_bounds.max_jobs),
-            _bound(cls_bounds.max_tokens),
+            bound(limits.model.max_jobs),
+            bound(limits.model.max_tokens),
+            bound(cls_bounds.max_jobs),
+            bound(cls_bounds.max_tokens),
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
-            *_policy_args(policy),
+            *policy_args(policy),
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
@@ -337,7 +313,7 @@ class RedisBroker(Broker):
         reply = await self._call("admit", keys, args)
         code = int(reply[0])
         if code == 1:
-            rate = _limiter(job.tenant, reply[3:12]).status(now)
+            rate = limiter_from_state(job.tenant, reply[3:12]).status(now)
             return Admission(job, False, int(reply[1]), float(reply[2]), rate)
         if code in (2, 3):
             # 2: a repeat of an idempotent request; 3: our own earlier try of this call got through.
@@ -356,7 +332,7 @@ class RedisBroker(Broker):
             slots=int(reply[9]),
         )
         view = admission.QueueView(*map(int, reply[1:7]))
-        limiter = _limiter(job.tenant, reply[10:19])
+        limiter = limiter_from_state(job.tenant, reply[10:19])
         queued = int(float(reply[14]))
         admission.check_tenant(limiter, cost=job.cost, queued=queued, now=now, drain=drain)
         admission.check(

@@ -1,4 +1,5 @@
-"""The job record as the Redis broker stores it: one hash per job.
+"""What the Redis broker's scripts read and write, in Python terms: the job record (one hash per
+job) and the tenant-limit state admit.lua hands back.
 
 Fields the scripts read or write are fields of their own, as JSON text when they are numbers or
 JSON (so a script can splice them into a reply unchanged); the fields that never change after
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sluice.core.job import Job, JobError
+from sluice.core.ratelimit import TenantLimiter, TenantPolicy
 
 
 def to_json(value: Any) -> str:
@@ -140,3 +142,40 @@ def pairs(flat: Sequence[Any]) -> dict[str, str]:
     """A flat reply ``[field, value, ...]`` as a dict."""
     it = iter(flat)
     return dict(zip(it, it, strict=False))
+
+
+# --- tenant limits ----------------------------------------------------------------------------
+
+
+def bound(value: int | None) -> int:
+    """A limit for a script: -1 for none."""
+    return -1 if value is None else value
+
+
+def policy_args(policy: TenantPolicy | None) -> list[int]:
+    """ARGV of admit.lua for a tenant policy: given or not, then its four limits."""
+    if policy is None:
+        return [0, -1, -1, -1, -1]
+    limits = (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
+    return [1, *map(bound, limits)]
+
+
+def limiter_from_state(tenant: str, state: Sequence[str]) -> TenantLimiter:
+    """A TenantLimiter as the admit script left (or found) the tenant: rpm, tpm, max queued, max
+    concurrent, queued, requests level and stamp, tokens level and stamp ('' for none)."""
+
+    def opt(i: int) -> float | None:
+        return float(state[i]) if state[i] != "" else None
+
+    def opt_int(i: int) -> int | None:
+        value = opt(i)
+        return None if value is None else int(value)
+
+    policy = TenantPolicy(
+        tenant, rpm=opt_int(0), tpm=opt_int(1), max_queued=opt_int(2), max_concurrent=opt_int(3)
+    )
+    limiter = TenantLimiter(policy)
+    for bucket, level, stamp in ((limiter.requests, opt(5), opt(6)), (limiter.tokens, opt(7), opt(8))):
+        if bucket is not None and level is not None and stamp is not None:
+            bucket.level, bucket.stamp = level, stamp
+    return limiter
