@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from sluice.backends.base import Backend, BackendError
@@ -158,7 +158,7 @@ class Dispatcher:
         now = time.monotonic()
         return sorted({m for s in self.slots if s.available(now) for m in s.backend.models})
 
-    def _pick(self, job: Job, exclude: set[str] = frozenset()) -> _Slots | None:  # type: ignore[assignment]
+    def _pick(self, job: Job, exclude: Collection[str] = ()) -> _Slots | None:
         now = time.monotonic()
         candidates = [s for s in self.slots if job.model in s.backend.models and s.available(now)]
         preferred = [s for s in candidates if s.backend.name not in exclude] or candidates
