@@ -112,6 +112,9 @@ class Settings(_Strict):
     drain_prior_per_slot: float = Field(default=50.0, gt=0)
     #: API keys; none configured means open mode, allowed only on a loopback address
     keys: list[KeyConfig] = Field(default_factory=list)
+    #: also accept API keys stored in the broker by an administrator (POST /admin/keys); with it the
+    #: gateway is never in open mode, even with no keys in this file
+    key_store: bool = False
     #: serve open mode (no keys) on a non-loopback address anyway
     insecure_open: bool = False
     #: limits on what a client controls

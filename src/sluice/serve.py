@@ -107,7 +107,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def check_exposure(settings: Settings) -> None:
     """Open mode (no keys) is for local use: refuse it on a reachable address unless forced."""
-    if settings.keys or is_loopback(settings.host):
+    if settings.keys or settings.key_store or is_loopback(settings.host):
         return
     if not settings.insecure_open:
         raise ConfigError(

@@ -368,10 +368,19 @@ class Dispatcher:
         async def record(attempt: DeliveryAttempt) -> None:
             await self.broker.add_delivery(job_id, attempt.to_dict())
 
-        try:
-            attempts = await self._sender.deliver(
-                job_view(job), job.callback_url, self.webhook_secrets.get(job.tenant), on_attempt=record
+        secret = self.webhook_secrets.get(job.tenant)
+        if secret is None:  # a key made with POST /admin/keys keeps its secret in the broker
+            stored = (await self.broker.list_keys()).values()
+            secret = next(
+                (
+                    r["webhook_secret"]
+                    for r in stored
+                    if r.get("tenant") == job.tenant and r.get("webhook_secret")
+                ),
+                None,
             )
+        try:
+            attempts = await self._sender.deliver(job_view(job), job.callback_url, secret, on_attempt=record)
         except Exception as exc:  # a refused URL (its address changed since admission) or a bug
             await record(
                 DeliveryAttempt(attempt=1, at=self.clock(), status=None, error=str(exc), duration_ms=0.0)

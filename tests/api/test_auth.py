@@ -110,7 +110,7 @@ async def test_open_connections_per_key(gw: Gateway, http: httpx.AsyncClient) ->
     await gw.broker.wait(job_id, 10)
     gateway = gw.app.state.gateway
     scope = {"type": "http", "headers": [(b"authorization", f"Bearer {ALICE}".encode())]}
-    alice = gw.app.state.keyring.authenticate(Request(scope))
+    alice = await gw.app.state.keyring.authenticate(Request(scope))
     async with gateway.connection(alice):
         r = await http.get(f"{gw.url}/v1/jobs/{job_id}/events", headers=auth(ALICE))
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"

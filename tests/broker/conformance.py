@@ -339,6 +339,17 @@ class BrokerConformance:
         assert order.count("heavy") == 6 and order.count("light") == 3
 
 
+class KeyStoreConformance:
+    async def test_key_store(self, broker: Broker) -> None:
+        assert await broker.get_key("h1") is None
+        await broker.put_key("h1", {"tenant": "acme", "rpm": 5})
+        await broker.put_key("h2", {"tenant": "beta"})
+        assert await broker.get_key("h1") == {"tenant": "acme", "rpm": 5}
+        assert set(await broker.list_keys()) == {"h1", "h2"}
+        assert await broker.delete_key("h1") and not await broker.delete_key("h1")
+        assert await broker.get_key("h1") is None and list(await broker.list_keys()) == ["h2"]
+
+
 class DispatchDeadlineConformance:
     async def test_job_that_cannot_finish_is_not_dispatched(self, broker: Broker, clock: FakeClock) -> None:
         await broker.register(W, {"m": 1})

@@ -5,7 +5,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sluice.broker.memory import MemoryBroker
-from tests.broker.conformance import BrokerConformance, DispatchDeadlineConformance, make_settings
+from tests.broker.conformance import (
+    BrokerConformance,
+    DispatchDeadlineConformance,
+    KeyStoreConformance,
+    make_settings,
+)
 from tests.broker.tenant_conformance import TenantLimitsConformance
 from tests.helpers import FakeClock
 
@@ -21,5 +26,7 @@ async def broker(clock: FakeClock) -> AsyncIterator[MemoryBroker]:
         yield b
 
 
-class TestMemoryBroker(BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance):
+class TestMemoryBroker(
+    BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance, KeyStoreConformance
+):
     pass

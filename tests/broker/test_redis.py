@@ -25,7 +25,12 @@ from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantPolicy
-from tests.broker.conformance import BrokerConformance, DispatchDeadlineConformance, make_settings
+from tests.broker.conformance import (
+    BrokerConformance,
+    DispatchDeadlineConformance,
+    KeyStoreConformance,
+    make_settings,
+)
 from tests.broker.tenant_conformance import TenantLimitsConformance
 from tests.helpers import FakeClock, make_job, wait_until
 from tests.redis_server import RedisServer
@@ -42,7 +47,9 @@ async def broker(clock: FakeClock, redis_url: str) -> AsyncIterator[RedisBroker]
         yield b
 
 
-class TestRedisBroker(BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance):
+class TestRedisBroker(
+    BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance, KeyStoreConformance
+):
     pass
 
 

@@ -1,17 +1,19 @@
-"""Admin endpoints, behind an admin key: queue statistics, draining backends, dead letters.
+"""Admin endpoints, behind an admin key: queue statistics, draining backends, dead letters, API keys.
 
 Without an admin key every path here answers 404, so the surface stays invisible to others.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from sluice.api.auth import Caller, admin
+from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.intake import Gateway
 from sluice.broker.base import job_view
@@ -78,3 +80,59 @@ async def purge_one(request: Request, job_id: str, _: Admin) -> JSONResponse:
     if not purged:
         raise APIError(404, f"No dead letter with id '{job_id}'.", "job_not_found")
     return JSONResponse({"purged": purged})
+
+
+class NewKey(BaseModel):
+    """A key to create in the broker's key store; the key itself is returned once, never stored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=128)
+    max_priority: str | None = None
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    max_queued: int | None = Field(default=None, ge=1)
+    max_connections: int | None = Field(default=None, ge=1)
+    webhook_secret: str | None = Field(default=None, max_length=256)
+    admin: bool = False
+
+
+def _store_enabled(request: Request) -> Gateway:
+    gw = gateway(request)
+    if not gw.settings.key_store:
+        raise APIError(
+            400, "The key store is off; set key_store = true to keep keys in the broker.", "unsupported"
+        )
+    return gw
+
+
+@router.post("/keys", status_code=201)
+async def create_key(request: Request, body: NewKey, _: Admin) -> JSONResponse:
+    gw = _store_enabled(request)
+    names = [c.name for c in gw.settings.classes]
+    if body.max_priority is not None and body.max_priority not in names:
+        raise APIError(400, f"Unknown priority '{body.max_priority}'.", param="max_priority")
+    key = "sk-sluice-" + secrets.token_urlsafe(32)
+    digest = hash_key(key)
+    await gw.broker.put_key(digest, body.model_dump())
+    return JSONResponse({"key": key, "key_sha256": digest, "tenant": body.tenant}, status_code=201)
+
+
+@router.get("/keys")
+async def list_keys(request: Request, _: Admin) -> JSONResponse:
+    gw = _store_enabled(request)
+    data = [
+        {"key_sha256": digest, **{k: v for k, v in record.items() if k != "webhook_secret"}}
+        for digest, record in sorted((await gw.broker.list_keys()).items())
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.delete("/keys/{key_sha256}")
+async def delete_key(request: Request, key_sha256: str, _: Admin) -> JSONResponse:
+    gw = _store_enabled(request)
+    if not await gw.broker.delete_key(key_sha256):
+        raise APIError(404, "No stored key with that hash.", "key_not_found")
+    return JSONResponse({"deleted": key_sha256})

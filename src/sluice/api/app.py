@@ -57,7 +57,7 @@ def create_app(
                 dispatcher = Dispatcher(broker, engines, metrics=metrics, **webhook_options(settings))
                 await dispatcher.start()
             app.state.gateway = Gateway(settings, broker, metrics)
-            app.state.keyring = KeyRing(settings)
+            app.state.keyring = KeyRing(settings, broker)
             app.state.dispatcher = dispatcher
             yield
         finally:

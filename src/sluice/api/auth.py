@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.requests import HTTPConnection
 
 from sluice.api.errors import APIError
+from sluice.broker.base import Broker
 from sluice.config import KeyConfig, Settings
 from sluice.core.ratelimit import TenantPolicy
 
@@ -34,7 +37,7 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def bearer(request: Request) -> str | None:
+def bearer(request: HTTPConnection) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -51,16 +54,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class KeyRing:
-    """The keys of the config file. With none, the gateway runs in open mode."""
+# A key deleted from the store stops working within this many seconds on every gateway.
+STORED_KEY_CACHE_S = 5.0
 
-    def __init__(self, settings: Settings) -> None:
+
+class KeyRing:
+    """The keys of the config file, and those stored in the broker when ``key_store`` is on.
+
+    With neither, the gateway runs in open mode.
+    """
+
+    def __init__(self, settings: Settings, broker: Broker | None = None) -> None:
         self.settings = settings
+        self.broker = broker
         self._keys: dict[str, KeyConfig] = {k.key_sha256: k for k in settings.keys}
+        self._stored: dict[str, tuple[float, KeyConfig | None]] = {}
 
     @property
     def open(self) -> bool:
-        return not self._keys
+        return not self._keys and not self.settings.key_store
+
+    async def _lookup(self, digest: str) -> KeyConfig | None:
+        key = self._keys.get(digest)
+        if key is not None or self.broker is None or not self.settings.key_store:
+            return key
+        now = time.monotonic()
+        hit = self._stored.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        record = await self.broker.get_key(digest)
+        found = KeyConfig.model_validate({**record, "key_sha256": digest}) if record else None
+        if len(self._stored) > 10_000:
+            self._stored.clear()  # bounded: a flood of wrong keys cannot grow it
+        self._stored[digest] = (now + STORED_KEY_CACHE_S, found)
+        return found
 
     def _caller(self, key: KeyConfig) -> Caller:
         policy = TenantPolicy(
@@ -74,7 +101,7 @@ class KeyRing:
         )
         return Caller(policy, key.admin, key.webhook_secret, key.max_connections)
 
-    def authenticate(self, request: Request) -> Caller:
+    async def authenticate(self, request: HTTPConnection) -> Caller:
         token = bearer(request)
         if self.open:
             # Open mode: callers are told apart by their bearer token, never kept in clear.
@@ -87,7 +114,7 @@ class KeyRing:
                 "missing_api_key",
                 type="invalid_request_error",
             )
-        key = self._keys.get(hash_key(token))
+        key = await self._lookup(hash_key(token))
         if key is None:
             raise APIError(
                 401, "Incorrect API key provided.", "invalid_api_key", type="invalid_request_error"
@@ -98,7 +125,7 @@ class KeyRing:
 async def caller(request: Request) -> Caller:
     """FastAPI dependency: the authenticated caller (401 otherwise)."""
     keyring: KeyRing = request.app.state.keyring
-    found = keyring.authenticate(request)
+    found = await keyring.authenticate(request)
     request.state.caller = found
     return found
 
@@ -106,7 +133,7 @@ async def caller(request: Request) -> Caller:
 async def admin(request: Request) -> Caller:
     """FastAPI dependency for /admin: an admin key, and 404 for anyone else (the surface stays hidden)."""
     keyring: KeyRing = request.app.state.keyring
-    found = keyring.authenticate(request)
+    found = await keyring.authenticate(request)
     if keyring.open or not found.admin:
         raise APIError(404, "Not Found", "not_found")
     return found

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
-from starlette.requests import HTTPConnection
 
 from sluice.api.errors import APIError
 from sluice.api.intake import Gateway
@@ -26,7 +25,7 @@ async def _deny(websocket: WebSocket, error: APIError) -> None:
 async def job_socket(websocket: WebSocket, job_id: str) -> None:
     gw: Gateway = websocket.app.state.gateway
     try:
-        who = websocket.app.state.keyring.authenticate(HTTPConnection(websocket.scope))
+        who = await websocket.app.state.keyring.authenticate(websocket)
         gw.job_for(who, await gw.broker.get(job_id), job_id)
         raw = websocket.headers.get("last-event-id") or websocket.query_params.get("after") or "0"
         if not raw.isdigit():

@@ -109,6 +109,7 @@ class Broker(ABC):
         self.classes = [c.name for c in settings.classes]
         # Draining is kept here in the embedded broker; a shared store keeps it for all processes.
         self._draining: set[str] = set()
+        self._keys: dict[str, dict[str, Any]] = {}
 
     def now(self) -> float:
         return self.settings.clock()
@@ -239,6 +240,21 @@ class Broker(ABC):
 
     async def draining(self) -> set[str]:
         return set(self._draining)
+
+    # --- API keys stored by an administrator (the config file holds the others) --------------
+
+    async def put_key(self, key_sha256: str, record: dict[str, Any]) -> None:
+        self._keys[key_sha256] = dict(record)
+
+    async def get_key(self, key_sha256: str) -> dict[str, Any] | None:
+        record = self._keys.get(key_sha256)
+        return dict(record) if record is not None else None
+
+    async def delete_key(self, key_sha256: str) -> bool:
+        return self._keys.pop(key_sha256, None) is not None
+
+    async def list_keys(self) -> dict[str, dict[str, Any]]:
+        return {h: dict(r) for h, r in self._keys.items()}
 
     # --- webhooks -----------------------------------------------------------------------------
 

@@ -121,6 +121,11 @@ class QueueKeys:
         return f"{self.prefix}draining"
 
     @property
+    def api_keys(self) -> str:
+        """Hash: API keys stored by an administrator, SHA-256 of the key → its record as JSON."""
+        return f"{self.prefix}apikeys"
+
+    @property
     def capacity(self) -> str:
         """Hash: per model, ``p:<model>`` per-slot drain rate and ``n:<model>`` samples (DrainRate),
         and ``s:<model>`` the slots of the live workers (rebuilt whenever a worker comes or goes)."""

@@ -470,6 +470,20 @@ class RedisBroker(Broker):
     async def draining(self) -> set[str]:
         return cast(set[str], await self._io(self._redis.smembers(self.keys.draining)))
 
+    async def put_key(self, key_sha256: str, record: dict[str, Any]) -> None:
+        await self._io(self._redis.hset(self.keys.api_keys, key_sha256, json.dumps(record)))
+
+    async def get_key(self, key_sha256: str) -> dict[str, Any] | None:
+        raw = await self._io(self._redis.hget(self.keys.api_keys, key_sha256))
+        return cast(dict[str, Any], json.loads(raw)) if raw else None
+
+    async def delete_key(self, key_sha256: str) -> bool:
+        return bool(await self._io(self._redis.hdel(self.keys.api_keys, key_sha256)))
+
+    async def list_keys(self) -> dict[str, dict[str, Any]]:
+        raw = cast(dict[str, str], await self._io(self._redis.hgetall(self.keys.api_keys)))
+        return {h: cast(dict[str, Any], json.loads(v)) for h, v in raw.items()}
+
     async def dead_letters(self) -> dict[str, float]:
         """Jobs that failed for good after losing their worker ``max_attempts`` times: id → when.
 
