@@ -17,12 +17,13 @@ port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 
 ENGINE_PORT=$(port); GATEWAY_PORT=$(port)
 ENGINE=http://127.0.0.1:$ENGINE_PORT; GATEWAY=http://127.0.0.1:$GATEWAY_PORT
-sluice engine start --slots 4 --port "$ENGINE_PORT" > "$OUT/engine.log" 2>&1 &
+# Started directly (not through the shell function) so that $! is the process the trap must stop.
+"$PY" -m sluice.cli engine start --slots 4 --port "$ENGINE_PORT" > "$OUT/engine.log" 2>&1 &
 ENGINE_PID=$!
-trap 'kill $ENGINE_PID ${GATEWAY_PID:-} 2>/dev/null || true' EXIT
+trap 'kill $ENGINE_PID ${GATEWAY_PID:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for _ in $(seq 100); do curl -sf "$ENGINE/health" >/dev/null && break; sleep 0.2; done
-sluice serve --backend "$ENGINE" --max-concurrency 4 --port "$GATEWAY_PORT" --log-level warning \
-  > "$OUT/sluice.log" 2>&1 &
+"$PY" -m sluice.cli serve --backend "$ENGINE" --max-concurrency 4 --port "$GATEWAY_PORT" \
+  --log-level warning > "$OUT/sluice.log" 2>&1 &
 GATEWAY_PID=$!
 for _ in $(seq 100); do curl -sf "$GATEWAY/readyz" >/dev/null && break; sleep 0.2; done
 
