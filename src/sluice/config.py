@@ -95,10 +95,10 @@ class Settings(_Strict):
     #: per-model bounds for models not listed in ``models``
     max_queued_jobs: int | None = Field(default=1000, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)
-    #: deadline of a request that sets none, and the most a request may ask for (seconds)
+    #: deadline of a request that sets none (seconds)
     default_timeout_s: float = Field(default=120.0, gt=0)
     max_timeout_s: float = Field(default=600.0, gt=0)
-    #: max_tokens of a request that sets none, and the most it may ask for
+    #: max_tokens of a request that sets none
     default_max_tokens: int = Field(default=512, ge=1)
     max_tokens_cap: int = Field(default=4096, ge=1)
     max_n: int = Field(default=4, ge=1)
