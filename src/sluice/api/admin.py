@@ -15,16 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway
+from sluice.api.intake import Gateway, gateway
 from sluice.broker.base import job_view
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Admin = Annotated[Caller, Depends(admin)]
-
-
-def gateway(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    return gw
 
 
 @router.get("/queues")

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sluice.api.intake import Gateway
+from sluice.api.intake import gateway
 
 router = APIRouter(tags=["health"])
 
@@ -18,7 +18,7 @@ async def healthz() -> JSONResponse:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway(request)
     try:
         served = await gw.broker.served_models()
     except Exception as exc:
@@ -34,7 +34,7 @@ async def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
+    gw = gateway(request)
     stats = await gw.broker.stats()
     gw.metrics.update_queues(stats)
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

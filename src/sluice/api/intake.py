@@ -28,6 +28,12 @@ log = logging.getLogger("sluice.gateway")
 OWN_FIELDS = ("priority", "timeout", "callback_url")
 
 
+def gateway(request: Request) -> Gateway:
+    """The app's :class:`Gateway`, for the routes."""
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
 @dataclass
 class Gateway:
     """What the routes share; built once in the app's lifespan."""
@@ -80,6 +86,12 @@ class Gateway:
                 retry_after_s=5.0,
             )
         raise APIError(404, f"The model '{requested}' does not exist.", "model_not_found", param="model")
+
+    async def hold(self, caller: Caller) -> contextlib.AsyncExitStack:
+        """Take a connection slot that outlives this call (a stream); ``aclose()`` gives it back."""
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.connection(caller))
+        return stack
 
     def priority(self, request: Request, caller: Caller, opts: SchedulingOptions) -> str:
         names = [c.name for c in self.settings.classes]

@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway, rate_headers
+from sluice.api.intake import Gateway, gateway, rate_headers
 from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.broker.base import job_view
@@ -24,11 +24,6 @@ from sluice.core.job import Endpoint, Job, JobState
 router = APIRouter(tags=["jobs"])
 
 PING_S = 15
-
-
-def gateway(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    return gw
 
 
 async def own_job(gw: Gateway, who: Caller, job_id: str) -> Job:
@@ -96,15 +91,14 @@ async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResp
     gw = gateway(request)
     await own_job(gw, who, job_id)
     after = _after(request)
-    slot = gw.connection(who)
-    await slot.__aenter__()
+    held = await gw.hold(who)
 
     async def stream() -> AsyncIterator[dict[str, Any]]:
         try:
             async for event in bounded(gw.broker.events(job_id, after=after), gw.settings.max_stream_s):
                 yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
         finally:
-            await slot.__aexit__(None, None, None)
+            await held.aclose()
 
     return EventSourceResponse(stream(), ping=PING_S, sep="\n")
 

@@ -11,7 +11,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway, rate_headers
+from sluice.api.intake import gateway, rate_headers
 from sluice.api.relay import answer, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint
@@ -19,11 +19,6 @@ from sluice.core.job import Endpoint
 router = APIRouter(tags=["openai"])
 
 PING_S = 15
-
-
-def gateway(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    return gw
 
 
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:

@@ -30,8 +30,7 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
         raw = websocket.headers.get("last-event-id") or websocket.query_params.get("after") or "0"
         if not raw.isdigit():
             raise APIError(400, "'after' must be an event id (an integer).", param="after")
-        slot = gw.connection(who)
-        await slot.__aenter__()
+        held = await gw.hold(who)
     except APIError as error:
         await _deny(websocket, error)
         return
@@ -43,4 +42,4 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
                 await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
             await websocket.close(code=1000)
     finally:
-        await slot.__aexit__(None, None, None)
+        await held.aclose()
