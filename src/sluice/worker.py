@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import Broker, EventType, job_view
-from sluice.core.job import Job, JobError, JobState
+from sluice.core.job import Job, JobError, JobState, deadline_error
 from sluice.metrics import Metrics
 from sluice.protocol import Assembler
 from sluice.webhooks import DeliveryAttempt, WebhookSender
@@ -234,12 +234,12 @@ class Dispatcher:
                     )
                     held = await self._reacquire(job, tried, attempts)
                     if held is None:
-                        await self._finish(job, JobState.EXPIRED, attempts, backend, error=_deadline_error())
+                        await self._finish(job, JobState.EXPIRED, attempts, backend, error=deadline_error())
                         return
                     attempts += 1
                     continue
                 except TimeoutError:
-                    await self._finish(job, JobState.EXPIRED, attempts, backend, error=_deadline_error())
+                    await self._finish(job, JobState.EXPIRED, attempts, backend, error=deadline_error())
                     return
                 held.failures = 0
                 await self._finish(
@@ -402,10 +402,6 @@ class Dispatcher:
 
 def _job_error(exc: BackendError) -> JobError:
     return JobError(exc.message, exc.type, exc.code)
-
-
-def _deadline_error() -> JobError:
-    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
 
 
 def log_outcome(job: Job) -> None:

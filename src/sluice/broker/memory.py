@@ -22,7 +22,7 @@ from sluice.broker.base import (
 )
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.job import Job, JobError, JobState
+from sluice.core.job import Job, JobError, JobState, deadline_error
 from sluice.core.ratelimit import TenantLimiter, TenantPolicy
 from sluice.core.scheduler import ClassScheduler, Entry
 
@@ -340,7 +340,7 @@ class MemoryBroker(Broker):
             assert popped is not None
             rec = self._records[popped[1].job_id]
             if rec.job.deadline <= now:
-                self._settle(rec, JobState.EXPIRED, _expired_error())
+                self._settle(rec, JobState.EXPIRED, deadline_error())
                 continue
             drain = self._drain_rate(rec.job.model)
             if drain.measured and rec.job.deadline - now < drain.service_s(rec.job.cost):
@@ -460,7 +460,7 @@ class MemoryBroker(Broker):
             if rec is not None and rec.job.state is JobState.QUEUED:
                 job = rec.job
                 self._queue(job.model).remove(job.priority, job.id, job.tenant)
-                self._settle(rec, JobState.EXPIRED, _expired_error())
+                self._settle(rec, JobState.EXPIRED, deadline_error())
         for job_id, lease in list(self._leases.items()):
             if lease.expires > now:
                 continue
@@ -494,10 +494,6 @@ class MemoryBroker(Broker):
         for key, (_, expires) in list(self._idempotency.items()):
             if expires <= now:
                 del self._idempotency[key]
-
-
-def _expired_error() -> JobError:
-    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
 
 
 def _unfinishable_error(left_s: float) -> JobError:

@@ -57,7 +57,7 @@ from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled
 from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
+from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState, deadline_error
 from sluice.core.ratelimit import TenantPolicy
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
@@ -81,7 +81,7 @@ CALLBACK_LEASE_S = 600.0
 #: Webhooks handed to one worker at a time.
 CALLBACK_BATCH = 100
 
-_EXPIRED = JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
+_EXPIRED = deadline_error()
 _CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
 _DROPPED = JobError(
     "Dropped before dispatch: {left} s were left before the deadline, less than the generation needs.",
