@@ -128,8 +128,9 @@ async def test_bad_options(gw: Gateway, http: httpx.AsyncClient) -> None:
     )
     assert_error(await http.post(gw.url + "/v1/jobs", json={**body, "prompt": "x"}), 400, "invalid_value")
     assert_error(await http.get(f"{gw.url}/v1/jobs/job_x", params={"wait": "-1"}), 400)
-    r = await http.get(f"{gw.url}/v1/jobs/job_nope/events", headers={"Last-Event-ID": "abc"})
-    assert r.status_code in (400, 404)
+    job_id = (await http.post(gw.url + "/v1/jobs", json={**body, "max_tokens": 2})).json()["id"]
+    r = await http.get(f"{gw.url}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "abc"})
+    assert_error(r, 400, param="Last-Event-ID")
 
 
 async def test_unknown_route_and_method(gw: Gateway, http: httpx.AsyncClient) -> None:
