@@ -46,10 +46,9 @@ class ClassConfig(_Strict):
     max_queued_tokens: int | None = Field(default=None, ge=1)
 
 
-class KeyConfig(_Strict):
-    """An API key, stored as its SHA-256 (``sluice keys new`` makes one), and what its holder may do."""
+class KeyPolicy(_Strict):
+    """What the holder of an API key may do (the key itself is never stored)."""
 
-    key_sha256: str = Field(pattern="^[0-9a-f]{64}$")
     tenant: str = Field(min_length=1, max_length=128)
     #: highest priority class the key may use; None: any
     max_priority: str | None = None
@@ -62,9 +61,15 @@ class KeyConfig(_Strict):
     #: open connections (streams, long polls, websockets) at once
     max_connections: int | None = Field(default=None, ge=1)
     #: secret that signs this key's webhooks; None: webhooks are not signed
-    webhook_secret: str | None = None
+    webhook_secret: str | None = Field(default=None, max_length=256)
     #: may call /admin endpoints
     admin: bool = False
+
+
+class KeyConfig(KeyPolicy):
+    """An API key, stored as its SHA-256 (``sluice keys new`` makes one), and its policy."""
+
+    key_sha256: str = Field(pattern="^[0-9a-f]{64}$")
 
 
 class ModelConfig(_Strict):

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.intake import Gateway, gateway
 from sluice.broker.base import job_view
+from sluice.config import KeyPolicy
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Admin = Annotated[Caller, Depends(admin)]
@@ -77,23 +77,6 @@ async def purge_one(request: Request, job_id: str, _: Admin) -> JSONResponse:
     return JSONResponse({"purged": purged})
 
 
-class NewKey(BaseModel):
-    """A key to create in the broker's key store; the key itself is returned once, never stored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, max_length=128)
-    max_priority: str | None = None
-    weight: float = Field(default=1.0, gt=0, le=1000)
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrent: int | None = Field(default=None, ge=1)
-    max_queued: int | None = Field(default=None, ge=1)
-    max_connections: int | None = Field(default=None, ge=1)
-    webhook_secret: str | None = Field(default=None, max_length=256)
-    admin: bool = False
-
-
 def _store_enabled(request: Request) -> Gateway:
     gw = gateway(request)
     if not gw.settings.key_store:
@@ -104,7 +87,7 @@ def _store_enabled(request: Request) -> Gateway:
 
 
 @router.post("/keys", status_code=201)
-async def create_key(request: Request, body: NewKey, _: Admin) -> JSONResponse:
+async def create_key(request: Request, body: KeyPolicy, _: Admin) -> JSONResponse:
     gw = _store_enabled(request)
     names = [c.name for c in gw.settings.classes]
     if body.max_priority is not None and body.max_priority not in names:
