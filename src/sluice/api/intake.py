@@ -24,6 +24,9 @@ from sluice.webhooks import CallbackRefused, check_callback_url
 
 log = logging.getLogger("sluice.gateway")
 
+# How stale the model registry may be on the admission path (a worker's lease is 30 s by default).
+SERVED_CACHE_S = 1.0
+
 # Fields that are Sluice's, not the engine's.
 OWN_FIELDS = ("priority", "timeout", "callback_url")
 
@@ -42,6 +45,7 @@ class Gateway:
     broker: Broker
     metrics: Metrics
     connections: dict[str, int] = field(default_factory=dict)
+    _served: tuple[float, dict[str, int]] = (0.0, {})
 
     @contextlib.asynccontextmanager
     async def connection(self, caller: Caller) -> AsyncIterator[None]:
@@ -68,8 +72,16 @@ class Gateway:
             else:
                 del self.connections[caller.tenant]
 
+    async def served_models(self) -> dict[str, int]:
+        """The registry, read at most once per SERVED_CACHE_S: it is on every admission's path, and
+        on Redis each read is a round trip."""
+        now = time.monotonic()
+        if now >= self._served[0]:
+            self._served = (now + SERVED_CACHE_S, await self.broker.served_models())
+        return self._served[1]
+
     async def resolve_model(self, requested: str | None) -> str:
-        served = await self.broker.served_models()
+        served = await self.served_models()
         if requested is None:
             if len(served) == 1:
                 return next(iter(served))
