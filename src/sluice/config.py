@@ -10,11 +10,12 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sluice.core.admission import Bounds, Limits
+from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.scheduler import ClassSpec
 
 
@@ -97,6 +98,20 @@ class Settings(_Strict):
     classes: list[ClassConfig] = Field(default_factory=lambda: list(DEFAULT_CLASSES))
     default_priority: str = "normal"
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    #: the queue policy (docs/configuration.md, "Queue policy"): cap, fifo, deadline or codel
+    queue_policy: Literal["cap", "fifo", "deadline", "codel"] = "codel"
+    #: codel: the queueing delay a standing queue is driven down to (seconds)
+    queue_target_s: float = Field(default=0.5, ge=0)
+    #: codel: the longest a queue may stay above the target, growing, before it counts as standing
+    queue_interval_s: float = Field(default=2.5, ge=0)
+    #: codel: after this long above the target, a slowly rising queue counts as standing already
+    queue_early_s: float = Field(default=0.5, ge=0)
+    #: codel: seconds of delay gained per second above the target that mark a burst, not an overload
+    queue_burst_rise: float = Field(default=2.0, ge=0)
+    #: codel: half-life of a standing queue's delay limit on its way down to the target (seconds)
+    queue_half_life_s: float = Field(default=15.0, gt=0)
+    #: fifo: jobs the buffer holds
+    fifo_max_queued: int = Field(default=50, ge=1)
     #: per-model bounds for models not listed in ``models``
     max_queued_jobs: int | None = Field(default=1000, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)
@@ -156,7 +171,22 @@ class Settings(_Strict):
                 if default in self.model_fields_set:
                     raise ValueError(f"{default} must not exceed {cap}")
                 object.__setattr__(self, default, getattr(self, cap))
+        if self.queue_interval_s < self.queue_early_s:
+            raise ValueError("queue_interval_s must not be shorter than queue_early_s")
         return self
+
+    def policy(self) -> QueuePolicy:
+        if self.queue_policy == "codel":
+            return CoDelPolicy(
+                self.queue_target_s,
+                self.queue_interval_s,
+                self.queue_early_s,
+                self.queue_burst_rise,
+                self.queue_half_life_s,
+            )
+        if self.queue_policy == "fifo":
+            return FifoPolicy(self.fifo_max_queued)
+        return make_policy(self.queue_policy)
 
     def class_specs(self) -> list[ClassSpec]:
         return [ClassSpec(c.name, c.min_share) for c in self.classes]

@@ -39,6 +39,29 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "deadline in seconds of a request that sets none (120)",
     ),
     "--max-timeout": ("max_timeout_s", float, "the longest deadline a request may ask for, in seconds (600)"),
+    "--queue-policy": (
+        "queue_policy",
+        str,
+        "cap, fifo, deadline or codel (default; see docs/configuration.md, Queue policy)",
+    ),
+    "--queue-target": ("queue_target_s", float, "codel: queueing delay a standing queue is held to (0.5 s)"),
+    "--queue-interval": (
+        "queue_interval_s",
+        float,
+        "codel: how long a steeply rising queue may grow before it counts as standing (2.5 s)",
+    ),
+    "--queue-early": (
+        "queue_early_s",
+        float,
+        "codel: how soon a slowly rising queue counts as standing (0.5 s)",
+    ),
+    "--queue-burst-rise": (
+        "queue_burst_rise",
+        float,
+        "codel: seconds of delay per second of rise that mark a burst (2)",
+    ),
+    "--queue-half-life": ("queue_half_life_s", float, "codel: half-life of the delay limit (15 s)"),
+    "--fifo-max-queued": ("fifo_max_queued", int, "fifo: jobs the buffer holds (50)"),
     "--max-queued-jobs": ("max_queued_jobs", int, "queued jobs per model before 429 queue_full (1000)"),
     "--max-queued-tokens": (
         "max_queued_tokens",

@@ -29,6 +29,7 @@ def broker_settings(settings: Settings) -> BrokerSettings:
         lease_s=settings.lease_s,
         result_ttl_s=settings.result_ttl_s,
         drain_prior_per_slot=settings.drain_prior_per_slot,
+        policy=settings.policy(),
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from sluice.core.admission import Limits
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.policy import CoDelPolicy, QueuePolicy
 from sluice.core.ratelimit import RateStatus, TenantPolicy
 from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
 
@@ -62,6 +63,7 @@ class BrokerSettings:
         result_ttl_s: how long finished jobs, their results and events are kept.
         idempotency_ttl_s: how long an ``Idempotency-Key`` maps to its first job.
         drain_prior_per_slot: the service rate assumed for a model before any job finished there.
+        policy: the queue policy: which jobs a model's queue takes (sluice.core.policy).
         clock: wall-clock time in seconds; injected so tests can move time.
     """
 
@@ -72,6 +74,7 @@ class BrokerSettings:
     result_ttl_s: float = 3600.0
     idempotency_ttl_s: float = 86400.0
     drain_prior_per_slot: float = 50.0
+    policy: QueuePolicy = field(default_factory=CoDelPolicy)
     clock: Callable[[], float] = time.time
 
     def limits_for(self, model: str) -> Limits:

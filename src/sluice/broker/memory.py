@@ -23,6 +23,7 @@ from sluice.broker.base import (
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError, JobState, deadline_error
+from sluice.core.policy import Candidate, PolicyState
 from sluice.core.ratelimit import TenantLimiter, TenantPolicy
 from sluice.core.scheduler import ClassScheduler, Entry
 
@@ -91,6 +92,7 @@ class MemoryBroker(Broker):
         self._records: dict[str, _Record] = {}
         self._queues: dict[str, ClassScheduler] = {}
         self._drain: dict[str, DrainRate] = {}
+        self._policy_state: dict[str, PolicyState] = {}
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
         self._tenants: dict[str, _Tenant] = {}
@@ -217,16 +219,20 @@ class MemoryBroker(Broker):
         q = self._queue(job.model)
         cls_q = q.queues[job.priority]
         ahead_jobs, ahead_tokens = q.ahead(job.priority)
-        view = admission.QueueView(q.jobs, q.tokens, cls_q.jobs, cls_q.tokens, ahead_jobs, ahead_tokens)
-        ok = admission.check(
-            cost=job.cost,
-            priority=job.priority,
-            now=now,
-            deadline=job.deadline,
-            view=view,
-            limits=self.settings.limits_for(job.model),
-            drain=drain,
+        view = admission.QueueView(
+            q.jobs,
+            q.tokens,
+            cls_q.jobs,
+            cls_q.tokens,
+            ahead_jobs,
+            ahead_tokens,
+            self._running.get(job.model, 0),
         )
+        candidate = Candidate(
+            job.cost, job.priority, now, job.deadline, view, self.settings.limits_for(job.model), drain
+        )
+        state = self._policy_state.setdefault(job.model, PolicyState())
+        ok = self.settings.policy.admit(candidate, state)
         tenant.limiter.take(job.cost, now)
         tenant.queued += 1
         job.state = JobState.QUEUED

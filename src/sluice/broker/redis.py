@@ -4,7 +4,7 @@ Every key of a queue carries the queue's hash tag (``sluice.broker.keys``), so e
 one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller
 (``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure. The
 scripts mirror the core's scheduling (``lua/_fairqueue.lua`` is FairQueue, ``lua/_classes.lua`` is
-ClassScheduler, ``admit.lua`` is admission.check), and a test checks that the memory broker and this
+ClassScheduler, ``admit.lua`` is the queue policy with admission's checks), and a test checks that the memory broker and this
 one make the same decisions.
 
 Connections (``redis_pipe``): commands and scripts go out in pipelines, one per event-loop turn, on a
@@ -58,6 +58,7 @@ from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState, deadline_error
+from sluice.core.policy import Candidate, PolicyState
 from sluice.core.ratelimit import TenantPolicy
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
@@ -290,6 +291,7 @@ class RedisBroker(Broker):
             k.marker(job.model),
             k.tenant(job.tenant),
             k.blocked,
+            k.running,
         ]
         args: list[str | int | float] = [
             repr(float(now)),
@@ -306,6 +308,7 @@ class RedisBroker(Broker):
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
             *policy_args(policy),
+            *self.settings.policy.lua_args(),
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
@@ -331,20 +334,16 @@ class RedisBroker(Broker):
             samples=int(reply[8]),
             slots=int(reply[9]),
         )
-        view = admission.QueueView(*map(int, reply[1:7]))
+        mj, mt, cj, ct, aj, at = map(int, reply[1:7])
+        view = admission.QueueView(mj, mt, cj, ct, aj, at, int(reply[19]))
         limiter = limiter_from_state(job.tenant, reply[10:19])
         queued = int(float(reply[14]))
         admission.check_tenant(limiter, cost=job.cost, queued=queued, now=now, drain=drain)
-        admission.check(
-            cost=job.cost,
-            priority=job.priority,
-            now=now,
-            deadline=job.deadline,
-            view=view,
-            limits=limits,
-            drain=drain,
-        )
-        raise RuntimeError("the admit script refused a job that admission.check() accepts")
+        above, standing, limit, refused = (float(v) if v not in ("", b"") else None for v in reply[20:24])
+        state = PolicyState(above, standing, limit or 0.0, refused)
+        candidate = Candidate(job.cost, job.priority, now, job.deadline, view, limits, drain)
+        self.settings.policy.admit(candidate, state)
+        raise RuntimeError("the admit script refused a job that the queue policy accepts")
 
     async def _record(self, job_id: str) -> dict[str, str]:
         return pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))

@@ -45,6 +45,7 @@ class QueueView:
     class_tokens: int
     ahead_jobs: int  # queued in the job's class and the classes above it
     ahead_tokens: int
+    running: int = 0  # jobs of the model generating now
 
 
 class Refused(Exception):
@@ -81,17 +82,8 @@ def clamp_retry_after(seconds: float) -> float:
     return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
 
 
-def check(
-    *,
-    cost: int,
-    priority: str,
-    now: float,
-    deadline: float,
-    view: QueueView,
-    limits: Limits,
-    drain: DrainRate,
-) -> Admitted:
-    """Admit or raise :class:`Refused`. Pure: the caller applies the result atomically."""
+def check_bounds(cost: int, priority: str, view: QueueView, limits: Limits, drain: DrainRate) -> None:
+    """The hard bounds on queued jobs and tokens, of the model and of the job's class."""
     rate = drain.rate
     avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
 
@@ -114,6 +106,20 @@ def check(
     if class_bounds is not None:
         over(class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's")
 
+
+def check(
+    *,
+    cost: int,
+    priority: str,
+    now: float,
+    deadline: float,
+    view: QueueView,
+    limits: Limits,
+    drain: DrainRate,
+) -> Admitted:
+    """The bounds, then the deadline: admit or raise :class:`Refused`. Pure: the caller applies it."""
+    check_bounds(cost, priority, view, limits, drain)
+    rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
     service = drain.service_s(cost)
     budget = deadline - now

@@ -1,6 +1,6 @@
 -- admit: idempotency, the tenant's limits, the queue's bounds and the deadline prediction, then the
 -- enqueue: all or nothing. Mirrors the memory broker's admit (admission.check_tenant with its
--- TenantLimiter, then admission.check); on refusal it returns the state those functions need, and
+-- TenantLimiter, then the queue policy: _policy.lua); on refusal it returns the state those functions need, and
 -- Python re-runs them on it to raise the same Refused (status, code, message, Retry-After, rate).
 --
 -- KEYS[1]  job hash                 KEYS[2]  event stream of the job (not written: see 'q')
@@ -9,6 +9,7 @@
 -- KEYS[6]  state hash of the model  KEYS[7]  deadline zset      KEYS[8]  models set
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
+-- KEYS[15] running hash
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
 -- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
 -- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
@@ -16,15 +17,18 @@
 -- ARGV[12] drain prior per slot     ARGV[13] idempotency TTL s (0: the job has no key)
 -- ARGV[14] 1 when a tenant policy comes with the job, else 0 (the stored one holds)
 -- ARGV[15] rpm   ARGV[16] tpm   ARGV[17] max queued   ARGV[18] max concurrent   (-1: none)
--- ARGV[19] number of classes n      ARGV[20 .. 19+n] class names, highest first
--- ARGV[20+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[19] the queue policy's kind  ARGV[20 .. 24] its five numbers (QueuePolicy.lua_args)
+-- ARGV[25] number of classes n      ARGV[26 .. 25+n] class names, highest first
+-- ARGV[26+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
---             per_slot, samples, slots, T...}        refused; T is the tenant before the checks
+--             per_slot, samples, slots, T..., running, S...}
+--                                                    refused; T is the tenant before the checks,
+--                                                    S the policy state before them
 -- where T is rpm, tpm, max queued, max concurrent, queued, requests level, stamp, tokens level,
--- stamp ('' for none).
+-- stamp ('' for none), and S is codel's four fields ('' for none; see _policy.lua).
 -- Reads the earlier job's record for idempotency (its key built from the prefix, same slot).
 
 -- @include _keys.lua
@@ -32,12 +36,15 @@
 -- @include _tenant.lua
 -- @include _fairqueue.lua
 -- @include _workers.lua
+-- @include _policy.lua
 
 local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
-local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[19])
+local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[25])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[19 + i] end
+for i = 1, ncls do classes[i] = ARGV[25 + i] end
+local policy_kind, policy = tonumber(ARGV[19]), {}
+for i = 1, 5 do policy[i] = tonumber(ARGV[19 + i]) end
 
 if redis.call('EXISTS', KEYS[1]) == 1 then return { 3 } end
 
@@ -127,7 +134,9 @@ fields[#fields + 1] = f_vtime(cls)
 fields[#fields + 1] = f_tag(cls, tenant)
 fields[#fields + 1] = f_finish(cls, tenant)
 fields[#fields + 1] = f_seq(cls)
+for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
 local st = st_open(KEYS[6], fields)
+local policy_before = policy_state(st)
 
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
 local above = true
@@ -166,14 +175,26 @@ end
 
 local wait = ahead_tokens / rate
 local service = cost / math.max(slot_rate, 1e-3)
-if wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
+local running = tonumber(redis.call('HGET', KEYS[15], model)) or 0
+-- The order of the memory broker: the tenant's limits, the hard bounds, then the policy.
+local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
     or over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
     or over(tonumber(ARGV[10]), tonumber(ARGV[11]), class_jobs, class_tokens)
-    or (samples > 0 and wait + service > deadline - now) then
+if not refused then
+  refused = policy_refuses(st, policy_kind, policy, now, now_s, {
+    running = running, model_jobs = model_jobs, slots = slots, wait = wait,
+    wait_model = model_tokens / rate,
+    deadline_miss = samples > 0 and wait + service > deadline - now,
+  })
+end
+if refused then
   if next(flat) ~= nil or rpm or tpm or mq or mc then tenant_store(rl, rs, tl, ts) end -- the refills stand
+  st_flush(st) -- the policy's state moved on
   local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, num(per_slot),
     samples, slots }
   for _, v in ipairs(before) do out[#out + 1] = v end
+  out[#out + 1] = running
+  for _, v in ipairs(policy_before) do out[#out + 1] = v end
   return out
 end
 
@@ -186,7 +207,7 @@ tenant_store(rl, rs, tl, ts)
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
 redis.call('HSET', KEYS[1], 'state', 'queued', 'seq', 1,
-  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 20 + ncls))
+  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 26 + ncls))
 fq_push(st, cls, KEYS[4], KEYS[3], tenant, id, cost, false)
 st_flush(st)
 redis.call('ZADD', KEYS[7], deadline, id)

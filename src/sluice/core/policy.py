@@ -1,0 +1,292 @@
+"""Queue policies: which jobs a model's queue takes, and in what order it hands them out.
+
+The policy is the seam between admission and the queue's structure. Every policy first applies the
+configured hard bounds (jobs and tokens per model and per class); then each decides in its own way:
+
+* ``cap`` — no waiting room: a job is taken only while a slot is free (LiteLLM's
+  ``max_parallel_requests``). Latency stays low under overload; a burst cannot be absorbed.
+* ``fifo`` — a bounded first-in, first-out buffer of ``max_queued`` jobs (Ray Serve's
+  ``max_queued_requests``). Absorbs a burst; under standing overload every answer comes just
+  inside the client's time-out, and some miss it.
+* ``deadline`` — a job is taken when its predicted completion (the work queued ahead over the
+  measured drain rate, plus its own generation) falls before its deadline.
+* ``codel`` — ``deadline``, plus control of the queueing delay in the manner of CoDel (Nichols and
+  Jacobson) as Facebook applied it to request queues: a queue whose delay dips to the ``target``
+  now and then is a *good* queue, a burst that drains, and may grow as deep as deadlines allow; a
+  queue whose delay stays above the target is *standing*, and from then on the delay it admits is
+  held at the depth it had reached and decays to the target with a half-life. When a queue counts
+  as standing depends on how it rose: a steep rise (a burst: arrivals at several times what the
+  engine drains) gets the whole ``interval`` to build its queue, which is what keeps the engine
+  busy once the burst is over; a slow rise (a mild overload, which will not go away by itself) is
+  standing after ``early_s``, while its queue is still shallow. Adaptive LIFO was measured on top
+  of this and left out: with admission already bounded by deadlines it only starves the jobs it
+  admitted (docs/benchmarks.md, "Queue policies").
+
+A policy is pure: it reads a :class:`QueueView`, the drain rate and the :class:`PolicyState` the
+broker keeps for the model, updates that state, and admits or raises :class:`Refused`. The Redis
+broker runs the same decisions in ``lua/_policy.lua`` (parameters from :meth:`QueuePolicy.lua_args`)
+and replays them here to build the same refusal.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sluice.core.admission import Admitted, Limits, QueueView, Refused, check, check_bounds, clamp_retry_after
+from sluice.core.capacity import DrainRate
+
+__all__ = [
+    "POLICIES",
+    "Candidate",
+    "CapPolicy",
+    "CoDelPolicy",
+    "DeadlinePolicy",
+    "FifoPolicy",
+    "PolicyState",
+    "QueuePolicy",
+    "make_policy",
+]
+
+
+@dataclass(slots=True)
+class PolicyState:
+    """What a policy remembers about one model's queue between decisions; the broker keeps it.
+
+    Only ``codel`` uses it. Times are the broker's clock (seconds).
+
+    Attributes:
+        above_since: when the queue's delay last rose above the target; None while it is at or
+            below the target (or the queue has not been observed yet).
+        standing_since: when the queue was found standing (above the target for a whole
+            interval); None while the queue is good.
+        limit_s: the queueing delay the queue had reached at ``standing_since``: the delay limit
+            starts there and decays toward the target.
+        refused_at: when the delay limit last turned a job away.
+    """
+
+    above_since: float | None = None
+    standing_since: float | None = None
+    limit_s: float = 0.0
+    refused_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A job asking to be queued, and the queue as it is at this instant."""
+
+    cost: int
+    priority: str
+    now: float
+    deadline: float
+    view: QueueView
+    limits: Limits
+    drain: DrainRate
+
+
+class QueuePolicy(ABC):
+    """Admission and dispatch order of one model's queue."""
+
+    #: the name used in configuration (``queue_policy = "codel"``)
+    name: ClassVar[str]
+    #: the number ``lua/_policy.lua`` knows the policy by
+    kind: ClassVar[int]
+
+    @abstractmethod
+    def admit(self, c: Candidate, state: PolicyState) -> Admitted:
+        """Take the job (updating ``state``) or raise :class:`Refused`."""
+
+    def lifo(self, state: PolicyState, now: float) -> bool:
+        """Whether the queue hands out its newest jobs first now (within a tenant's own jobs)."""
+        return False
+
+    def lua_args(self) -> list[str]:
+        """The policy for ``lua/_policy.lua``: its kind and five numbers."""
+        return [str(self.kind), "0", "0", "0", "0", "0"]
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _admitted(c: Candidate) -> Admitted:
+    return Admitted(position=c.view.ahead_jobs, estimated_start_s=c.drain.wait_s(c.view.ahead_tokens))
+
+
+class CapPolicy(QueuePolicy):
+    """Take a job only while a slot is free: the queue holds nothing beyond what starts at once."""
+
+    name = "cap"
+    kind = 1
+
+    def admit(self, c: Candidate, state: PolicyState) -> Admitted:
+        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        slots = c.drain.slots
+        if c.view.running + c.view.model_jobs >= slots:
+            # A slot frees, on average, every service time / slots.
+            raise Refused(
+                429,
+                "queue_full",
+                f"All {slots} slots of this model are busy; retry later.",
+                clamp_retry_after(c.drain.service_s(c.cost) / max(slots, 1)),
+            )
+        return _admitted(c)
+
+
+@dataclass(frozen=True)
+class FifoPolicy(QueuePolicy):
+    """A bounded first-in, first-out buffer: at most ``max_queued`` jobs wait, whatever their deadlines."""
+
+    max_queued: int = 50
+    name: ClassVar[str] = "fifo"
+    kind: ClassVar[int] = 2
+
+    def admit(self, c: Candidate, state: PolicyState) -> Admitted:
+        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        if c.view.model_jobs >= self.max_queued:
+            avg = c.view.model_tokens / c.view.model_jobs
+            raise Refused(
+                429,
+                "queue_full",
+                f"The model's queue holds its limit of {self.max_queued} jobs; retry later.",
+                clamp_retry_after((c.view.model_jobs + 1 - self.max_queued) * avg / c.drain.rate),
+            )
+        return _admitted(c)
+
+    def lua_args(self) -> list[str]:
+        return [str(self.kind), str(self.max_queued), "0", "0", "0", "0"]
+
+    def describe(self) -> str:
+        return f"fifo(max_queued={self.max_queued})"
+
+
+class DeadlinePolicy(QueuePolicy):
+    """Take a job when its predicted completion falls before its deadline."""
+
+    name = "deadline"
+    kind = 3
+
+    def admit(self, c: Candidate, state: PolicyState) -> Admitted:
+        return check(
+            cost=c.cost,
+            priority=c.priority,
+            now=c.now,
+            deadline=c.deadline,
+            view=c.view,
+            limits=c.limits,
+            drain=c.drain,
+        )
+
+
+@dataclass(frozen=True)
+class CoDelPolicy(QueuePolicy):
+    """Deadline admission, plus a limit on the queueing delay once the queue is standing.
+
+    Args:
+        target_s: the queueing delay a standing queue is driven down to; enough to keep the
+            engine's slots fed between arrivals.
+        interval_s: the longest a queue may stay above the target, and keep growing, before it
+            counts as standing: the room a steep burst gets.
+        early_s: after this long above the target, a queue that rose slower than ``burst_rise`` is
+            standing already. A mild overload is caught while its queue is shallow.
+        burst_rise: seconds of queueing delay gained per second above the target that mark a
+            burst (2: arrivals at three times what the engine drains).
+        half_life_s: how fast the delay limit of a standing queue decays to the target; also how
+            long the limit must have turned nobody away before the queue counts as good again.
+    """
+
+    target_s: float = 0.5
+    interval_s: float = 2.5
+    early_s: float = 0.5
+    burst_rise: float = 2.0
+    half_life_s: float = 15.0
+    name: ClassVar[str] = "codel"
+    kind: ClassVar[int] = 4
+
+    def __post_init__(self) -> None:
+        if not (self.target_s >= 0 and self.interval_s >= self.early_s >= 0 and self.burst_rise >= 0):
+            raise ValueError("codel needs target_s >= 0, interval_s >= early_s >= 0 and burst_rise >= 0")
+        if not self.half_life_s > 0:
+            raise ValueError("codel needs half_life_s > 0")
+
+    def observe(self, state: PolicyState, delay_s: float, now: float) -> None:
+        """Update the state with the queue's current delay (the wait of a job joining its tail)."""
+        if delay_s <= self.target_s:
+            state.above_since = None
+            # The delay limit itself keeps a standing queue near the target, and a lull of a few
+            # seconds is common under a standing overload: the queue is good again only once the
+            # limit has turned nobody away for a half-life.
+            if state.refused_at is None or now - state.refused_at >= self.half_life_s:
+                state.standing_since = None
+            return
+        if state.above_since is None:
+            state.above_since = now
+        if state.standing_since is not None:
+            return
+        above = now - state.above_since
+        slow = above >= self.early_s and delay_s - self.target_s < self.burst_rise * above
+        if above >= self.interval_s or slow:
+            state.standing_since = now
+            state.limit_s = delay_s
+
+    def delay_limit(self, state: PolicyState, now: float) -> float:
+        """The longest queueing delay admitted now: unlimited (inf) while the queue is good."""
+        if state.standing_since is None:
+            return math.inf
+        excess = max(state.limit_s - self.target_s, 0.0)
+        return self.target_s + excess * math.pow(0.5, max(now - state.standing_since, 0.0) / self.half_life_s)
+
+    def admit(self, c: Candidate, state: PolicyState) -> Admitted:
+        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        # Before the first job finishes the rate is the configured prior: a guess, but the onset of
+        # an overload is exactly when the interval must start counting.
+        self.observe(state, c.drain.wait_s(c.view.model_tokens), c.now)
+        wait = c.drain.wait_s(c.view.ahead_tokens)
+        limit = self.delay_limit(state, c.now)
+        if wait > limit:
+            state.refused_at = c.now
+            raise Refused(
+                429,
+                "queue_full",
+                f"The model's queue is standing at {wait:.1f} s of waiting, over its limit of "
+                f"{limit:.1f} s; retry later.",
+                # When the work queued ahead now has started: the queue is then younger than you.
+                clamp_retry_after(wait),
+            )
+        return check(
+            cost=c.cost,
+            priority=c.priority,
+            now=c.now,
+            deadline=c.deadline,
+            view=c.view,
+            limits=c.limits,
+            drain=c.drain,
+        )
+
+    def lua_args(self) -> list[str]:
+        nums = (self.target_s, self.interval_s, self.early_s, self.burst_rise, self.half_life_s)
+        return [str(self.kind), *map(repr, map(float, nums))]
+
+    def describe(self) -> str:
+        return (
+            f"codel(target_s={self.target_s:g}, interval_s={self.interval_s:g}, early_s={self.early_s:g}, "
+            f"burst_rise={self.burst_rise:g}, half_life_s={self.half_life_s:g})"
+        )
+
+
+POLICIES: dict[str, type[QueuePolicy]] = {
+    p.name: p for p in (CapPolicy, FifoPolicy, DeadlinePolicy, CoDelPolicy)
+}
+
+
+def make_policy(name: str, **params: float) -> QueuePolicy:
+    """A policy by its configured name, with its parameters (unknown ones are an error)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown queue policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for queue policy {name!r}: {exc}") from None

@@ -1,0 +1,185 @@
+"""The queue policies, one decision at a time, on an injected clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sluice.core.admission import Bounds, Limits, QueueView, Refused
+from sluice.core.capacity import DrainRate
+from sluice.core.policy import (
+    POLICIES,
+    Candidate,
+    CapPolicy,
+    CoDelPolicy,
+    DeadlinePolicy,
+    FifoPolicy,
+    PolicyState,
+    make_policy,
+)
+from tests.helpers import FakeClock
+
+COST = 100
+
+
+def drain(per_slot: float = 100.0, slots: int = 4) -> DrainRate:
+    """A measured drain: ``per_slot`` cost units per second per slot (one job of COST = 1 s)."""
+    d = DrainRate(slots=slots)
+    d.observe(int(per_slot), 1.0)
+    return d
+
+
+def queue(jobs: int, running: int = 0) -> QueueView:
+    return QueueView(jobs, jobs * COST, jobs, jobs * COST, jobs, jobs * COST, running)
+
+
+def candidate(
+    now: float, jobs: int = 0, *, running: int = 0, deadline: float = 60.0, d: DrainRate | None = None
+) -> Candidate:
+    return Candidate(COST, "normal", now, now + deadline, queue(jobs, running), Limits(), d or drain())
+
+
+# -- cap -------------------------------------------------------------------------------------------
+
+
+def test_cap_takes_jobs_only_while_a_slot_is_free() -> None:
+    p, s = CapPolicy(), PolicyState()
+    p.admit(candidate(0, jobs=0, running=3), s)
+    p.admit(candidate(0, jobs=1, running=2), s)  # the queued one starts at once
+    with pytest.raises(Refused) as e:
+        p.admit(candidate(0, jobs=1, running=3), s)
+    assert e.value.status == 429 and e.value.code == "queue_full"
+    # a slot frees every service time / slots = 1 s / 4
+    assert e.value.retry_after_s == pytest.approx(0.5)  # clamped up to the minimum
+
+
+def test_cap_ignores_deadlines() -> None:
+    CapPolicy().admit(candidate(0, running=0, deadline=0.1), PolicyState())
+
+
+# -- fifo ------------------------------------------------------------------------------------------
+
+
+def test_fifo_is_a_bounded_buffer_whatever_the_deadline() -> None:
+    p, s = FifoPolicy(max_queued=3), PolicyState()
+    p.admit(candidate(0, jobs=2, deadline=0.5), s)  # 2 s of wait ahead, 0.5 s deadline: taken anyway
+    with pytest.raises(Refused) as e:
+        p.admit(candidate(0, jobs=3), s)
+    assert e.value.code == "queue_full"
+    # one job must drain first: 100 units at 400 units/s
+    assert e.value.retry_after_s == pytest.approx(0.5)
+
+
+def test_every_policy_keeps_the_hard_bounds() -> None:
+    limits = Limits(Bounds(max_jobs=2))
+    for name in POLICIES:
+        c = Candidate(COST, "normal", 0.0, 60.0, queue(2), limits, drain(slots=100))
+        with pytest.raises(Refused) as e:
+            make_policy(name).admit(c, PolicyState())
+        assert e.value.code == "queue_full", name
+
+
+# -- deadline --------------------------------------------------------------------------------------
+
+
+def test_deadline_refuses_what_cannot_finish_in_time() -> None:
+    p, s = DeadlinePolicy(), PolicyState()
+    p.admit(candidate(0, jobs=8, deadline=3.5), s)  # 8 jobs / 4 per s = 2 s wait + 1 s service
+    with pytest.raises(Refused) as e:
+        p.admit(candidate(0, jobs=12, deadline=3.5), s)
+    assert e.value.status == 503 and e.value.code == "deadline_unmeetable"
+
+
+# -- codel -----------------------------------------------------------------------------------------
+
+
+def test_codel_good_queue_grows_as_deep_as_deadlines_allow() -> None:
+    clock, p, s = FakeClock(0), CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5), PolicyState()
+    # A steep rise: 4 s of delay within 1 s is a burst; nothing limits it inside the interval.
+    for i, jobs in enumerate((4, 8, 12, 16)):
+        clock.t = i * 0.33
+        p.admit(candidate(clock.t, jobs=jobs), s)
+    assert s.standing_since is None
+    assert p.delay_limit(s, clock.t) == math.inf
+
+
+def test_codel_slow_rise_is_standing_early_and_holds_its_depth() -> None:
+    p, s = (
+        CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=2.0, half_life_s=10.0),
+        PolicyState(),
+    )
+    p.admit(candidate(0.0, jobs=3), s)  # 0.75 s: above the target from now on
+    assert s.above_since == 0.0 and s.standing_since is None
+    p.admit(candidate(0.6, jobs=4), s)  # 1.0 s after 0.6 s: rose 0.5 s, less than 2 s/s times 0.6 s
+    assert s.standing_since == 0.6 and s.limit_s == pytest.approx(1.0)
+    # Held at the depth reached: a job that would wait 1.25 s is refused, with a true Retry-After.
+    with pytest.raises(Refused) as e:
+        p.admit(candidate(0.7, jobs=5), s)
+    assert e.value.status == 429 and e.value.code == "queue_full"
+    assert e.value.retry_after_s == pytest.approx(1.25)  # when the work ahead of it has started
+    assert s.refused_at == 0.7
+
+
+def test_codel_limit_decays_to_the_target_with_its_half_life() -> None:
+    p = CoDelPolicy(target_s=0.5, half_life_s=10.0)
+    s = PolicyState(above_since=0.0, standing_since=1.0, limit_s=2.5)
+    assert p.delay_limit(s, 1.0) == pytest.approx(2.5)
+    assert p.delay_limit(s, 11.0) == pytest.approx(1.5)
+    assert p.delay_limit(s, 201.0) == pytest.approx(0.5, abs=1e-3)
+
+
+def test_codel_steep_rise_is_standing_after_the_interval() -> None:
+    p, s = CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=2.0), PolicyState()
+    t = 0.0
+    jobs = 4
+    while s.standing_since is None:
+        p.admit(candidate(t, jobs=jobs, deadline=600), s)
+        t += 0.25
+        jobs += 6  # 1.5 s of delay per 0.25 s: a burst
+    assert s.standing_since == pytest.approx(2.5)
+    assert s.limit_s > 10  # the burst keeps the deep queue it built
+
+
+def test_codel_stays_standing_through_a_lull_and_recovers_after_a_half_life() -> None:
+    p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
+    p.admit(candidate(0.0, jobs=3), s)
+    p.admit(candidate(1.0, jobs=4), s)
+    assert s.standing_since == 1.0
+    with pytest.raises(Refused):
+        p.admit(candidate(1.1, jobs=6), s)
+    p.admit(candidate(2.0, jobs=1), s)  # a lull: the queue dips under the target
+    assert s.standing_since == 1.0 and s.above_since is None
+    p.admit(candidate(11.2, jobs=1), s)  # no refusal for a half-life, still under the target
+    assert s.standing_since is None
+    assert p.delay_limit(s, 11.2) == math.inf
+
+
+def test_codel_admits_a_high_priority_job_over_a_full_normal_class() -> None:
+    p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
+    p.admit(candidate(0.0, jobs=3), s)
+    p.admit(candidate(1.0, jobs=4), s)
+    # 8 normal jobs queued, none of the high class: the high job waits only for the running ones.
+    vip = Candidate(COST, "high", 1.1, 61.1, QueueView(8, 800, 0, 0, 0, 0), Limits(), drain())
+    assert p.admit(vip, s).position == 0
+
+
+def test_codel_keeps_deadline_admission() -> None:
+    with pytest.raises(Refused) as e:
+        CoDelPolicy().admit(candidate(0, jobs=0, deadline=0.5), PolicyState())
+    assert e.value.code == "deadline_unmeetable" and not e.value.should_retry
+
+
+def test_codel_bad_parameters_are_refused() -> None:
+    with pytest.raises(ValueError):
+        CoDelPolicy(interval_s=0.1, early_s=0.5)
+    with pytest.raises(ValueError):
+        CoDelPolicy(half_life_s=0)
+
+
+def test_make_policy_names_the_choices() -> None:
+    assert isinstance(make_policy("fifo", max_queued=3), FifoPolicy)
+    with pytest.raises(ValueError, match="cap, fifo, deadline, codel"):
+        make_policy("lifo")
+    with pytest.raises(ValueError, match="bad parameters"):
+        make_policy("cap", target_s=1)
