@@ -14,15 +14,18 @@ import statistics
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from sluice import bench
-from sluice.bench_load import Profile, Record, arrivals, parse_prometheus
+from sluice.bench_load import Client, Profile, Record, arrivals, is_retrier, parse_prometheus
 from sluice.bench_report import bins, goodput, load_result, markdown, percentile, summarize
 from sluice.cli import build_parser
 from sluice.sim import preset
 from sluice.sim_server import serve_in_background
-from tests.servers import run_gateway
+from tests.servers import run_app, run_gateway
 
 # -- arrivals ------------------------------------------------------------------------------------
 
@@ -75,6 +78,18 @@ def test_profile_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         Profile("steady", rate=-1)
     assert arrivals(Profile("steady", rate=0, duration=5), seed=1) == []
+
+
+def test_retriers_are_the_same_clients_for_a_seed() -> None:
+    chosen = [i for i in range(2000) if is_retrier(i, seed=1, fraction=0.1)]
+    assert chosen == [i for i in range(2000) if is_retrier(i, seed=1, fraction=0.1)]
+    assert chosen != [i for i in range(2000) if is_retrier(i, seed=2, fraction=0.1)]
+    # About the share asked for (a binomial count: 4 sigma of 2000 * 0.1 * 0.9 is 54).
+    assert abs(len(chosen) - 200) < 54
+    # A larger share keeps the clients of a smaller one: the same seed only adds retriers.
+    assert set(chosen) <= {i for i in range(2000) if is_retrier(i, seed=1, fraction=0.3)}
+    assert not any(is_retrier(i, seed=1, fraction=0.0) for i in range(100))
+    assert all(is_retrier(i, seed=1, fraction=1.0) for i in range(100))
 
 
 # -- statistics ----------------------------------------------------------------------------------
@@ -152,6 +167,28 @@ def test_summary_of_synthetic_records() -> None:
     table = markdown([{"label": "x", "summary": s, "config": _config()}])
     assert "| success rate | 64.7 % |" in table
     assert "50.0 % of 1.80" in table
+
+
+def test_retries_in_the_summary_and_old_records() -> None:
+    records = [
+        _rec(0, "refused", 0.0, 0.01, status=429, retry_after_s=0.5, retrier=True, retry_outcome="ok"),
+        _rec(1, "refused", 0.0, 0.01, status=429, retry_after_s=1.5, retrier=True, retry_outcome="refused"),
+        _rec(2, "refused", 0.0, 0.01, status=503, retry_after_s=1.0, retrier=True, should_retry=False),
+        _rec(3, "refused", 0.0, 0.01, status=429, retry_after_s=1.0),
+    ]
+    s = summarize(records, duration=5.0)
+    assert s["outcomes"]["refused"] == 4  # the first outcome stays the record's outcome
+    r = s["retries"]
+    assert (r["retriers"], r["refused_retriers"], r["told_not_to"]) == (3, 3, 1)
+    assert (r["count"], r["ok"], r["ok_share"]) == (2, 1, 0.5)
+    assert r["retry_after_s"] == {"p50": 1.0, "max": 1.5}
+    table = markdown([{"label": "x", "summary": s, "config": _config()}])
+    assert "| retried once after Retry-After | 2, 50.0 % then succeeded" in table
+    # A result saved before retries existed: its records load, and its table shows a dash.
+    old = {k: v for k, v in records[3].to_json().items() if not k.startswith("retr") and k != "should_retry"}
+    assert Record.from_json(old).retry_outcome is None
+    del s["retries"]
+    assert "| retried once after Retry-After | - |" in markdown([{"summary": s, "config": _config()}])
 
 
 def test_client_side_waste_is_the_fallback() -> None:
@@ -300,3 +337,143 @@ def test_compare_rejects_a_file_that_is_not_a_result(tmp_path: Path) -> None:
     bogus.write_text("{}")
     args = build_parser("bench").parse_args(["bench", "compare", str(bogus)])
     assert bench.run(args) == 2
+
+
+# -- retries -------------------------------------------------------------------------------------
+
+
+def _refusing_engine(seen: list[dict[str, str]], should_retry: str | None = None) -> FastAPI:
+    """Refuses a first attempt with a Retry-After of 0.2 s, answers a retry; keeps every request's headers."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        seen.append(dict(request.headers))
+        if "x-stainless-retry-count" not in request.headers:
+            headers = {"retry-after": "1", "retry-after-ms": "200"}
+            if should_retry is not None:
+                headers["x-should-retry"] = should_retry
+            return JSONResponse({"error": {"code": "queue_full"}}, status_code=429, headers=headers)
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 3}})
+
+    return app
+
+
+async def _one(url: str, retriers: float) -> Record:
+    async with httpx.AsyncClient() as http:
+        record = Record(index=0, scheduled_s=0.0)
+        await Client(http, url, retriers=retriers).run(record)
+        return record
+
+
+async def test_a_retrier_waits_the_retry_after_and_retries_once() -> None:
+    seen: list[dict[str, str]] = []
+    async with run_app(_refusing_engine(seen)) as url:
+        record = await _one(url, retriers=1.0)
+    assert len(seen) == 2
+    assert "x-stainless-retry-count" not in seen[0] and seen[1]["x-stainless-retry-count"] == "1"
+    # The first outcome stays; the retry's is beside it, sent no sooner than the Retry-After (the ms one).
+    assert (record.outcome, record.retry_after_s, record.should_retry) == ("refused", 0.2, None)
+    assert record.retrier and record.retry_outcome == "ok" and record.retry_status == 200
+    assert record.retry_sent_s is not None and record.retry_ended_s is not None
+    assert record.retry_sent_s >= record.ended_s + 0.2
+    assert record.retry_latency_s == pytest.approx(record.retry_ended_s - record.retry_sent_s)
+    assert Record.from_json(json.loads(json.dumps(record.to_json()))) == record
+
+
+async def test_no_retry_for_a_non_retrier_or_when_told_not_to() -> None:
+    seen: list[dict[str, str]] = []
+    async with run_app(_refusing_engine(seen)) as url:
+        record = await _one(url, retriers=0.0)
+    assert len(seen) == 1 and not record.retrier and record.retry_outcome is None
+    seen.clear()
+    async with run_app(_refusing_engine(seen, should_retry="false")) as url:
+        record = await _one(url, retriers=1.0)
+    assert len(seen) == 1 and record.retrier and record.should_retry is False
+    assert record.retry_outcome is None and record.retry_sent_s is None
+
+
+async def test_retriers_against_a_spawned_gateway_with_no_queue(tmp_path: Path) -> None:
+    # One slot and the cap policy (no waiting room) at 10 req/s of ~0.3 s answers: most requests are
+    # refused with a Retry-After, and half of the clients come back once after it.
+    async with serve_in_background(preset("article", model="sim")) as url:
+        args = _args(
+            tmp_path,
+            "--target",
+            url,
+            "--spawn-sluice",
+            "--slots",
+            "1",
+            "--sluice-args=--queue-policy cap",
+            "--max-tokens",
+            "16",
+            "--rate",
+            "10",
+            "--duration",
+            "2",
+            "--retriers",
+            "0.5",
+            "--label",
+            "retries",
+        )
+        assert await bench._main(args) == 0
+    result = load_result(tmp_path / "retries.json")
+    summary = _check_run(result, tmp_path, "retries")
+    records = [Record.from_json(r) for r in result["records"]]
+    assert result["config"]["spawn_sluice"] is True
+    assert summary["outcomes"]["refused"] > 0  # type: ignore[index]
+    retried = 0
+    for r in records:
+        assert r.retrier == is_retrier(r.index, seed=1, fraction=0.5)
+        told = r.outcome == "refused" and r.retry_after_s is not None and r.should_retry is not False
+        if r.retrier and told:
+            assert r.retry_outcome is not None and r.retry_sent_s is not None and r.retry_after_s is not None
+            assert r.retry_sent_s >= r.ended_s + r.retry_after_s
+            retried += 1
+        else:
+            assert r.retry_outcome is None and r.retry_sent_s is None
+    assert retried > 0
+    assert summary["retries"]["count"] == retried  # type: ignore[index]
+    assert "| retried once after Retry-After | " in (tmp_path / "retries.md").read_text()
+
+
+# -- --policies ----------------------------------------------------------------------------------
+
+
+async def test_policies_run_on_the_same_arrivals(tmp_path: Path) -> None:
+    args = _args(
+        tmp_path, "--spawn-sim", "fast", "--policies", "direct,codel", "--rate", "5", "--duration", "1.5"
+    )
+    assert await bench._main(args) == 0
+    results = [load_result(tmp_path / f"steady-{entry}.json") for entry in ("direct", "codel")]
+    for result, entry in zip(results, ("direct", "codel"), strict=True):
+        _check_run(result, tmp_path, f"steady-{entry}")
+        assert result["config"]["policy"] == entry
+    direct, codel = results
+    assert direct["config"]["mode"] == "direct" and direct["summary"]["server_admitted"] is None
+    assert codel["config"]["mode"] == "sync"
+    assert codel["summary"]["server_admitted"] == codel["summary"]["accepted"]
+    # The same traffic for every entry: the schedule, and the requests made of it.
+    assert direct["arrivals"] == codel["arrivals"]
+    assert [r["scheduled_s"] for r in direct["records"]] == [r["scheduled_s"] for r in codel["records"]]
+    # The gateway ran with the entry's policy, on an engine of its own.
+    assert (tmp_path / "sluice-codel.log").exists() and (tmp_path / "sim-direct.log").exists()
+    assert not (tmp_path / "sluice-direct.log").exists()
+    table = (tmp_path / "policies-steady.md").read_text()
+    assert "| | steady-direct | steady-codel |" in table and "(queue policy codel)" in table
+    assert (tmp_path / "policies-steady.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--spawn-sim", "fast", "--policies", "direct,lifo"),
+        ("--spawn-sim", "fast", "--policies", "codel,codel"),
+        ("--spawn-sim", "fast", "--retriers", "1.5"),
+        ("--target", "http://127.0.0.1:9", "--spawn-sluice"),  # a gateway in front needs --slots
+        ("--target", "http://127.0.0.1:9", "--policies", "direct,cap"),
+    ],
+)
+def test_bad_command_lines_are_refused_before_anything_starts(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    assert bench.run(_args(tmp_path, *extra)) == 2
+    assert not list(tmp_path.glob("*.log"))

@@ -8,6 +8,8 @@ as child processes, so that one command reproduces a documented number.
 
 Writes ``LABEL.json`` (every request and the summary), ``LABEL.md`` and ``LABEL.png`` to ``--out``;
 ``sluice bench compare A.json B.json ...`` merges saved runs into one table and overlaid plots.
+``--policies direct,cap,codel`` runs the same arrivals once per entry, each against freshly spawned
+targets (the engine alone, or a gateway with that ``--queue-policy``), and writes the comparison too.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ from sluice.bench_report import (
     write_result,
 )
 
-__all__ = ["configure_parser", "measure", "run"]
+__all__ = ["POLICY_ENTRIES", "configure_parser", "measure", "run"]
+
+# What --policies may name: the engine alone, or a gateway with that --queue-policy in front of it.
+POLICY_ENTRIES = ("direct", "cap", "fifo", "deadline", "codel")
 
 # Once every client has its outcome, give the targets this long to abort and forget what is left.
 SETTLE_S = 5.0
@@ -54,6 +59,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "  sluice bench --spawn-sim article --spawn-sluice --rate 10            # Sluice in front\n"
         "  sluice bench --spawn-sim article --profile spike --rate 3 --peak 30  # 3 → 30 → 3 req/s\n"
         "  sluice bench --target http://127.0.0.1:8000 --mode async --profile ramp --rate 1 --to 20\n"
+        "  sluice bench --spawn-sim article --policies direct,cap,fifo,codel --retriers 0.1\n"
+        "  sluice bench --target http://127.0.0.1:8080 --spawn-sluice --slots 4 --policies direct,codel\n"
         "  sluice bench compare out/direct.json out/sluice.json --name steady\n"
     )
     target = parser.add_argument_group("target")
@@ -73,14 +80,29 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="start `sluice sim --preset PRESET` on a free port as the engine",
     )
     target.add_argument(
-        "--spawn-sluice", action="store_true", help="start `sluice serve` in front of the spawned simulator"
+        "--spawn-sluice",
+        action="store_true",
+        help="start `sluice serve` in front of the spawned simulator, or of the engine at --target",
+    )
+    target.add_argument(
+        "--slots",
+        type=int,
+        metavar="N",
+        help="the spawned gateway's --max-concurrency: the engine's batch size (default with "
+        "--spawn-sim: the preset's; required with --target)",
     )
     target.add_argument(
         "--sluice-args",
         default="",
         metavar="ARGS",
-        help="extra flags for the spawned gateway, e.g. --sluice-args='--max-queued-jobs 50' "
-        "(--max-concurrency defaults to the preset's batch size)",
+        help="extra flags for the spawned gateway, e.g. --sluice-args='--max-queued-jobs 50'",
+    )
+    target.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="one run per entry, in turn, on the same arrivals: comma-separated among "
+        f"{', '.join(POLICY_ENTRIES)}; direct is the engine alone, the others a fresh gateway with "
+        "that --queue-policy (after --sluice-args). With --spawn-sim each entry gets a fresh engine",
     )
 
     load = parser.add_argument_group("offered load")
@@ -101,6 +123,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     client.add_argument("--max-tokens", type=int, default=128, help="answer length asked for (128)")
     client.add_argument("--stream", action="store_true", help="stream answers (time to first token)")
+    client.add_argument(
+        "--retriers",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of the clients that, when refused with a Retry-After, wait exactly that long and "
+        "retry once, as the openai SDK does; the same clients in every run with the seed (0)",
+    )
     client.add_argument(
         "--users",
         type=int,
@@ -203,41 +233,75 @@ def _log_file(path: Path) -> IO[bytes]:
     return open(path, "wb")
 
 
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """Reject a command line that cannot run before anything is spawned; return the --policies entries."""
+    entries = [e.strip() for e in (args.policies or "").split(",") if e.strip()]
+    unknown = [e for e in entries if e not in POLICY_ENTRIES]
+    if unknown or (args.policies is not None and not entries):
+        raise ValueError(f"--policies takes names among {', '.join(POLICY_ENTRIES)} (got {args.policies!r})")
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"--policies names an entry twice: {args.policies!r}")
+    if entries and args.mode == "direct":
+        raise ValueError("--mode direct with --policies: name the entry `direct` instead")
+    if not 0.0 <= args.retriers <= 1.0:
+        raise ValueError("--retriers is a share of the clients, from 0 to 1")
+    if args.slots is not None and args.slots < 1:
+        raise ValueError("--slots must be at least 1")
+    if not args.spawn_sim and not args.target:
+        raise ValueError("give --target URL, or --spawn-sim PRESET")
+    gateway = any(e != "direct" for e in entries) if entries else args.spawn_sluice
+    if gateway and not args.spawn_sim and args.slots is None:
+        raise ValueError("a gateway in front of --target needs --slots N (the engine's batch size)")
+    return entries
+
+
 @contextlib.asynccontextmanager
-async def targets(args: argparse.Namespace, out: Path) -> AsyncIterator[Targets]:
-    """The target named on the command line, or spawned ones that are stopped on exit."""
-    mode = args.mode or ("sync" if args.spawn_sluice else "direct")
+async def targets(args: argparse.Namespace, out: Path, policy: str | None = None) -> AsyncIterator[Targets]:
+    """The target named on the command line, or spawned ones that are stopped on exit.
+
+    ``policy`` is one entry of --policies: ``direct`` is the engine alone, any other name a spawned
+    gateway with that ``--queue-policy``. With --spawn-sim the engine is spawned afresh each time, so
+    no entry inherits another's engine state; an engine at --target is shared by all entries.
+    """
+    gateway = policy != "direct" if policy else args.spawn_sluice
+    mode = "direct" if policy == "direct" else args.mode or ("sync" if gateway else "direct")
     capacity = args.capacity
     source = "--capacity" if capacity else None
-    if not args.spawn_sim:
-        if args.spawn_sluice:
-            raise RuntimeError("--spawn-sluice needs --spawn-sim (the engine it fronts)")
-        if not args.target:
-            raise RuntimeError("give --target URL, or --spawn-sim PRESET")
+    suffix = f"-{policy}" if policy else ""
+    if not args.spawn_sim and not gateway:
         url = args.target.rstrip("/").removesuffix("/v1")
         engine = args.engine_metrics or (f"{url}/metrics" if mode == "direct" else None)
-        gateway = f"{url}/metrics" if mode != "direct" else None
-        yield Targets(url, mode, engine, gateway, capacity, source)
+        gateway_metrics = f"{url}/metrics" if mode != "direct" else None
+        yield Targets(url, mode, engine, gateway_metrics, capacity, source)
         return
 
-    from sluice.sim import capacity_rps, estimate_chat_tokens, preset
-
-    params = preset(args.spawn_sim)  # KeyError for an unknown name, before anything starts
-    if capacity is None:
-        capacity = capacity_rps(params, args.max_tokens, estimate_chat_tokens([PROMPT]))
-        source = f"simulator formula (preset {args.spawn_sim})"
     found = Targets("", mode, capacity=capacity, capacity_source=source)
     with contextlib.ExitStack() as logs:
         try:
-            sim_log = logs.enter_context(_log_file(out / "sim.log"))
-            proc, sim_url = await _spawn_sim(args.spawn_sim, sim_log)
-            found.processes.append(proc)
-            found.engine_metrics = f"{sim_url}/metrics"
-            found.target = sim_url
-            if args.spawn_sluice:
-                gw_log = logs.enter_context(_log_file(out / "sluice.log"))
-                extra = shlex.split(args.sluice_args)
-                proc, gw_url = await _spawn_sluice(sim_url, params.max_num_seqs, extra, gw_log)
+            if args.spawn_sim:
+                from sluice.sim import capacity_rps, estimate_chat_tokens, preset
+
+                params = preset(args.spawn_sim)  # KeyError for an unknown name, before anything starts
+                if capacity is None:
+                    found.capacity = capacity_rps(params, args.max_tokens, estimate_chat_tokens([PROMPT]))
+                    found.capacity_source = f"simulator formula (preset {args.spawn_sim})"
+                slots = args.slots or params.max_num_seqs
+                sim_log = logs.enter_context(_log_file(out / f"sim{suffix}.log"))
+                proc, engine_url = await _spawn_sim(args.spawn_sim, sim_log)
+                found.processes.append(proc)
+                found.engine_metrics = f"{engine_url}/metrics"
+            else:
+                engine_url = args.target.rstrip("/").removesuffix("/v1")
+                found.engine_metrics = args.engine_metrics or f"{engine_url}/metrics"
+                if args.slots is None:
+                    raise RuntimeError("a gateway in front of --target needs --slots N")
+                slots = args.slots
+            found.target = engine_url
+            if gateway:
+                gw_log = logs.enter_context(_log_file(out / f"sluice{suffix}.log"))
+                # Flags given later win, so the entry's policy overrides one in --sluice-args.
+                extra = shlex.split(args.sluice_args) + (["--queue-policy", policy] if policy else [])
+                proc, gw_url = await _spawn_sluice(engine_url, slots, extra, gw_log)
                 found.processes.append(proc)
                 found.target, found.gateway_metrics = gw_url, f"{gw_url}/metrics"
             elif mode != "direct":
@@ -300,11 +364,23 @@ async def _settle(sampler: MetricsSampler) -> int | None:
         await asyncio.sleep(0.2)
 
 
-async def measure(args: argparse.Namespace, found: Targets, profile: Profile) -> dict[str, Any]:
-    """Drive one run against ``found`` and return its result (config, summary, records, samples)."""
+async def measure(
+    args: argparse.Namespace,
+    found: Targets,
+    profile: Profile,
+    *,
+    label: str | None = None,
+    policy: str | None = None,
+    step: str = "",
+) -> dict[str, Any]:
+    """Drive one run against ``found`` and return its result (config, summary, records, samples).
+
+    ``policy`` is the --policies entry this run is (recorded in its config); ``step`` prefixes the
+    progress bar's description, e.g. "2/5 ".
+    """
     schedule = arrivals(profile, args.seed)
     timeout = args.client_timeout if args.client_timeout and args.client_timeout > 0 else None
-    label = args.label or f"{found.mode}-{profile.kind}"
+    label = label or args.label or f"{found.mode}-{profile.kind}"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         model = args.model or await _discover_model(http, found.target)
@@ -321,8 +397,10 @@ async def measure(args: argparse.Namespace, found: Targets, profile: Profile) ->
             client_timeout=timeout,
             stream=args.stream,
             users=max(args.users, 1),
+            retriers=args.retriers,
+            seed=args.seed,
         )
-        bar = _progress(len(schedule), label, disabled=args.no_progress)
+        bar = _progress(len(schedule), step + label, disabled=args.no_progress)
         tally: dict[str, int] = {}
 
         def done(record: Record) -> None:
@@ -362,10 +440,11 @@ async def measure(args: argparse.Namespace, found: Targets, profile: Profile) ->
     argv = sys.argv[1:]
     config = {
         "mode": found.mode,
-        "target": "spawned" if args.spawn_sim else found.target,
+        "target": "spawned" if found.processes else found.target,
         "spawn_sim": args.spawn_sim,
-        "spawn_sluice": args.spawn_sluice,
+        "spawn_sluice": found.gateway_metrics is not None and bool(found.processes),
         "sluice_args": args.sluice_args,
+        "policy": policy,
         "model": model,
         "profile": {
             "kind": profile.kind,
@@ -383,6 +462,7 @@ async def measure(args: argparse.Namespace, found: Targets, profile: Profile) ->
         "max_tokens": args.max_tokens,
         "stream": args.stream,
         "users": args.users,
+        "retriers": args.retriers,
         "capacity_rps": found.capacity,
         "capacity_source": found.capacity_source,
         "command": "sluice " + shlex.join(argv) if argv[:1] == ["bench"] else None,
@@ -435,22 +515,63 @@ def _write(out: Path, name: str, results: list[dict[str, Any]], plot: bool) -> l
     return written
 
 
-async def _main(args: argparse.Namespace) -> int:
-    profile = _profile(args)
-    out: Path = args.out
-    async with targets(args, out) as found:
-        result = await measure(args, found, profile)
+def _save(out: Path, result: dict[str, Any], plot: bool) -> list[Path]:
+    """One run's RESULT.json, .md and .png; a warning if the generator fell behind its schedule."""
     label = result["label"]
     write_result(out / f"{label}.json", result)
-    written = [out / f"{label}.json", *_write(out, label, [result], not args.no_plot)]
-    print(markdown([result]))
+    written = [out / f"{label}.json", *_write(out, label, [result], plot)]
     lag = result["summary"]["send_lag_s"]["p99"]
     if lag is not None and lag > MAX_SEND_LAG_S:
         print(
-            f"warning: requests left up to {lag * 1000:.0f} ms late (p99); the generator could not keep "
-            "up and under-reports the offered load",
+            f"warning: {label}: requests left up to {lag * 1000:.0f} ms late (p99); the generator could "
+            "not keep up and under-reports the offered load",
             file=sys.stderr,
         )
+    return written
+
+
+async def _engine_idle(args: argparse.Namespace) -> None:
+    """Between --policies entries on a shared engine (--target): wait until it holds no request.
+
+    A stopped gateway's last jobs, or a direct run's abandoned requests, must not eat into the next
+    entry's capacity. Bounded by the same grace period as the end of a run.
+    """
+    url = args.engine_metrics or args.target.rstrip("/").removesuffix("/v1") + "/metrics"
+    async with httpx.AsyncClient(timeout=None) as http:
+        await _settle(MetricsSampler(http, [url]))
+
+
+async def _policies(args: argparse.Namespace, entries: list[str], profile: Profile) -> int:
+    """One run per entry, in turn, on the same arrivals; then the comparison of them all."""
+    out: Path = args.out
+    base = args.label or profile.kind
+    results: list[dict[str, Any]] = []
+    written: list[Path] = []
+    for i, entry in enumerate(entries, 1):
+        if i > 1 and not args.spawn_sim:
+            await _engine_idle(args)
+        async with targets(args, out, entry) as found:
+            result = await measure(
+                args, found, profile, label=f"{base}-{entry}", policy=entry, step=f"{i}/{len(entries)} "
+            )
+        written += _save(out, result, not args.no_plot)
+        results.append(result)
+    name = args.label or f"policies-{profile.kind}"
+    written += _write(out, name, results, not args.no_plot)
+    print(markdown(results))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+async def _main(args: argparse.Namespace) -> int:
+    entries = _check_args(args)
+    profile = _profile(args)
+    if entries:
+        return await _policies(args, entries, profile)
+    async with targets(args, args.out) as found:
+        result = await measure(args, found, profile)
+    written = _save(args.out, result, not args.no_plot)
+    print(markdown([result]))
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

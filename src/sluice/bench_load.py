@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import random
@@ -30,6 +31,7 @@ __all__ = [
     "Profile",
     "Record",
     "arrivals",
+    "is_retrier",
     "parse_prometheus",
     "run_load",
 ]
@@ -47,6 +49,9 @@ PROMPT = (
 _MAX_POLL_S = 30.0
 # A cancellation sent after a give-up gets this long; it is bookkeeping, not part of the client's wait.
 _CANCEL_TIMEOUT_S = 5.0
+# A retrier waits for a Retry-After up to this long, as the issue describes the openai SDK's limit; a
+# longer one is a "do not come back soon", and the client does not retry.
+MAX_RETRY_AFTER_S = 120.0
 
 
 # -- arrivals ------------------------------------------------------------------------------------
@@ -139,12 +144,31 @@ def arrivals(profile: Profile, seed: int) -> list[float]:
 # -- one request ---------------------------------------------------------------------------------
 
 
+def is_retrier(index: int, seed: int, fraction: float) -> bool:
+    """Whether client ``index`` retries once after a Retry-After, for ``fraction`` of the clients.
+
+    A hash of the seed and the index, not a random stream: the same clients retry in every run with
+    that seed, whatever the target and whatever order their requests end in, so runs of different
+    policies on the same arrivals also face the same retriers.
+    """
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < fraction
+
+
 @dataclass(slots=True)
 class Record:
-    """One simulated request, from its planned arrival to its single outcome.
+    """One simulated request, from its planned arrival to its first outcome, and its one retry if any.
 
     Times are seconds from the start of the run. ``latency_s`` is from sending to the outcome (for a
     refusal, the time to refuse). ``tokens`` are completion tokens the client received.
+    ``should_retry`` is the refusal's ``x-should-retry`` header (None when absent).
+
+    A ``retrier`` refused with a Retry-After (and not told ``x-should-retry: false``) sleeps exactly
+    that long and sends the same request once more; the ``retry_*`` fields hold that attempt. The
+    first outcome stays the record's outcome, so goodput and refusals compare across runs whatever
+    share of the clients retries.
     """
 
     index: int
@@ -160,6 +184,14 @@ class Record:
     retry_after_s: float | None = None
     job_id: str | None = None
     detail: str | None = None
+    should_retry: bool | None = None
+    retrier: bool = False
+    retry_outcome: Outcome | None = None
+    retry_status: int | None = None
+    retry_code: str | None = None
+    retry_sent_s: float | None = None
+    retry_ended_s: float | None = None
+    retry_latency_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -219,6 +251,8 @@ def _classify_status(status: int, body: bytes, headers: httpx.Headers, record: R
     code, message = _error_code(body)
     if status in (429, 503):
         record.retry_after_s = _retry_after(headers)
+        flag = headers.get("x-should-retry")
+        record.should_retry = None if flag is None else flag.strip().lower() == "true"
         return _Finished("refused", status, code or f"http_{status}", message)
     if status == 504 or code == "deadline_exceeded":
         # The server's own deadline ran out: an honest end, but not an answer.
@@ -232,6 +266,8 @@ class Client:
 
     ``client_timeout`` is when a client gives up (None: never): it closes its connection, which an
     engine treats as an abort and Sluice as a cancellation; in ``async`` mode it also DELETEs its job.
+    ``retriers`` is the share of clients (chosen by :func:`is_retrier` with ``seed``) that retry once
+    after a refusal's Retry-After, as the official openai SDK would.
     """
 
     http: httpx.AsyncClient
@@ -242,6 +278,8 @@ class Client:
     client_timeout: float | None = 15.0
     stream: bool = False
     users: int = 1
+    retriers: float = 0.0
+    seed: int = 1
     prompt: str = PROMPT
     clock: Callable[[], float] = time.perf_counter
     origin: float = field(default_factory=time.perf_counter)
@@ -262,8 +300,11 @@ class Client:
             body["stream"] = True
         return body
 
-    def _headers(self, index: int) -> dict[str, str]:
+    def _headers(self, index: int, retry_count: int = 0) -> dict[str, str]:
         headers: dict[str, str] = {}
+        # The official openai SDK marks its retries so; a server may count or treat them apart.
+        if retry_count:
+            headers["x-stainless-retry-count"] = str(retry_count)
         # Sluice learns the client's deadline from this header; an engine ignores it.
         if self.mode == "sync" and self.client_timeout is not None:
             headers["X-Request-Timeout"] = f"{self.client_timeout:g}"
@@ -274,22 +315,44 @@ class Client:
         return headers
 
     async def run(self, record: Record) -> None:
-        """Send one request and fill ``record`` with its single outcome; never raises."""
+        """Send one request and fill ``record`` with its outcome, and a retrier's one retry; never raises."""
+        record.retrier = is_retrier(record.index, self.seed, self.retriers)
+        await self._attempt(record, self._headers(record.index))
+        wait = record.retry_after_s
+        if (
+            not record.retrier
+            or record.outcome != "refused"
+            or wait is None
+            or not 0 <= wait <= MAX_RETRY_AFTER_S
+            or record.should_retry is False
+        ):
+            return
+        # Exactly the Retry-After, on the run's own clock: asyncio's timers may fire a hair early.
+        while (left := record.ended_s + wait - self.now()) > 0:  # noqa: ASYNC110 (a deadline, no event)
+            await asyncio.sleep(left)
+        retry = Record(index=record.index, scheduled_s=record.ended_s + wait)
+        await self._attempt(retry, self._headers(record.index, retry_count=1))
+        record.retry_outcome, record.retry_status, record.retry_code = retry.outcome, retry.status, retry.code
+        record.retry_sent_s, record.retry_ended_s = retry.sent_s, retry.ended_s
+        record.retry_latency_s = retry.latency_s
+
+    async def _attempt(self, record: Record, headers: dict[str, str]) -> None:
+        """One try, with its own client timeout: fill ``record``'s outcome and times."""
         record.sent_s = self.now()
         try:
             async with asyncio.timeout(self.client_timeout):
                 if self.mode == "async":
-                    await self._run_job(record)
+                    await self._run_job(record, headers)
                 elif self.stream:
-                    await self._run_stream(record)
+                    await self._run_stream(record, headers)
                 else:
-                    await self._run_whole(record)
+                    await self._run_whole(record, headers)
             record.outcome = "ok"
             record.status = 200
         except TimeoutError:
             record.outcome, record.code = "timeout", "client_gave_up"
             if self.mode == "async" and record.job_id is not None:
-                await self._cancel(record.job_id, self._headers(record.index))
+                await self._cancel(record.job_id, headers)
         except _Finished as end:
             record.outcome, record.status, record.code, record.detail = (
                 end.outcome,
@@ -304,9 +367,9 @@ class Client:
         record.ended_s = self.now()
         record.latency_s = record.ended_s - record.sent_s
 
-    async def _run_whole(self, record: Record) -> None:
+    async def _run_whole(self, record: Record, headers: dict[str, str]) -> None:
         response = await self.http.post(
-            f"{self.target}/v1/chat/completions", json=self._body(), headers=self._headers(record.index)
+            f"{self.target}/v1/chat/completions", json=self._body(), headers=headers
         )
         if response.status_code != 200:
             raise _classify_status(response.status_code, response.content, response.headers, record)
@@ -315,9 +378,8 @@ class Client:
         usage = data.get("usage") or {}
         record.tokens = int(usage.get("completion_tokens") or 0)
 
-    async def _run_stream(self, record: Record) -> None:
+    async def _run_stream(self, record: Record, headers: dict[str, str]) -> None:
         url = f"{self.target}/v1/chat/completions"
-        headers = self._headers(record.index)
         async with self.http.stream("POST", url, json=self._body(), headers=headers) as response:
             if response.status_code != 200:
                 raise _classify_status(response.status_code, await response.aread(), response.headers, record)
@@ -340,8 +402,7 @@ class Client:
                         record.tokens += 1
         raise _Finished("error", 200, "stream_truncated", "the stream ended without [DONE]")
 
-    async def _run_job(self, record: Record) -> None:
-        headers = self._headers(record.index)
+    async def _run_job(self, record: Record, headers: dict[str, str]) -> None:
         response = await self.http.post(f"{self.target}/v1/jobs", json=self._body(), headers=headers)
         if response.status_code not in (200, 202):
             raise _classify_status(response.status_code, response.content, response.headers, record)
@@ -405,12 +466,15 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-# Gauges plotted as "queue depth"; whichever the targets expose.
+# Gauges plotted as "queue depth"; whichever the targets expose (llama-server's with --metrics, which
+# `sluice engine start` passes).
 QUEUE_GAUGES = (
     "sluice_queued_jobs",
     "sluice_running_jobs",
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",
+    "llamacpp:requests_deferred",
+    "llamacpp:requests_processing",
 )
 
 

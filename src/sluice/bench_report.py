@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sluice.bench_load import Record
+from sluice.bench_load import QUEUE_GAUGES, Record
 
 __all__ = [
     "RESULT_VERSION",
@@ -149,7 +149,28 @@ def summarize(
         summary["wasted_share"] = summary["client_wasted_share"]
         summary["wasted_source"] = "client side: streamed tokens of requests given up (lower bound)"
     summary["nothing_lost"] = len(lost) == 0 and not counters.get("stuck")
+    summary["retries"] = _retries(records)
     return summary
+
+
+def _retries(records: Sequence[Record]) -> dict[str, Any]:
+    """How the clients that retry once after a Retry-After fared: whether that Retry-After was true.
+
+    ``told_not_to`` counts the retriers' refusals that said ``x-should-retry: false``.
+    """
+    retried = [r for r in records if r.retry_outcome is not None]
+    ok = sum(1 for r in retried if r.retry_outcome == "ok")
+    waited = [r.retry_after_s for r in retried if r.retry_after_s is not None]
+    return {
+        "retriers": sum(1 for r in records if r.retrier),
+        "refused_retriers": sum(1 for r in records if r.retrier and r.outcome == "refused"),
+        "told_not_to": sum(1 for r in records if r.retrier and r.should_retry is False),
+        "count": len(retried),
+        "ok": ok,
+        "ok_share": ok / len(retried) if retried else None,
+        "retry_after_s": {"p50": percentile(waited, 50), "max": max(waited, default=None)},
+        "outcomes": dict(Counter(r.retry_outcome or "none" for r in retried)),
+    }
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -208,6 +229,12 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("stuck") is not None:
         lost += f", {s['stuck']} stuck"
     lost = ("yes" if s["nothing_lost"] else "**no**") + f" ({lost})"
+    retries = s.get("retries") or {}
+    retried = "-"
+    if retries.get("count"):
+        retried = f"{retries['count']}, {_pct(retries['ok_share'])} then succeeded"
+        waited = retries["retry_after_s"]
+        retried += f" (after {_num(waited['p50'], unit=' s')} p50, {_num(waited['max'], unit=' s')} max)"
     return [
         ("offered", f"{s['offered']} ({s['offered_rps']:.2f} req/s)"),
         ("success rate", _pct(s["success_rate"])),
@@ -227,6 +254,7 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("errors", str(out["error"])),
         ("Retry-After p50 / max", f"{_num(ra['p50'], unit=' s')} / {_num(ra['max'], unit=' s')}"),
+        ("retried once after Retry-After", retried),
         ("engine tokens wasted", wasted),
         ("accepted, of which answered", f"{s['accepted']}, {_pct(s['accepted_ok_rate'])}"),
         (
@@ -249,7 +277,9 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     for label, r in zip(labels, results, strict=True):
         c = r["config"]
         lines.append(
-            f"- **{label}**: {c['mode']} → {c['target']}, {c['profile_text']}, seed {c['seed']}, "
+            f"- **{label}**: {c['mode']} → {c['target']}"
+            + (f" (queue policy {c['policy']})" if c.get("policy") not in (None, "direct") else "")
+            + f", {c['profile_text']}, seed {c['seed']}, "
             + (
                 f"client timeout {c['client_timeout']:g} s"
                 if c["client_timeout"]
@@ -257,6 +287,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
             )
             + f", max_tokens {c['max_tokens']}"
             + (f", {c['users']} users" if c.get("users", 1) > 1 else "")
+            + (f", {100 * c['retriers']:g} % of clients retry once" if c.get("retriers") else "")
             + (
                 f"; load average {c['load_avg_1m'][0]} → {c['load_avg_1m'][1]}"
                 if c.get("load_avg_1m")
@@ -280,7 +311,7 @@ def _pyplot() -> Any:
 
 
 def _waiting(sample: dict[str, float]) -> float | None:
-    keys = ("sluice_queued_jobs", "vllm:num_requests_waiting")
+    keys = ("sluice_queued_jobs", "vllm:num_requests_waiting", "llamacpp:requests_deferred")
     present = [sample[k] for k in keys if k in sample]
     return sum(present) if present else None
 
@@ -323,12 +354,7 @@ def plot_run(result: dict[str, Any], path: Path) -> None:
     ax = axes[2]
     samples = result.get("samples") or []
     plotted = False
-    for key in (
-        "sluice_queued_jobs",
-        "sluice_running_jobs",
-        "vllm:num_requests_waiting",
-        "vllm:num_requests_running",
-    ):
+    for key in QUEUE_GAUGES:
         points = [(s["t"], s[key]) for s in samples if key in s]
         if points:
             ax.plot(*zip(*points, strict=True), label=key)
