@@ -4,8 +4,8 @@ Every key of a queue carries the queue's hash tag (``sluice.broker.keys``), so e
 one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller
 (``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure. The
 scripts mirror the core's scheduling (``lua/_fairqueue.lua`` is FairQueue, ``lua/_classes.lua`` is
-ClassScheduler, ``admit.lua`` is the queue policy with admission's checks), and a test checks that the memory broker and this
-one make the same decisions.
+ClassScheduler, ``admit.lua`` is the queue policy with admission's checks), and a test checks that
+the memory broker and this one make the same decisions.
 
 Connections (``redis_pipe``): commands and scripts go out in pipelines, one per event-loop turn, on a
 ``BlockingConnectionPool`` with short timeouts, so that a dead Redis answers with
