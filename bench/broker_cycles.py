@@ -36,13 +36,19 @@ from sluice.broker.base import Broker, BrokerSettings  # noqa: E402
 from sluice.broker.redis import RedisBroker  # noqa: E402
 from sluice.core.admission import Bounds, Limits  # noqa: E402
 from sluice.core.job import Endpoint, Job, JobState, new_job_id  # noqa: E402
+from sluice.core.policy import CoDelPolicy  # noqa: E402
 
 MODEL = "bench-model"
 TENANTS = [f"tenant-{i}" for i in range(8)]
 
 
 def settings() -> BrokerSettings:
-    return BrokerSettings(default_limits=Limits(model=Bounds(max_jobs=None)), lease_s=60.0)
+    # The broker's throughput, not admission: the default queue policy's code runs on every admit,
+    # but its delay limit never bites (20,000 jobs queued at once are a standing queue to it).
+    never_standing = CoDelPolicy(target_s=1e9, interval_s=1e9, early_s=1e9)
+    return BrokerSettings(
+        default_limits=Limits(model=Bounds(max_jobs=None)), lease_s=60.0, policy=never_standing
+    )
 
 
 def make_job(i: int) -> Job:
@@ -170,9 +176,14 @@ def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: i
     redis_before = redis_cpu_s(url)
     began = time.perf_counter()
     start.set()
-    for p in procs:
-        p.join()
+    # A process that fails (a refused admit) would leave the others waiting for jobs forever.
+    while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs):
+        time.sleep(0.01)
     elapsed = time.perf_counter() - began
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join()
     if done.value != jobs or any(p.exitcode for p in procs):
         raise RuntimeError(f"only {done.value} of {jobs} jobs finished")
     redis_cpu = redis_cpu_s(url) - redis_before
