@@ -61,7 +61,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_command_line_splits_context_over_slots() -> None:
     command = llama_server_command(
-        "/opt/llama-server", "/m/model.gguf", port=8012, threads=2, slots=4, ctx_per_slot=2048
+        "/opt/llama-server", "/m/model.gguf", port=8012, threads=2, slots=4, ctx_per_slot=2048, repack=True
     )
     assert command == [
         "/opt/llama-server",
@@ -75,6 +75,19 @@ def test_command_line_splits_context_over_slots() -> None:
         "--metrics",
         "--no-webui",
     ]  # fmt: skip
+
+
+def test_command_line_skips_repacking_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.engine
+
+    def command() -> list[str]:
+        return llama_server_command("/b", "/m", port=1, threads=1)
+
+    monkeypatch.setattr(sluice.engine, "cpu_flags", lambda: "avx2 avx512f amx_bf16 amx_int8 amx_tile fma")
+    assert "--no-repack" in command()
+    monkeypatch.setattr(sluice.engine, "cpu_flags", lambda: "avx2 avx512f fma")
+    assert "--no-repack" not in command()
+    assert "--no-repack" in llama_server_command("/b", "/m", port=1, threads=1, repack=False)
 
 
 def test_command_line_custom_values_and_extra_args() -> None:

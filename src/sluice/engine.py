@@ -25,6 +25,7 @@ from types import TracebackType
 
 import httpx
 
+from sluice import aio
 from sluice.engine_build import (
     BINARY_NAME,
     LLAMA_CPP_PYTHON_VERSION,
@@ -38,6 +39,7 @@ from sluice.engine_build import (
     cache_dir,
     cached_binary_path,
     check_build_tools,
+    cpu_flags,
     ensure_llama_server,
     ensure_model,
     find_llama_server,
@@ -113,8 +115,17 @@ def llama_server_command(
     ctx_per_slot: int = DEFAULT_CTX_PER_SLOT,
     alias: str = MODEL_ALIAS,
     extra_args: Sequence[str] = (),
+    repack: bool | None = None,
 ) -> list[str]:
-    """The llama-server command line. ``-c`` is the total context, which llama-server splits over slots."""
+    """The llama-server command line. ``-c`` is the total context, which llama-server splits over slots.
+
+    ``repack`` (default: unless the CPU has AMX) lets llama.cpp repack the weights for its special
+    kernels. On a CPU that reports AMX, repacked weights go to the AMX tile kernels, and those die
+    with SIGILL under hypervisors that do not pass tile state through (seen in Firecracker VMs);
+    the tiny default model has no other repacked layout, so nothing is lost by skipping it.
+    """
+    if repack is None:
+        repack = "amx_tile" not in cpu_flags().split()
     if slots < 1 or ctx_per_slot < 1 or threads < 1:
         raise ValueError(
             f"slots, ctx_per_slot and threads must be >= 1 (got {slots}, {ctx_per_slot}, {threads})"
@@ -132,6 +143,7 @@ def llama_server_command(
         "-np", str(slots),
         "--metrics",
         "--no-webui",
+        *([] if repack else ["--no-repack"]),
         *extra_args,
     ]  # fmt: skip
 
@@ -572,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
         if command == "build":
             return _build(args)
         if command == "start":
-            return asyncio.run(_start(args))
+            return aio.run(_start(args))
         return _status()
     except EngineError as exc:
         print(f"sluice: error: {exc}", file=sys.stderr)
