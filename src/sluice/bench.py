@@ -29,6 +29,7 @@ from typing import IO, Any
 
 import httpx
 
+from sluice import aio
 from sluice.bench_load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
 from sluice.bench_report import (
     RESULT_VERSION,
@@ -595,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
         return _compare(args)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(_main(args))
+        return aio.run(_main(args))
     except (RuntimeError, ValueError, KeyError, OSError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2

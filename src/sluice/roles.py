@@ -15,6 +15,7 @@ import sys
 
 import uvicorn
 
+from sluice import aio
 from sluice.api.app import broker_settings, create_app, webhook_options
 from sluice.broker import create_broker
 from sluice.config import ConfigError, Settings
@@ -106,7 +107,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:
-        asyncio.run(_work(settings))
+        aio.run(_work(settings))
     except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import logging
@@ -13,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from sluice import aio
 from sluice.api.app import create_app
 from sluice.api.auth import is_loopback
 from sluice.backends.base import Backend
@@ -211,5 +211,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+        aio.run(serve(settings))
     return 0
