@@ -17,6 +17,12 @@ class Metrics:
         self.admissions = Counter(
             "sluice_admissions", "Admission decisions by outcome and code", ["outcome", "code"], registry=r
         )
+        self.client_retries = Counter(
+            "sluice_client_retries",
+            "Requests that clients marked as their retries (x-stainless-retry-count), by admission outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.jobs = Counter(
             "sluice_jobs", "Finished jobs by model and status", ["model", "status"], registry=r
         )

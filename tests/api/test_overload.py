@@ -157,3 +157,42 @@ async def test_stream_client_disconnect_cancels_job(http: httpx.AsyncClient) -> 
             return bool(job.state is JobState.CANCELLED and engine["aborted_total"] == 1)
 
         await wait_until(cancelled)
+
+
+async def test_sdk_retries_after_retry_after_and_sluice_counts_the_retry(http: httpx.AsyncClient) -> None:
+    """The official SDK retries a 429 by itself, after the Retry-After it was given, and marks the
+    retry with x-stainless-retry-count; Sluice counts it apart from first tries."""
+    import time
+
+    import openai
+
+    from sluice.bench_load import parse_prometheus
+
+    async with (
+        serve_in_background(preset("fast", model="sim", **SLOW)) as sim,
+        run_gateway([sim], max_concurrency=1, queue_policy="cap") as gw,
+    ):
+        blocker = {"model": "sim", "messages": MSG, "max_tokens": 4000}
+        first = (await http.post(gw.url + "/v1/jobs", json=blocker)).json()["id"]
+
+        async def running() -> bool:
+            job = await gw.broker.get(first)
+            return bool(job and job.state is JobState.RUNNING)
+
+        await wait_until(running)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=1)
+        started = time.monotonic()
+        try:
+            await client.chat.completions.create(model="sim", messages=MSG, max_tokens=5)  # type: ignore[arg-type]
+        except openai.RateLimitError as exc:
+            refusal = exc.response
+        else:
+            raise AssertionError("the only slot is busy: the cap policy must refuse")
+        finally:
+            await client.close()
+        assert refusal.json()["error"]["code"] == "queue_full"
+        waited = time.monotonic() - started
+        assert waited >= float(refusal.headers["retry-after-ms"]) / 1000  # the SDK honoured it once
+        metrics = parse_prometheus((await http.get(gw.url + "/metrics")).text)
+        assert metrics['sluice_client_retries_total{outcome="refused"}'] == 1
+        assert metrics['sluice_admissions_total{code="queue_full",outcome="refused"}'] == 2

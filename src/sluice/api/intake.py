@@ -225,11 +225,16 @@ class Gateway:
             ) from None
         return str(url)
 
-    async def admit(self, job: Job, caller: Caller) -> Admission:
+    async def admit(self, job: Job, caller: Caller, retry: int = 0) -> Admission:
+        """Queue the job or raise the refusal's APIError. ``retry``: the client's own retry count
+        (the official SDKs send it as ``x-stainless-retry-count``), counted so that a retry storm
+        shows on the metrics."""
         try:
             admission = await self.broker.admit(job, caller.policy)
         except Refused as refused:
             self.metrics.admissions.labels("refused", refused.code).inc()
+            if retry:
+                self.metrics.client_retries.labels("refused").inc()
             log.info(
                 "request refused",
                 extra={
@@ -240,12 +245,21 @@ class Gateway:
                         "status": refused.status,
                         "code": refused.code,
                         "retry_after_s": round(refused.retry_after_s, 3),
+                        "client_retry": retry,
                     }
                 },
             )
             raise APIError.from_refused(refused) from None
         self.metrics.admissions.labels("duplicate" if admission.duplicate else "admitted", "").inc()
+        if retry:
+            self.metrics.client_retries.labels("admitted").inc()
         return admission
+
+
+def client_retry(request: Request) -> int:
+    """Which retry of the client this request is (0: a first try), from the OpenAI SDKs' header."""
+    raw = request.headers.get("x-stainless-retry-count", "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:

@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway, gateway, rate_headers
+from sluice.api.intake import Gateway, client_retry, gateway, rate_headers
 from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.broker.base import job_view
@@ -48,7 +48,7 @@ async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONRespon
     endpoint = Endpoint.CHAT if body.messages is not None else Endpoint.COMPLETIONS
     data.pop("stream", None)  # a job's output is read through its events, never inline
     job = await gw.build_job(request, who, endpoint, data)
-    admission = await gw.admit(job, who)
+    admission = await gw.admit(job, who, client_retry(request))
     job = admission.job
     payload = {
         "id": job.id,
@@ -129,7 +129,7 @@ async def submit(request: Request, body: SubmitRequest, who: Who) -> JSONRespons
     prompt = data.pop("prompt")
     data["messages"] = [{"role": "user", "content": prompt}]
     job = await gw.build_job(request, who, Endpoint.CHAT, data)
-    admission = await gw.admit(job, who)
+    admission = await gw.admit(job, who, client_retry(request))
     return JSONResponse({"job_id": admission.job.id, "status": "queued"}, headers=rate_headers(admission))
 
 

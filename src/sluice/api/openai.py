@@ -11,7 +11,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import gateway, rate_headers
+from sluice.api.intake import client_retry, gateway, rate_headers
 from sluice.api.relay import answer, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint
@@ -28,7 +28,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
     # A synchronous request holds a connection until it ends: count it before queueing anything.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(gw.connection(who))
-        admission = await gw.admit(job, who)
+        admission = await gw.admit(job, who, client_retry(request))
         job = admission.job
         if body.get("stream"):
             options = body.get("stream_options")
