@@ -183,3 +183,18 @@ def test_make_policy_names_the_choices() -> None:
         make_policy("lifo")
     with pytest.raises(ValueError, match="bad parameters"):
         make_policy("cap", target_s=1)
+
+
+def test_codel_target_is_at_least_one_jobs_drain_time() -> None:
+    """On a slow engine (one slot, a job per second) a 0.5 s target would let a standing queue run
+    dry between two completions: the target becomes one job's drain time, 1 s."""
+    p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
+    slow = drain(per_slot=100.0, slots=1)
+    p.admit(candidate(0.0, jobs=1, d=slow), s)  # 1 s of delay: at the target, not above it
+    assert s.above_since is None
+    p.admit(candidate(0.1, jobs=2, d=slow), s)
+    p.admit(candidate(0.7, jobs=2, d=slow), s)  # slow rise: standing at 2 s
+    assert s.standing_since == 0.7
+    for t in (100.0, 1000.0):
+        assert p.delay_limit(s, t, p.target(candidate(t, d=slow))) >= 1.0
+    p.admit(candidate(1000.0, jobs=1, d=slow), s)  # one job ahead: 1 s, within the floor

@@ -185,7 +185,8 @@ class CoDelPolicy(QueuePolicy):
 
     Args:
         target_s: the queueing delay a standing queue is driven down to; enough to keep the
-            engine's slots fed between arrivals.
+            engine's slots fed between arrivals. Never less than the time between two completions
+            (a job's cost over the drain rate), or a standing queue would run dry between them.
         interval_s: the longest a queue may stay above the target, and keep growing, before it
             counts as standing: the room a steep burst gets.
         early_s: after this long above the target, a queue that rose slower than ``burst_rise`` is
@@ -210,9 +211,14 @@ class CoDelPolicy(QueuePolicy):
         if not self.half_life_s > 0:
             raise ValueError("codel needs half_life_s > 0")
 
-    def observe(self, state: PolicyState, delay_s: float, now: float) -> None:
+    def target(self, c: Candidate) -> float:
+        """The target for this job's queue: ``target_s``, or one job's drain time if that is longer."""
+        return max(self.target_s, c.drain.wait_s(c.cost))
+
+    def observe(self, state: PolicyState, delay_s: float, now: float, target: float | None = None) -> None:
         """Update the state with the queue's current delay (the wait of a job joining its tail)."""
-        if delay_s <= self.target_s:
+        target = self.target_s if target is None else target
+        if delay_s <= target:
             state.above_since = None
             # The delay limit itself keeps a standing queue near the target, and a lull of a few
             # seconds is common under a standing overload: the queue is good again only once the
@@ -225,25 +231,27 @@ class CoDelPolicy(QueuePolicy):
         if state.standing_since is not None:
             return
         above = now - state.above_since
-        slow = above >= self.early_s and delay_s - self.target_s < self.burst_rise * above
+        slow = above >= self.early_s and delay_s - target < self.burst_rise * above
         if above >= self.interval_s or slow:
             state.standing_since = now
             state.limit_s = delay_s
 
-    def delay_limit(self, state: PolicyState, now: float) -> float:
+    def delay_limit(self, state: PolicyState, now: float, target: float | None = None) -> float:
         """The longest queueing delay admitted now: unlimited (inf) while the queue is good."""
         if state.standing_since is None:
             return math.inf
-        excess = max(state.limit_s - self.target_s, 0.0)
-        return self.target_s + excess * math.pow(0.5, max(now - state.standing_since, 0.0) / self.half_life_s)
+        target = self.target_s if target is None else target
+        excess = max(state.limit_s - target, 0.0)
+        return target + excess * math.pow(0.5, max(now - state.standing_since, 0.0) / self.half_life_s)
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
         check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         # Before the first job finishes the rate is the configured prior: a guess, but the onset of
         # an overload is exactly when the interval must start counting.
-        self.observe(state, c.drain.wait_s(c.view.model_tokens), c.now)
+        target = self.target(c)
+        self.observe(state, c.drain.wait_s(c.view.model_tokens), c.now, target)
         wait = c.drain.wait_s(c.view.ahead_tokens)
-        limit = self.delay_limit(state, c.now)
+        limit = self.delay_limit(state, c.now, target)
         if wait > limit:
             state.refused_at = c.now
             raise Refused(

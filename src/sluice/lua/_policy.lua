@@ -12,9 +12,10 @@ local function policy_state(st)
   return out
 end
 
--- CoDelPolicy.observe; p = { target_s, interval_s, early_s, burst_rise, half_life_s }.
-local function codel_observe(st, p, delay, now, now_s)
-  local target, interval, early, rise, half_life = p[1], p[2], p[3], p[4], p[5]
+-- CoDelPolicy.observe; p = { target_s, interval_s, early_s, burst_rise, half_life_s }; target is
+-- CoDelPolicy.target (target_s, or one job's drain time if longer).
+local function codel_observe(st, p, target, delay, now, now_s)
+  local interval, early, rise, half_life = p[2], p[3], p[4], p[5]
   local above_since, standing_since = st_num(st, 'pa', nil), st_num(st, 'ps', nil)
   if delay <= target then
     if above_since then st_set(st, 'pa', false) end
@@ -37,24 +38,26 @@ local function codel_observe(st, p, delay, now, now_s)
 end
 
 -- CoDelPolicy.delay_limit: nil while the queue is good.
-local function codel_limit(st, p, now)
+local function codel_limit(st, p, target, now)
   local standing_since = st_num(st, 'ps', nil)
   if standing_since == nil then return nil end
-  local target, half_life = p[1], p[5]
+  local half_life = p[5]
   local excess = math.max(st_num(st, 'pl', 0) - target, 0.0)
   return target + excess * math.pow(0.5, math.max(now - standing_since, 0.0) / half_life)
 end
 
 -- The policy's own decision after the hard bounds: true to refuse. Updates codel's state in st.
--- wait_model: the wait at the queue's tail; wait: the job's own; deadline_miss: the deadline check.
+-- wait_model: the wait at the queue's tail; wait: the job's own; wait_one: one job's drain time;
+-- deadline_miss: the deadline check.
 local function policy_refuses(st, kind, p, now, now_s, q)
   if kind == 1 then -- CapPolicy
     return q.running + q.model_jobs >= q.slots
   elseif kind == 2 then -- FifoPolicy
     return q.model_jobs >= p[1]
   elseif kind == 4 then -- CoDelPolicy
-    codel_observe(st, p, q.wait_model, now, now_s)
-    local limit = codel_limit(st, p, now)
+    local target = math.max(p[1], q.wait_one)
+    codel_observe(st, p, target, q.wait_model, now, now_s)
+    local limit = codel_limit(st, p, target, now)
     if limit and q.wait > limit then
       st_set(st, 'pr', now_s)
       return true

@@ -183,7 +183,7 @@ local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
 if not refused then
   refused = policy_refuses(st, policy_kind, policy, now, now_s, {
     running = running, model_jobs = model_jobs, slots = slots, wait = wait,
-    wait_model = model_tokens / rate,
+    wait_model = model_tokens / rate, wait_one = cost / rate,
     deadline_miss = samples > 0 and wait + service > deadline - now,
   })
 end
