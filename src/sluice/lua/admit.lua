@@ -134,9 +134,12 @@ fields[#fields + 1] = f_vtime(cls)
 fields[#fields + 1] = f_tag(cls, tenant)
 fields[#fields + 1] = f_finish(cls, tenant)
 fields[#fields + 1] = f_seq(cls)
-for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
+if policy_kind == 4 then -- only codel keeps state
+  for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
+end
 local st = st_open(KEYS[6], fields)
-local policy_before = policy_state(st)
+local policy_before = { '', '', '', '' }
+if policy_kind == 4 then policy_before = policy_state(st) end
 
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
 local above = true
@@ -175,7 +178,8 @@ end
 
 local wait = ahead_tokens / rate
 local service = cost / math.max(slot_rate, 1e-3)
-local running = tonumber(redis.call('HGET', KEYS[15], model)) or 0
+local running = 0 -- only cap counts the running jobs
+if policy_kind == 1 then running = tonumber(redis.call('HGET', KEYS[15], model)) or 0 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy.
 local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
     or over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
