@@ -139,6 +139,15 @@ def test_goodput_counts_successes_finished_inside_the_window() -> None:
     assert goodput(records, 5.0, 5.0) == 0.0
 
 
+def test_goodput_counts_an_answer_that_came_on_a_retry() -> None:
+    records = _synthetic()
+    retried = records[11]  # refused at 3.0 s with Retry-After 1.5 s
+    retried.retry_outcome, retried.retry_sent_s, retried.retry_ended_s = "ok", 4.5, 7.0
+    assert goodput(records, 0.0, 10.0) == pytest.approx(10 / 10)
+    # the first outcome stays what it was: a refusal, counted as one
+    assert summarize(records, duration=10.0)["outcomes"]["refused"] == 2
+
+
 def test_summary_of_synthetic_records() -> None:
     records = _synthetic()
     s = summarize(

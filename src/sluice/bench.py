@@ -37,6 +37,7 @@ from sluice.bench_report import (
     markdown,
     plot_compare,
     plot_run,
+    resummarize,
     summarize,
     write_result,
 )
@@ -579,7 +580,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     try:
-        results = [load_result(p) for p in args.results]
+        results = [resummarize(load_result(p)) for p in args.results]
     except (OSError, ValueError) as exc:
         print(f"sluice bench compare: {exc}", file=sys.stderr)
         return 2

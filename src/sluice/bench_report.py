@@ -49,15 +49,23 @@ def _dist(values: Sequence[float], qs: Iterable[int] = (50, 90, 99)) -> dict[str
     return out
 
 
+def answered_at(records: Iterable[Record]) -> list[float]:
+    """When each answer was delivered: successful first tries and successful retries."""
+    times = [r.ended_s for r in records if r.outcome == "ok"]
+    times += [r.retry_ended_s for r in records if r.retry_outcome == "ok" and r.retry_ended_s is not None]
+    return times
+
+
 def goodput(records: Sequence[Record], start: float, end: float) -> float:
     """Answers delivered within the client's deadline and completed inside ``[start, end]``, per second.
 
     A success is by definition within the deadline: the client gives up at its deadline, so a late
-    answer is recorded as a timeout, never as a success.
+    answer is recorded as a timeout, never as a success. A retry that succeeds is an answer too: the
+    engine's time went into it.
     """
     if end <= start:
         return 0.0
-    done = sum(1 for r in records if r.outcome == "ok" and start <= r.ended_s <= end)
+    done = sum(1 for t in answered_at(records) if start <= t <= end)
     return done / (end - start)
 
 
@@ -98,7 +106,7 @@ def summarize(
     retry = [r.retry_after_s for r in refused if r.retry_after_s is not None]
     lags = [r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)]
     ends = [r.ended_s for r in records if not math.isnan(r.ended_s)]
-    first_ok = min((r.ended_s for r in ok), default=duration)
+    first_ok = min(answered_at(records), default=duration)
 
     summary: dict[str, Any] = {
         "offered": n,
@@ -189,6 +197,26 @@ def load_result(path: Path) -> dict[str, Any]:
 
 def records_of(result: dict[str, Any]) -> list[Record]:
     return [Record.from_json(r) for r in result.get("records", [])]
+
+
+def resummarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The result with its summary computed again from its records by the current definitions (a
+    saved run keeps every record, so a comparison never mixes old and new ways of counting)."""
+    old = result["summary"]
+    counters = {
+        "engine_generated_tokens": old.get("engine_generated_tokens"),
+        "engine_wasted_tokens": old.get("engine_wasted_tokens"),
+        "server_admitted": old.get("server_admitted"),
+        "stuck": old.get("stuck"),
+    }
+    summary = summarize(
+        records_of(result),
+        duration=float(result["config"]["duration"]),
+        capacity=old.get("capacity_rps"),
+        counters=counters,
+    )
+    summary["idle_rtt_s"] = old.get("idle_rtt_s")
+    return {**result, "summary": summary}
 
 
 # -- markdown ------------------------------------------------------------------------------------
@@ -326,7 +354,7 @@ def plot_run(result: dict[str, Any], path: Path) -> None:
     until = max([duration, *(r.ended_s for r in records if not math.isnan(r.ended_s))])
     series = [
         ("offered", [r.sent_s for r in records], "tab:gray"),
-        ("completed ok", [r.ended_s for r in records if r.outcome == "ok"], "tab:green"),
+        ("answered (retries too)", answered_at(records), "tab:green"),
         ("refused", [r.ended_s for r in records if r.outcome == "refused"], "tab:orange"),
         ("timed out", [r.ended_s for r in records if r.outcome == "timeout"], "tab:red"),
         ("errors", [r.ended_s for r in records if r.outcome == "error"], "black"),
@@ -383,7 +411,7 @@ def plot_compare(results: Sequence[dict[str, Any]], path: Path) -> None:
         label = result.get("label") or f"run {i + 1}"
         records = records_of(result)
         ok = [r for r in records if r.outcome == "ok"]
-        counts = bins([r.ended_s for r in ok], 1.0)
+        counts = bins(answered_at(records), 1.0)
         axes[0].step(range(len(counts)), counts, where="post", color=color, label=f"{label}: answered")
         axes[1].scatter([r.sent_s for r in ok], [r.latency_s for r in ok], s=4, color=color, label=label)
         points = [(s["t"], w) for s in result.get("samples") or [] if (w := _waiting(s)) is not None]
