@@ -167,8 +167,8 @@ class Record:
 
     A ``retrier`` refused with a Retry-After (and not told ``x-should-retry: false``) sleeps exactly
     that long and sends the same request once more; the ``retry_*`` fields hold that attempt. The
-    first outcome stays the record's outcome, so goodput and refusals compare across runs whatever
-    share of the clients retries.
+    first outcome stays the record's outcome, so refusals and success rates compare across runs
+    whatever share of the clients retries; goodput counts an answer that came on the retry too.
     """
 
     index: int
