@@ -54,6 +54,9 @@ def test_flags_reach_settings(tmp_path: Path) -> None:
         ("default_max_tokens = 10\nmax_tokens_cap = 5", "default_max_tokens"),
         ("[[backends]]\nmax_concurrency = 0\nurl='http://x'", "max_concurrency"),
         ("this is not toml", "TOML"),
+        ("queue_policy = 'lifo'", "queue_policy"),
+        ("queue_half_life_s = 0", "queue_half_life_s"),
+        ("queue_interval_s = 0.1\nqueue_early_s = 1", "queue_interval_s"),
     ],
 )
 def test_invalid_config_is_a_clear_error(tmp_path: Path, text: str, needle: str) -> None:
@@ -61,6 +64,18 @@ def test_invalid_config_is_a_clear_error(tmp_path: Path, text: str, needle: str)
     path.write_text(text)
     with pytest.raises(ConfigError, match=needle):
         load_settings(path, environ={})
+
+
+def test_queue_policy_from_settings() -> None:
+    from sluice.core.policy import CapPolicy, CoDelPolicy, FifoPolicy
+
+    assert load_settings(environ={}).policy() == CoDelPolicy()
+    custom = load_settings(environ={"SLUICE_QUEUE_POLICY": "codel", "SLUICE_QUEUE_TARGET_S": "0.2"})
+    assert custom.policy() == CoDelPolicy(target_s=0.2)
+    assert load_settings(environ={"SLUICE_QUEUE_POLICY": "fifo", "SLUICE_FIFO_MAX_QUEUED": "7"}).policy() == (
+        FifoPolicy(7)
+    )
+    assert isinstance(load_settings(overrides={"queue_policy": "cap"}, environ={}).policy(), CapPolicy)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
