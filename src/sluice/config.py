@@ -109,7 +109,7 @@ class Settings(_Strict):
     #: codel: seconds of delay gained per second above the target that mark a burst, not an overload
     queue_burst_rise: float = Field(default=2.0, ge=0)
     #: codel: half-life of a standing queue's delay limit on its way down to the target (seconds)
-    queue_half_life_s: float = Field(default=15.0, gt=0)
+    queue_half_life_s: float = Field(default=30.0, gt=0)
     #: fifo: jobs the buffer holds
     fifo_max_queued: int = Field(default=50, ge=1)
     #: per-model bounds for models not listed in ``models``

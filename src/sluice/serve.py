@@ -60,7 +60,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         float,
         "codel: seconds of delay per second of rise that mark a burst (2)",
     ),
-    "--queue-half-life": ("queue_half_life_s", float, "codel: half-life of the delay limit (15 s)"),
+    "--queue-half-life": ("queue_half_life_s", float, "codel: half-life of the delay limit (30 s)"),
     "--fifo-max-queued": ("fifo_max_queued", int, "fifo: jobs the buffer holds (50)"),
     "--max-queued-jobs": ("max_queued_jobs", int, "queued jobs per model before 429 queue_full (1000)"),
     "--max-queued-tokens": (

@@ -201,7 +201,7 @@ class CoDelPolicy(QueuePolicy):
     interval_s: float = 2.5
     early_s: float = 0.5
     burst_rise: float = 2.0
-    half_life_s: float = 15.0
+    half_life_s: float = 30.0
     name: ClassVar[str] = "codel"
     kind: ClassVar[int] = 4
 
