@@ -119,6 +119,11 @@ def check(
 ) -> Admitted:
     """The bounds, then the deadline: admit or raise :class:`Refused`. Pure: the caller applies it."""
     check_bounds(cost, priority, view, limits, drain)
+    return check_deadline(cost=cost, now=now, deadline=deadline, view=view, drain=drain)
+
+
+def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:
+    """Can the job finish before its deadline: the work queued ahead over the drain rate, then its own."""
     rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
     service = drain.service_s(cost)

@@ -35,7 +35,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sluice.core.admission import Admitted, Limits, QueueView, Refused, check, check_bounds, clamp_retry_after
+from sluice.core.admission import (
+    Admitted,
+    Limits,
+    QueueView,
+    Refused,
+    check_bounds,
+    check_deadline,
+    clamp_retry_after,
+)
 from sluice.core.capacity import DrainRate
 
 __all__ = [
@@ -114,6 +122,10 @@ def _admitted(c: Candidate) -> Admitted:
     return Admitted(position=c.view.ahead_jobs, estimated_start_s=c.drain.wait_s(c.view.ahead_tokens))
 
 
+def _deadline(c: Candidate) -> Admitted:
+    return check_deadline(cost=c.cost, now=c.now, deadline=c.deadline, view=c.view, drain=c.drain)
+
+
 class CapPolicy(QueuePolicy):
     """Take a job only while a slot is free: the queue holds nothing beyond what starts at once."""
 
@@ -168,15 +180,8 @@ class DeadlinePolicy(QueuePolicy):
     kind = 3
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
-        return check(
-            cost=c.cost,
-            priority=c.priority,
-            now=c.now,
-            deadline=c.deadline,
-            view=c.view,
-            limits=c.limits,
-            drain=c.drain,
-        )
+        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        return _deadline(c)
 
 
 @dataclass(frozen=True)
@@ -262,15 +267,7 @@ class CoDelPolicy(QueuePolicy):
                 # When the work queued ahead now has started: the queue is then younger than you.
                 clamp_retry_after(wait),
             )
-        return check(
-            cost=c.cost,
-            priority=c.priority,
-            now=c.now,
-            deadline=c.deadline,
-            view=c.view,
-            limits=c.limits,
-            drain=c.drain,
-        )
+        return _deadline(c)
 
     def lua_args(self) -> list[str]:
         nums = (self.target_s, self.interval_s, self.early_s, self.burst_rise, self.half_life_s)
