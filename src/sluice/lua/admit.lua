@@ -1,7 +1,8 @@
--- admit: idempotency, the tenant's limits, the queue's bounds and the deadline prediction, then the
--- enqueue: all or nothing. Mirrors the memory broker's admit (admission.check_tenant with its
--- TenantLimiter, then the queue policy: _policy.lua); on refusal it returns the state those functions need, and
--- Python re-runs them on it to raise the same Refused (status, code, message, Retry-After, rate).
+-- admit: idempotency, the tenant's limits, the queue's bounds and the queue policy's decision, then
+-- the enqueue: all or nothing. Mirrors the memory broker's admit (admission.check_tenant with its
+-- TenantLimiter, then QueuePolicy.admit, here _policy.lua); on refusal it returns the state those
+-- need, and Python re-runs them on it to raise the same Refused (status, code, message,
+-- Retry-After, rate).
 --
 -- KEYS[1]  job hash                 KEYS[2]  event stream of the job (not written: see 'q')
 -- KEYS[3]  the tenant's list        KEYS[4]  sched zset of the job's class
