@@ -196,7 +196,7 @@ class _AdaptiveLifo(QueuePolicy):
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
         if self.codel is not self.inner:
-            self.codel.observe(state, c.drain.wait_s(c.view.model_tokens), c.now)
+            self.codel.observe(state, c.drain.wait_s(c.view.model_tokens), c.now, self.codel.target(c))
         return self.inner.admit(c, state)
 
     def lifo(self, state: PolicyState, now: float) -> bool:

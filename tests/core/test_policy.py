@@ -101,7 +101,7 @@ def test_codel_good_queue_grows_as_deep_as_deadlines_allow() -> None:
         clock.t = i * 0.33
         p.admit(candidate(clock.t, jobs=jobs), s)
     assert s.standing_since is None
-    assert p.delay_limit(s, clock.t) == math.inf
+    assert p.delay_limit(s, clock.t, 0.5) == math.inf
 
 
 def test_codel_slow_rise_is_standing_early_and_holds_its_depth() -> None:
@@ -124,9 +124,9 @@ def test_codel_slow_rise_is_standing_early_and_holds_its_depth() -> None:
 def test_codel_limit_decays_to_the_target_with_its_half_life() -> None:
     p = CoDelPolicy(target_s=0.5, half_life_s=10.0)
     s = PolicyState(above_since=0.0, standing_since=1.0, limit_s=2.5)
-    assert p.delay_limit(s, 1.0) == pytest.approx(2.5)
-    assert p.delay_limit(s, 11.0) == pytest.approx(1.5)
-    assert p.delay_limit(s, 201.0) == pytest.approx(0.5, abs=1e-3)
+    assert p.delay_limit(s, 1.0, 0.5) == pytest.approx(2.5)
+    assert p.delay_limit(s, 11.0, 0.5) == pytest.approx(1.5)
+    assert p.delay_limit(s, 201.0, 0.5) == pytest.approx(0.5, abs=1e-3)
 
 
 def test_codel_steep_rise_is_standing_after_the_interval() -> None:
@@ -152,7 +152,7 @@ def test_codel_stays_standing_through_a_lull_and_recovers_after_a_half_life() ->
     assert s.standing_since == 1.0 and s.above_since is None
     p.admit(candidate(11.2, jobs=1), s)  # no refusal for a half-life, still under the target
     assert s.standing_since is None
-    assert p.delay_limit(s, 11.2) == math.inf
+    assert p.delay_limit(s, 11.2, 0.5) == math.inf
 
 
 def test_codel_admits_a_high_priority_job_over_a_full_normal_class() -> None:

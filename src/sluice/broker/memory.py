@@ -231,7 +231,9 @@ class MemoryBroker(Broker):
         candidate = Candidate(
             job.cost, job.priority, now, job.deadline, view, self.settings.limits_for(job.model), drain
         )
-        state = self._policy_state.setdefault(job.model, PolicyState())
+        state = self._policy_state.get(job.model)
+        if state is None:
+            state = self._policy_state[job.model] = PolicyState()
         ok = self.settings.policy.admit(candidate, state)
         tenant.limiter.take(job.cost, now)
         tenant.queued += 1

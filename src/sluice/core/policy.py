@@ -220,9 +220,9 @@ class CoDelPolicy(QueuePolicy):
         """The target for this job's queue: ``target_s``, or one job's drain time if that is longer."""
         return max(self.target_s, c.drain.wait_s(c.cost))
 
-    def observe(self, state: PolicyState, delay_s: float, now: float, target: float | None = None) -> None:
-        """Update the state with the queue's current delay (the wait of a job joining its tail)."""
-        target = self.target_s if target is None else target
+    def observe(self, state: PolicyState, delay_s: float, now: float, target: float) -> None:
+        """Update the state with the queue's current delay (the wait of a job joining its tail);
+        ``target`` is :meth:`target` for the job at hand."""
         if delay_s <= target:
             state.above_since = None
             # The delay limit itself keeps a standing queue near the target, and a lull of a few
@@ -241,11 +241,10 @@ class CoDelPolicy(QueuePolicy):
             state.standing_since = now
             state.limit_s = delay_s
 
-    def delay_limit(self, state: PolicyState, now: float, target: float | None = None) -> float:
+    def delay_limit(self, state: PolicyState, now: float, target: float) -> float:
         """The longest queueing delay admitted now: unlimited (inf) while the queue is good."""
         if state.standing_since is None:
             return math.inf
-        target = self.target_s if target is None else target
         excess = max(state.limit_s - target, 0.0)
         return target + excess * math.pow(0.5, max(now - state.standing_since, 0.0) / self.half_life_s)
 
