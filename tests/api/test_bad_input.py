@@ -136,3 +136,18 @@ async def test_bad_options(gw: Gateway, http: httpx.AsyncClient) -> None:
 async def test_unknown_route_and_method(gw: Gateway, http: httpx.AsyncClient) -> None:
     assert_error(await http.get(gw.url + "/v2/nothing"), 404)
     assert_error(await http.get(gw.url + "/v1/chat/completions"), 405)
+
+
+@pytest.mark.parametrize("value", [b"abc", b"-1", b"\xb2", b"1.5", b""])
+async def test_malformed_retry_count_is_a_first_try(
+    gw: Gateway, http: httpx.AsyncClient, value: bytes
+) -> None:
+    """x-stainless-retry-count is the client's own bookkeeping: a value that is not a count never
+    fails the request (b'\\xb2' is the superscript two, a digit to str.isdigit() but not to int())."""
+    body = {"model": "sim", "messages": MSG, "max_tokens": 2}
+    r = await http.post(
+        gw.url + "/v1/chat/completions", json=body, headers=[(b"x-stainless-retry-count", value)]
+    )
+    assert r.status_code == 200, r.text
+    metrics = (await http.get(gw.url + "/metrics")).text
+    assert 'sluice_client_retries_total{outcome="admitted"}' not in metrics

@@ -259,7 +259,8 @@ class Gateway:
 def client_retry(request: Request) -> int:
     """Which retry of the client this request is (0: a first try), from the OpenAI SDKs' header."""
     raw = request.headers.get("x-stainless-retry-count", "0")
-    return int(raw) if raw.isdigit() else 0
+    # ASCII only: str.isdigit() also accepts '²', which int() refuses.
+    return int(raw) if raw.isascii() and raw.isdigit() else 0
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:
