@@ -79,6 +79,10 @@ def bins(times: Iterable[float], width: float = 1.0, until: float | None = None)
     return counts
 
 
+#: what a run reads from its targets' metrics besides the records (see :func:`summarize`)
+COUNTERS = ("engine_generated_tokens", "engine_wasted_tokens", "server_admitted", "stuck")
+
+
 def summarize(
     records: Sequence[Record],
     *,
@@ -203,12 +207,7 @@ def resummarize(result: dict[str, Any]) -> dict[str, Any]:
     """The result with its summary computed again from its records by the current definitions (a
     saved run keeps every record, so a comparison never mixes old and new ways of counting)."""
     old = result["summary"]
-    counters = {
-        "engine_generated_tokens": old.get("engine_generated_tokens"),
-        "engine_wasted_tokens": old.get("engine_wasted_tokens"),
-        "server_admitted": old.get("server_admitted"),
-        "stuck": old.get("stuck"),
-    }
+    counters = {name: old.get(name) for name in COUNTERS}  # summarize() keeps them under their names
     summary = summarize(
         records_of(result),
         duration=float(result["config"]["duration"]),

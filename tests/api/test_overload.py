@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
+import openai
 
+from sluice.bench_load import parse_prometheus
 from sluice.core.job import JobState
 from sluice.sim import preset
 from sluice.sim_server import serve_in_background
@@ -162,12 +165,6 @@ async def test_stream_client_disconnect_cancels_job(http: httpx.AsyncClient) -> 
 async def test_sdk_retries_after_retry_after_and_sluice_counts_the_retry(http: httpx.AsyncClient) -> None:
     """The official SDK retries a 429 by itself, after the Retry-After it was given, and marks the
     retry with x-stainless-retry-count; Sluice counts it apart from first tries."""
-    import time
-
-    import openai
-
-    from sluice.bench_load import parse_prometheus
-
     async with (
         serve_in_background(preset("fast", model="sim", **SLOW)) as sim,
         run_gateway([sim], max_concurrency=1, queue_policy="cap") as gw,
