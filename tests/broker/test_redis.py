@@ -41,6 +41,20 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+async def wait_blocked(redis_url: str, n: int) -> None:
+    """Until at least ``n`` clients of the server are in a blocking command (a claim or a webhook
+    waiter asleep on its marker), instead of sleeping and hoping they got there."""
+    probe = Redis.from_url(redis_url)
+    try:
+
+        async def blocked() -> bool:
+            return int((await probe.info("clients"))["blocked_clients"]) >= n
+
+        await wait_until(blocked)
+    finally:
+        await probe.aclose()
+
+
 @pytest.fixture
 async def broker(clock: FakeClock, redis_url: str) -> AsyncIterator[RedisBroker]:
     async with RedisBroker(redis_url, make_settings(clock)) as b:
@@ -590,7 +604,7 @@ async def test_a_burst_wakes_every_idle_claimer(redis_url: str) -> None:
         RedisBroker(redis_url, make_settings(clock)) as worker,
     ):
         claims = [asyncio.create_task(worker.claim(f"w{i}", ["m"], timeout=8)) for i in range(6)]
-        await asyncio.sleep(0.2)  # all blocked on the marker
+        await wait_blocked(redis_url, 6)  # every claimer waits on the marker
         jobs = [make_job(clock, tenant=f"t{i}") for i in range(6)]
         for job in jobs:
             await gateway.admit(job)
@@ -622,9 +636,11 @@ async def test_webhooks_handed_out_acked_and_logged(broker: RedisBroker, clock: 
     assert await broker.ended_callbacks("w3", timeout=0.1) == []
 
 
-async def test_waiting_for_webhooks_wakes_on_an_ending_job(broker: RedisBroker, clock: FakeClock) -> None:
+async def test_waiting_for_webhooks_wakes_on_an_ending_job(
+    broker: RedisBroker, clock: FakeClock, redis_url: str
+) -> None:
     waiter = asyncio.create_task(broker.ended_callbacks("w", timeout=5))
-    await asyncio.sleep(0.1)
+    await wait_blocked(redis_url, 1)  # the waiter sleeps on the marker: only a wake-up can end it
     job = make_job(clock)
     job.callback_url = "https://example.com/hook"
     await broker.admit(job)
