@@ -200,6 +200,7 @@ class RedisBroker(Broker):
         self._plans: dict[tuple[str, ...], _ClaimPlan] = {}
         self._releases: set[asyncio.Task[None]] = set()
         self._class_names = list(self.classes)
+        self._policy_args = self.settings.policy.lua_args()  # fixed for the broker's life
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
         self._task: asyncio.Task[None] | None = None
@@ -308,7 +309,7 @@ class RedisBroker(Broker):
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
             *policy_args(policy),
-            *self.settings.policy.lua_args(),
+            *self._policy_args,
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
