@@ -104,21 +104,24 @@ def test_codel_good_queue_grows_as_deep_as_deadlines_allow() -> None:
     assert p.delay_limit(s, clock.t, 0.5) == math.inf
 
 
-def test_codel_slow_rise_is_standing_early_and_holds_its_depth() -> None:
+def test_codel_slow_rise_is_standing_early_and_held_to_the_target() -> None:
     p, s = (
         CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=2.0, half_life_s=10.0),
         PolicyState(),
     )
     p.admit(candidate(0.0, jobs=3), s)  # 0.75 s: above the target from now on
     assert s.above_since == 0.0 and s.standing_since is None
-    p.admit(candidate(0.6, jobs=4), s)  # 1.0 s after 0.6 s: rose 0.5 s, less than 2 s/s times 0.6 s
-    assert s.standing_since == 0.6 and s.limit_s == pytest.approx(1.0)
-    # Held at the depth reached: a job that would wait 1.25 s is refused, with a true Retry-After.
+    # 1.0 s after 0.6 s: rose 0.5 s, less than 2 s/s times 0.6 s. A mild overload: the queue it
+    # built is only latency, so the limit is the target at once, and this job (1 s behind) is refused
+    # with a true Retry-After: when the work ahead of it has started.
     with pytest.raises(Refused) as e:
-        p.admit(candidate(0.7, jobs=5), s)
+        p.admit(candidate(0.6, jobs=4), s)
+    assert s.standing_since == 0.6 and s.limit_s == pytest.approx(0.5)
     assert e.value.status == 429 and e.value.code == "queue_full"
-    assert e.value.retry_after_s == pytest.approx(1.25)  # when the work ahead of it has started
-    assert s.refused_at == 0.7
+    assert e.value.retry_after_s == pytest.approx(1.0)
+    assert s.refused_at == 0.6
+    assert p.delay_limit(s, 30.0, 0.5) == pytest.approx(0.5)  # no decay to wait for
+    p.admit(candidate(0.7, jobs=2), s)  # 0.5 s behind: within the limit
 
 
 def test_codel_limit_decays_to_the_target_with_its_half_life() -> None:
@@ -144,10 +147,9 @@ def test_codel_steep_rise_is_standing_after_the_interval() -> None:
 def test_codel_stays_standing_through_a_lull_and_recovers_after_a_half_life() -> None:
     p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
     p.admit(candidate(0.0, jobs=3), s)
-    p.admit(candidate(1.0, jobs=4), s)
-    assert s.standing_since == 1.0
     with pytest.raises(Refused):
-        p.admit(candidate(1.1, jobs=6), s)
+        p.admit(candidate(1.0, jobs=4), s)
+    assert s.standing_since == 1.0
     p.admit(candidate(2.0, jobs=1), s)  # a lull: the queue dips under the target
     assert s.standing_since == 1.0 and s.above_since is None
     p.admit(candidate(11.2, jobs=1), s)  # no refusal for a half-life, still under the target
@@ -158,7 +160,8 @@ def test_codel_stays_standing_through_a_lull_and_recovers_after_a_half_life() ->
 def test_codel_admits_a_high_priority_job_over_a_full_normal_class() -> None:
     p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
     p.admit(candidate(0.0, jobs=3), s)
-    p.admit(candidate(1.0, jobs=4), s)
+    with pytest.raises(Refused):
+        p.admit(candidate(1.0, jobs=4), s)
     # 8 normal jobs queued, none of the high class: the high job waits only for the running ones.
     vip = Candidate(COST, "high", 1.1, 61.1, QueueView(8, 800, 0, 0, 0, 0), Limits(), drain())
     assert p.admit(vip, s).position == 0
@@ -193,8 +196,9 @@ def test_codel_target_is_at_least_one_jobs_drain_time() -> None:
     p.admit(candidate(0.0, jobs=1, d=slow), s)  # 1 s of delay: at the target, not above it
     assert s.above_since is None
     p.admit(candidate(0.1, jobs=2, d=slow), s)
-    p.admit(candidate(0.7, jobs=2, d=slow), s)  # slow rise: standing at 2 s
-    assert s.standing_since == 0.7
+    with pytest.raises(Refused):
+        p.admit(candidate(0.7, jobs=2, d=slow), s)  # slow rise: standing, held to 1 s
+    assert s.standing_since == 0.7 and s.limit_s == pytest.approx(1.0)
     for t in (100.0, 1000.0):
         assert p.delay_limit(s, t, p.target(candidate(t, d=slow))) >= 1.0
     p.admit(candidate(1000.0, jobs=1, d=slow), s)  # one job ahead: 1 s, within the floor

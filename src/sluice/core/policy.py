@@ -14,11 +14,12 @@ configured hard bounds (jobs and tokens per model and per class); then each deci
   Jacobson) as Facebook applied it to request queues: a queue whose delay dips to the ``target``
   now and then is a *good* queue, a burst that drains, and may grow as deep as deadlines allow; a
   queue whose delay stays above the target is *standing*, and from then on the delay it admits is
-  held at the depth it had reached and decays to the target with a half-life. When a queue counts
-  as standing depends on how it rose: a steep rise (a burst: arrivals at several times what the
-  engine drains) gets the whole ``interval`` to build its queue, which is what keeps the engine
-  busy once the burst is over; a slow rise (a mild overload, which will not go away by itself) is
-  standing after ``early_s``, while its queue is still shallow. Adaptive LIFO was measured on top
+  limited. When a queue counts as standing, and how deep it may stay, depends on how it rose: a
+  steep rise (a burst: arrivals at several times what the engine drains) gets the whole
+  ``interval`` to build its queue and keeps the depth it reached, decaying to the target with a
+  half-life, which is what keeps the engine busy once the burst is over; a slow rise (a mild
+  overload, which will not go away by itself) is standing after ``early_s``, while its queue is
+  still shallow, and is held to the target at once. Adaptive LIFO was measured on top
   of this and left out: with admission already bounded by deadlines it only starves the jobs it
   admitted (docs/benchmarks.md, "Queue policies").
 
@@ -70,8 +71,8 @@ class PolicyState:
             below the target (or the queue has not been observed yet).
         standing_since: when the queue was found standing (above the target for a whole
             interval); None while the queue is good.
-        limit_s: the queueing delay the queue had reached at ``standing_since``: the delay limit
-            starts there and decays toward the target.
+        limit_s: where the delay limit starts at ``standing_since`` and decays from toward the
+            target: the delay a burst had reached, or the target itself for a slow rise.
         refused_at: when the delay limit last turned a job away.
     """
 
@@ -236,10 +237,13 @@ class CoDelPolicy(QueuePolicy):
         if state.standing_since is not None:
             return
         above = now - state.above_since
-        slow = above >= self.early_s and delay_s - target < self.burst_rise * above
-        if above >= self.interval_s or slow:
-            state.standing_since = now
-            state.limit_s = delay_s
+        if above >= self.early_s and delay_s - target < self.burst_rise * above:
+            # A mild overload will not drain by itself, and the queue it built is only latency:
+            # hold it to the target at once.
+            state.standing_since, state.limit_s = now, target
+        elif above >= self.interval_s:
+            # A burst keeps the queue it built; the limit decays from there with the half-life.
+            state.standing_since, state.limit_s = now, delay_s
 
     def delay_limit(self, state: PolicyState, now: float, target: float) -> float:
         """The longest queueing delay admitted now: unlimited (inf) while the queue is good."""

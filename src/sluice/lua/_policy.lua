@@ -31,7 +31,10 @@ local function codel_observe(st, p, target, delay, now, now_s)
   end
   if standing_since then return end
   local above = now - above_since
-  if above >= interval or (above >= early and delay - target < rise * above) then
+  if above >= early and delay - target < rise * above then -- a mild overload: held to the target
+    st_set(st, 'ps', now_s)
+    st_set(st, 'pl', num(target))
+  elseif above >= interval then -- a burst keeps the queue it built
     st_set(st, 'ps', now_s)
     st_set(st, 'pl', num(delay))
   end
