@@ -6,7 +6,7 @@ import pytest
 
 from sluice.cli import build_parser, main
 from sluice.config import ConfigError, load_settings
-from sluice.serve import FLAGS, settings_from_args
+from sluice.serve import FLAGS, LOCAL_ENGINE_BURST_RISE, settings_from_args, with_local_engine
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -76,6 +76,22 @@ def test_queue_policy_from_settings() -> None:
         FifoPolicy(7)
     )
     assert isinstance(load_settings(overrides={"queue_policy": "cap"}, environ={}).policy(), CapPolicy)
+
+
+def test_local_engine_gets_its_burst_rise_unless_one_is_configured(tmp_path: Path) -> None:
+    parser = build_parser()
+    plain = settings_from_args(parser.parse_args(["serve"]))
+    local = with_local_engine(plain, "http://127.0.0.1:9", "smollm2", 4)
+    assert local.queue_burst_rise == LOCAL_ENGINE_BURST_RISE != plain.queue_burst_rise
+    (backend,) = local.backends
+    assert (backend.url, backend.models, backend.max_concurrency) == ("http://127.0.0.1:9", ["smollm2"], 4)
+    assert "burst_rise=1," in local.policy().describe()  # what the gateway builds its codel from
+    chosen = settings_from_args(parser.parse_args(["serve", "--queue-burst-rise", "3"]))
+    assert with_local_engine(chosen, "http://127.0.0.1:9", "smollm2", 4).queue_burst_rise == 3
+    config = tmp_path / "sluice.toml"
+    config.write_text("queue_burst_rise = 2.0\n")
+    from_file = settings_from_args(parser.parse_args(["serve", "--config", str(config)]))
+    assert with_local_engine(from_file, "http://127.0.0.1:9", "smollm2", 4).queue_burst_rise == 2.0
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ class Settings(_Strict):
     queue_early_s: float = Field(default=0.5, ge=0)
     #: codel: seconds of delay gained per second above the target that mark a burst, not an overload
     queue_burst_rise: float = Field(default=2.0, ge=0)
-    #: codel: half-life of a standing queue's delay limit on its way down to the target (seconds)
+    #: codel: half-life of the delay limit a burst's queue keeps, on its way down to the target (seconds)
     queue_half_life_s: float = Field(default=30.0, gt=0)
     #: fifo: jobs the buffer holds
     fifo_max_queued: int = Field(default=50, ge=1)

@@ -60,7 +60,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         float,
         "codel: seconds of delay per second of rise that mark a burst (2)",
     ),
-    "--queue-half-life": ("queue_half_life_s", float, "codel: half-life of the delay limit (30 s)"),
+    "--queue-half-life": (
+        "queue_half_life_s",
+        float,
+        "codel: half-life of the delay limit after a burst (30 s)",
+    ),
     "--fifo-max-queued": ("fifo_max_queued", int, "fifo: jobs the buffer holds (50)"),
     "--max-queued-jobs": ("max_queued_jobs", int, "queued jobs per model before 429 queue_full (1000)"),
     "--max-queued-tokens": (
@@ -164,10 +168,22 @@ async def local_engine(settings: Settings) -> AsyncIterator[Settings]:
 
     async with LocalEngine() as engine:
         log.info("local engine ready", extra={"fields": {"url": engine.url, "slots": engine.slots}})
-        backend = BackendConfig(
-            url=engine.url, name="local", models=[engine.model], max_concurrency=engine.slots
-        )
-        yield settings.model_copy(update={"backends": [backend]})
+        yield with_local_engine(settings, engine.url, engine.model, engine.slots)
+
+
+# codel's burst_rise in front of the local engine, unless configured. llama-server on a CPU slows each
+# sequence down ~2.7x as its batch fills, so the drain rate learnt at light load is optimistic and a
+# burst from light load seems to rise half as steeply as it does (docs/configuration.md, Queue policy).
+LOCAL_ENGINE_BURST_RISE = 1.0
+
+
+def with_local_engine(settings: Settings, url: str, model: str, slots: int) -> Settings:
+    """The settings with the local engine as their one backend, and queue defaults that suit it."""
+    backend = BackendConfig(url=url, name="local", models=[model], max_concurrency=slots)
+    update: dict[str, Any] = {"backends": [backend]}
+    if "queue_burst_rise" not in settings.model_fields_set:
+        update["queue_burst_rise"] = LOCAL_ENGINE_BURST_RISE
+    return settings.model_copy(update=update)
 
 
 async def serve(settings: Settings) -> None:
