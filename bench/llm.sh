@@ -2,7 +2,7 @@
 # The article's experiment on a real tiny LLM: llama-server (4 slots) with SmolLM2-135M on the CPU,
 # alone and behind Sluice with each queue policy (cap, fifo, deadline, codel), under a steady
 # overload and a spike. Same clients as bench/article.sh: open loop, Poisson arrivals, give up after
-# 15 s; 10 % of them retry once after a refusal's Retry-After. About 25 minutes; needs
+# 15 s; 10 % of them retry once after a refusal's Retry-After. About 30 minutes; needs
 # `sluice engine build` first.
 #
 #   bench/llm.sh            # tables on stdout, files in .bench-out/llm
@@ -40,8 +40,17 @@ policies() {
   run --target "$ENGINE" --spawn-sluice --slots 4 --policies "$POLICIES" --capacity "$CAP" \
     --users 50 --retriers 0.1 "$@"
 }
-policies --rate "$(rate 1.8)" --duration 60 --label llm-steady  # 1.8x, the article's overload
-policies --profile spike --rate "$(rate 0.5)" --peak "$(rate 5)" --spike-at 20 --spike-for 10 \
-  --duration 60 --label llm-spike
-cp "$OUT/llm-steady.png" docs/img/llm-steady.png
-cp "$OUT/llm-spike.png" docs/img/llm-spike.png
+STEADY=(--rate "$(rate 1.8)" --duration 60)  # 1.8x, the article's overload
+SPIKE=(--profile spike --rate "$(rate 0.5)" --peak "$(rate 5)" --spike-at 20 --spike-for 10 --duration 60)
+policies "${STEADY[@]}" --label llm-steady
+policies "${SPIKE[@]}" --label llm-spike
+# codel as `sluice serve` runs it in front of the local engine it starts itself (burst_rise 1.0),
+# then every run of a load in one table and one plot.
+POLICIES=codel policies "${STEADY[@]}" --sluice-args=--queue-burst-rise=1 --label llm-rise1-steady
+POLICIES=codel policies "${SPIKE[@]}" --sluice-args=--queue-burst-rise=1 --label llm-rise1-spike
+for shape in steady spike; do
+  runs=()
+  for p in ${POLICIES//,/ }; do runs+=("$OUT/llm-$shape-$p.json"); done
+  sluice bench compare "${runs[@]}" "$OUT/llm-rise1-$shape-codel.json" --name "llm-$shape"
+  cp "$OUT/llm-$shape.png" "docs/img/llm-$shape.png"
+done
