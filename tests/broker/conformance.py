@@ -327,7 +327,13 @@ class BrokerConformance:
         await broker.maintain()
         stats = (await broker.stats())["small"]
         assert (stats.queued_jobs, stats.queued_tokens) == (2, 60), stats
-        await broker.admit(make_job(clock, model="small"))
+        # Room for a third job again. It is a high one: nothing of its class waits ahead of it, so
+        # the queue policy (codel would hold a queue that stood still for 25 s to its target) has no
+        # say, while the model's bound counts every class.
+        await broker.admit(make_job(clock, model="small", priority="high"))
+        with pytest.raises(Refused) as full:
+            await broker.admit(make_job(clock, model="small", priority="high"))
+        assert full.value.code == "queue_full" and "model's queue is full" in full.value.message
 
     async def test_weighted_tenant_gets_its_share(self, broker: Broker, clock: FakeClock) -> None:
         for _ in range(12):
