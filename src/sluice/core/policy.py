@@ -71,8 +71,8 @@ class PolicyState:
             below the target (or the queue has not been observed yet).
         standing_since: when the queue was found standing (above the target for a whole
             interval); None while the queue is good.
-        limit_s: where the delay limit starts at ``standing_since`` and decays from toward the
-            target: the delay a burst had reached, or the target itself for a slow rise.
+        limit_s: the delay limit at ``standing_since``, from which it decays toward the target:
+            the delay a burst had reached, or the target itself for a slow rise.
         refused_at: when the delay limit last turned a job away.
     """
 
