@@ -95,9 +95,9 @@ def run(
         heapq.heappush(events, (t, next(seq), kind, job))
 
     for i, t in enumerate(arrivals(profile, seed)):
-        job = _Job(i, t, t + client_timeout, retry=rng.random() < retriers)
-        jobs.append(job)
-        push(t, "arrive", job)
+        arrival = _Job(i, t, t + client_timeout, retry=rng.random() < retriers)
+        jobs.append(arrival)
+        push(t, "arrive", arrival)
 
     def view() -> QueueView:
         n = len(queue)
