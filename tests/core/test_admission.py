@@ -4,14 +4,30 @@ import pytest
 
 from sluice.core.admission import (
     MAX_RETRY_AFTER_S,
+    Admitted,
     Bounds,
     Limits,
     QueueView,
     Refused,
-    check,
     clamp_retry_after,
 )
 from sluice.core.capacity import DrainRate
+from sluice.core.policy import Candidate, DeadlinePolicy, PolicyState
+
+
+def check(
+    *,
+    cost: int,
+    priority: str,
+    now: float,
+    deadline: float,
+    view: QueueView,
+    limits: Limits,
+    drain: DrainRate,
+) -> Admitted:
+    """Admission's checks as the brokers run them: the bounds, then the deadline (``deadline`` policy)."""
+    candidate = Candidate(cost, priority, now, deadline, view, limits, drain)
+    return DeadlinePolicy().admit(candidate, PolicyState())
 
 
 def view(jobs: int = 0, tokens: int = 0) -> QueueView:

@@ -107,21 +107,6 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: Limits, drai
         over(class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's")
 
 
-def check(
-    *,
-    cost: int,
-    priority: str,
-    now: float,
-    deadline: float,
-    view: QueueView,
-    limits: Limits,
-    drain: DrainRate,
-) -> Admitted:
-    """The bounds, then the deadline: admit or raise :class:`Refused`. Pure: the caller applies it."""
-    check_bounds(cost, priority, view, limits, drain)
-    return check_deadline(cost=cost, now=now, deadline=deadline, view=view, drain=drain)
-
-
 def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:
     """Can the job finish before its deadline: the work queued ahead over the drain rate, then its own."""
     rate = drain.rate
