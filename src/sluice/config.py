@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sluice.core.admission import Bounds, Limits
-from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
+from sluice.core.policy import QueuePolicy, make_policy
 from sluice.core.scheduler import ClassSpec
 
 
@@ -176,17 +176,18 @@ class Settings(_Strict):
         return self
 
     def policy(self) -> QueuePolicy:
+        params: dict[str, float] = {}
         if self.queue_policy == "codel":
-            return CoDelPolicy(
-                self.queue_target_s,
-                self.queue_interval_s,
-                self.queue_early_s,
-                self.queue_burst_rise,
-                self.queue_half_life_s,
-            )
-        if self.queue_policy == "fifo":
-            return FifoPolicy(self.fifo_max_queued)
-        return make_policy(self.queue_policy)
+            params = {
+                "target_s": self.queue_target_s,
+                "interval_s": self.queue_interval_s,
+                "early_s": self.queue_early_s,
+                "burst_rise": self.queue_burst_rise,
+                "half_life_s": self.queue_half_life_s,
+            }
+        elif self.queue_policy == "fifo":
+            params = {"max_queued": self.fifo_max_queued}
+        return make_policy(self.queue_policy, **params)
 
     def class_specs(self) -> list[ClassSpec]:
         return [ClassSpec(c.name, c.min_share) for c in self.classes]
