@@ -118,42 +118,31 @@ def _compile() -> tuple[Callable[[Job], list[str]], Callable[[Mapping[str, str]]
     decode a record each, an admit encodes one)."""
     env: dict[str, Any] = {"Job": Job, "_encode": _encode, "_decode": _decode}
 
-    def value(conv: Conv, i: int, kind: str) -> str:
-        if conv is None:
-            return "v"
-        env[f"{kind}{i}"] = conv
-        return f"{kind}{i}(v)"
+    def fields(plans: Plan, kind: str, read: str, store: str) -> list[str]:
+        """Per field: ``v = <read>``, and when it is set, ``<store>`` of it through its converter."""
+        lines = []
+        for i, (name, conv) in enumerate(plans):
+            value = "v"
+            if conv is not None:
+                env[f"{kind}{i}"] = conv
+                value = f"{kind}{i}(v)"
+            lines += [
+                f"    v = {read.format(name=name)}",
+                "    if v is not None:",
+                f"        {store.format(name=repr(name), value=value)}",
+            ]
+        return lines
 
     enc = ["def encode_job(job):", "    out = ['cost', str(job.cost)]"]
-    for i, (name, conv) in enumerate(_OWN_OUT):
-        enc += [
-            f"    v = job.{name}",
-            "    if v is not None:",
-            f"        out += ({name!r}, {value(conv, i, 'oo')})",
-        ]
+    enc += fields(_OWN_OUT, "oo", "job.{name}", "out += ({name}, {value})")
     enc.append("    spec = {}")
-    for i, (name, conv) in enumerate(_SPEC_OUT):
-        enc += [
-            f"    v = job.{name}",
-            "    if v is not None:",
-            f"        spec[{name!r}] = {value(conv, i, 'so')}",
-        ]
+    enc += fields(_SPEC_OUT, "so", "job.{name}", "spec[{name}] = {value}")
     enc += ["    out += ('spec', _encode(spec))", "    return out"]
 
     dec = ["def decode_job(data):", "    kw = {}", "    get = _decode(data['spec']).get"]
-    for i, (name, conv) in enumerate(_SPEC_IN):
-        dec += [
-            f"    v = get({name!r})",
-            "    if v is not None:",
-            f"        kw[{name!r}] = {value(conv, i, 'si')}",
-        ]
+    dec += fields(_SPEC_IN, "si", "get({name!r})", "kw[{name}] = {value}")
     dec.append("    get = data.get")
-    for i, (name, conv) in enumerate(_OWN_IN):
-        dec += [
-            f"    v = get({name!r})",
-            "    if v is not None:",
-            f"        kw[{name!r}] = {value(conv, i, 'oi')}",
-        ]
+    dec += fields(_OWN_IN, "oi", "get({name!r})", "kw[{name}] = {value}")
     dec.append("    return Job(**kw)")
     exec("\n".join(enc + dec), env)  # our own text, built from the Job dataclass
     return env["encode_job"], env["decode_job"]
