@@ -295,9 +295,7 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
             else:
                 engine_url = args.target.rstrip("/").removesuffix("/v1")
                 found.engine_metrics = args.engine_metrics or f"{engine_url}/metrics"
-                if args.slots is None:
-                    raise RuntimeError("a gateway in front of --target needs --slots N")
-                slots = args.slots
+                slots = args.slots  # _check_args made sure a gateway in front of --target has it
             found.target = engine_url
             if gateway:
                 gw_log = logs.enter_context(_log_file(out / f"sluice{suffix}.log"))
