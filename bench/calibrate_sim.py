@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from sluice.sim import PRESETS, capacity_rps, lone_latency_s
+from sluice.sim.model import PRESETS, capacity_rps, lone_latency_s
 
 PROMPT = "x" * 128  # 32 tokens by the simulator's estimate, the shape capacity is quoted for
 ANSWER_TOKENS = 128

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from sluice.bench_load import Profile, arrivals
+from sluice.bench.load import Profile, arrivals
 from sluice.core.admission import Admitted, Limits, QueueView, Refused
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import POLICIES, Candidate, CoDelPolicy, PolicyState, QueuePolicy, make_policy

@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 
 
 @pytest.fixture

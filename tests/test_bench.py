@@ -19,12 +19,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from sluice import bench
-from sluice.bench_load import Client, Profile, Record, arrivals, is_retrier, parse_prometheus
-from sluice.bench_report import bins, goodput, load_result, markdown, percentile, summarize
+from sluice.bench import cli as bench
+from sluice.bench.load import Client, Profile, Record, arrivals, is_retrier, parse_prometheus
+from sluice.bench.report import bins, goodput, load_result, markdown, percentile, summarize
 from sluice.cli import build_parser
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.servers import run_app, run_gateway
 
 # -- arrivals ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from sluice.core.job import JobState
-from sluice.engine import LocalEngine, find_llama_server, find_model
+from sluice.local_engine.server import LocalEngine, find_llama_server, find_model
 from tests.helpers import wait_until
 from tests.servers import Gateway, run_gateway
 

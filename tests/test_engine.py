@@ -18,22 +18,22 @@ import pytest
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from openai.types.chat import ChatCompletionMessageParam
 
-from sluice import engine_build
-from sluice.engine import (
-    EngineStartError,
-    LocalEngine,
-    MissingToolError,
-    find_llama_server,
-    find_model,
-    llama_server_command,
-)
-from sluice.engine_build import (
+from sluice.local_engine import build as engine_build
+from sluice.local_engine.build import (
     EngineBuildError,
     build_key,
     build_llama_server,
     cached_binary_path,
     check_build_tools,
     parse_progress,
+)
+from sluice.local_engine.server import (
+    EngineStartError,
+    LocalEngine,
+    MissingToolError,
+    find_llama_server,
+    find_model,
+    llama_server_command,
 )
 
 # Found before any test changes the environment: the real engine tests use the user's real cache.
@@ -78,14 +78,16 @@ def test_command_line_splits_context_over_slots() -> None:
 
 
 def test_command_line_skips_repacking_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sluice.engine
+    import sluice.local_engine.server
 
     def command() -> list[str]:
         return llama_server_command("/b", "/m", port=1, threads=1)
 
-    monkeypatch.setattr(sluice.engine, "cpu_flags", lambda: "avx2 avx512f amx_bf16 amx_int8 amx_tile fma")
+    monkeypatch.setattr(
+        sluice.local_engine.server, "cpu_flags", lambda: "avx2 avx512f amx_bf16 amx_int8 amx_tile fma"
+    )
     assert "--no-repack" in command()
-    monkeypatch.setattr(sluice.engine, "cpu_flags", lambda: "avx2 avx512f fma")
+    monkeypatch.setattr(sluice.local_engine.server, "cpu_flags", lambda: "avx2 avx512f fma")
     assert "--no-repack" not in command()
     assert "--no-repack" in llama_server_command("/b", "/m", port=1, threads=1, repack=False)
 
@@ -470,7 +472,7 @@ async def test_engine_retries_when_its_free_port_is_taken(
 ) -> None:
     import socket
 
-    from sluice import engine as engine_module
+    from sluice.local_engine import server as engine_module
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
@@ -502,7 +504,7 @@ def test_engine_dies_with_its_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""\
         import asyncio
-        from sluice.engine import LocalEngine
+        from sluice.local_engine.server import LocalEngine
 
         async def main() -> None:
             async with LocalEngine(binary={str(REAL_BINARY)!r}, model_path={str(REAL_MODEL)!r},

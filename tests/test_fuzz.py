@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from sluice.api.auth import hash_key
 from sluice.api.schemas import ChatRequest, CompletionRequest, JobRequest
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.servers import run_gateway
 
 KEY = "sk-fuzz"

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from sluice.sim import (
+from sluice.sim.model import (
     PRESETS,
     Engine,
     RequestState,

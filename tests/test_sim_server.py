@@ -17,8 +17,8 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.sim import SimParams, estimate_chat_tokens, estimate_text_tokens, preset, token_text
-from sluice.sim_server import configure_parser, params_from_args, serve_in_background
+from sluice.sim.model import SimParams, estimate_chat_tokens, estimate_text_tokens, preset, token_text
+from sluice.sim.server import configure_parser, params_from_args, serve_in_background
 
 FAST = preset("fast")
 # Long enough that a request is certainly still running when a test disconnects from it.

@@ -10,7 +10,7 @@ from sluice.backends.base import Backend
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Job, JobState
-from sluice.worker import Dispatcher
+from sluice.dispatcher import Dispatcher
 from tests.helpers import make_job, wait_until
 
 

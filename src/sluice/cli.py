@@ -18,10 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("sluice.serve", "run the whole system in one process: gateway, broker and dispatcher"),
     "gateway": ("sluice.roles", "run a gateway only, on a Redis broker (scale-out)"),
     "worker": ("sluice.roles", "run a worker only, on a Redis broker (scale-out)"),
-    "sim": ("sluice.sim_server", "run an engine simulator with the OpenAI API (continuous batching model)"),
-    "bench": ("sluice.bench", "open-loop load experiment against an engine or a Sluice gateway"),
-    "engine": ("sluice.engine", "build, start or inspect the local llama-server engine"),
-    "keys": ("sluice.keys", "make API keys (only their hashes go in the config)"),
+    "sim": ("sluice.sim.server", "run an engine simulator with the OpenAI API (continuous batching model)"),
+    "bench": ("sluice.bench.cli", "open-loop load experiment against an engine or a Sluice gateway"),
+    "engine": ("sluice.local_engine.server", "build, start or inspect the local llama-server engine"),
+    "keys": ("sluice.apikeys", "make API keys (only their hashes go in the config)"),
 }
 
 

@@ -19,10 +19,10 @@ from sluice import aio
 from sluice.api.app import broker_settings, create_app, webhook_options
 from sluice.broker import create_broker
 from sluice.config import ConfigError, Settings
+from sluice.dispatcher import Dispatcher
 from sluice.logs import setup_logging
 from sluice.serve import build_backends, check_exposure, settings_from_args
 from sluice.serve import configure_parser as configure_serve
-from sluice.worker import Dispatcher
 
 log = logging.getLogger("sluice.roles")
 

@@ -164,7 +164,7 @@ async def local_engine(settings: Settings) -> AsyncIterator[Settings]:
     if settings.backends:
         yield settings
         return
-    from sluice.engine import LocalEngine
+    from sluice.local_engine.server import LocalEngine
 
     async with LocalEngine() as engine:
         log.info("local engine ready", extra={"fields": {"url": engine.url, "slots": engine.slots}})

@@ -6,8 +6,8 @@ import httpx
 
 from sluice.api.auth import hash_key
 from sluice.core.job import JobState
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.helpers import make_job, wait_until
 from tests.servers import run_gateway
 

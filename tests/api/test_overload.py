@@ -8,10 +8,10 @@ import time
 import httpx
 import openai
 
-from sluice.bench_load import parse_prometheus
+from sluice.bench.load import parse_prometheus
 from sluice.core.job import JobState
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.helpers import wait_until
 from tests.servers import run_gateway
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from sluice.core.job import JobState
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.helpers import wait_until
 from tests.servers import Gateway, run_gateway
 

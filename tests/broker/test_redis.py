@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker.base import Broker, BrokerUnavailable, EventType, job_view
-from sluice.broker.keys import QueueKeys
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
+from sluice.broker.redis_keys import QueueKeys
 from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState

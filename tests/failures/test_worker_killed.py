@@ -6,8 +6,8 @@ import httpx
 
 from sluice.broker.base import BrokerSettings
 from sluice.broker.redis import RedisBroker
-from sluice.sim import preset
-from sluice.sim_server import serve_in_background
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.failures.procs import served, start_gateway, start_worker
 from tests.helpers import wait_until
 from tests.redis_server import RedisServer

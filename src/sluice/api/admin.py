@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway, gateway
+from sluice.api.gateway import Gateway, gateway
 from sluice.broker.base import job_view
 from sluice.config import KeyPolicy
 

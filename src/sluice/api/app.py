@@ -11,13 +11,13 @@ from fastapi import FastAPI
 from sluice import __version__
 from sluice.api import admin, errors, health, jobs, openai, ws
 from sluice.api.auth import KeyRing
-from sluice.api.intake import Gateway
+from sluice.api.gateway import Gateway
 from sluice.api.limits import BodySizeLimit
 from sluice.backends.base import Backend
 from sluice.broker import BrokerSettings, create_broker
 from sluice.config import Settings
+from sluice.dispatcher import Dispatcher
 from sluice.metrics import Metrics
-from sluice.worker import Dispatcher
 
 
 def broker_settings(settings: Settings) -> BrokerSettings:

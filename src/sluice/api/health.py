@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sluice.api.intake import gateway
+from sluice.api.gateway import gateway
 
 router = APIRouter(tags=["health"])
 

@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway, client_retry, gateway, rate_headers
+from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.broker.base import job_view

@@ -11,7 +11,7 @@ from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.intake import client_retry, gateway, rate_headers
+from sluice.api.gateway import client_retry, gateway, rate_headers
 from sluice.api.relay import answer, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint

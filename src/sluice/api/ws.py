@@ -7,7 +7,7 @@ import contextlib
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from sluice.api.errors import APIError
-from sluice.api.intake import Gateway
+from sluice.api.gateway import Gateway
 from sluice.api.relay import bounded
 
 router = APIRouter(tags=["jobs"])

@@ -1,6 +1,6 @@
 """The durable broker: Redis, with one Lua script per state change (DESIGN.md §5).
 
-Every key of a queue carries the queue's hash tag (``sluice.broker.keys``), so each script touches
+Every key of a queue carries the queue's hash tag (``sluice.broker.redis_keys``), so each script touches
 one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller
 (``settings.clock``), never from Redis, so that tests can move it and the scripts stay pure. The
 scripts mirror the core's scheduling (``lua/_fairqueue.lua`` is FairQueue, ``lua/_classes.lua`` is
@@ -43,7 +43,6 @@ from sluice.broker.base import (
     ModelStats,
     job_view,
 )
-from sluice.broker.keys import QueueKeys, part
 from sluice.broker.redis_codec import (
     bound,
     decode_job,
@@ -54,6 +53,7 @@ from sluice.broker.redis_codec import (
     to_json,
 )
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
+from sluice.broker.redis_keys import QueueKeys, part
 from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate

@@ -1,4 +1,4 @@
--- Shared: a write-back view of one model's state hash (sluice.broker.keys.QueueKeys.state). Every
+-- Shared: a write-back view of one model's state hash (sluice.broker.redis_keys.QueueKeys.state). Every
 -- redis.call costs far more than the work it does, so a script reads the fields it knows it needs
 -- with one HMGET, reads any other on first use, and writes all changes back with one HSET.
 

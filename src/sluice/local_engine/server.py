@@ -2,7 +2,7 @@
 
 ``LocalEngine`` is an async context manager that runs llama-server as a child process on loopback,
 waits until it answers ``/health``, restarts it on the same port whenever it dies, and stops it on exit.
-The build and the model are provisioned on first use by :mod:`sluice.engine_build`.
+The build and the model are provisioned on first use by :mod:`sluice.local_engine.build`.
 
 CLI: ``sluice engine build | start | status``.
 """
@@ -26,7 +26,7 @@ from types import TracebackType
 import httpx
 
 from sluice import aio
-from sluice.engine_build import (
+from sluice.local_engine.build import (
     BINARY_NAME,
     LLAMA_CPP_PYTHON_VERSION,
     MODEL_ALIAS,

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sluice.bench_load import QUEUE_GAUGES, Record
+from sluice.bench.load import QUEUE_GAUGES, Record
 
 __all__ = [
     "RESULT_VERSION",

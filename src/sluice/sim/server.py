@@ -1,4 +1,4 @@
-"""``sluice sim``: the engine model of :mod:`sluice.sim` behind an OpenAI-compatible HTTP API.
+"""``sluice sim``: the engine model of :mod:`sluice.sim.model` behind an OpenAI-compatible HTTP API.
 
 One asyncio task drives the engine: it plans a step, sleeps until the step's deadline on the
 monotonic clock, applies the step and wakes the requests that got a token. Each HTTP exchange
@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from sluice.sim import (
+from sluice.sim.model import (
     PRESET_NOTES,
     PRESETS,
     REFERENCE_COMPLETION_TOKENS,

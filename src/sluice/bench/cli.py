@@ -30,8 +30,8 @@ from typing import IO, Any
 import httpx
 
 from sluice import aio
-from sluice.bench_load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
-from sluice.bench_report import (
+from sluice.bench.load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
+from sluice.bench.report import (
     RESULT_VERSION,
     load_result,
     markdown,
@@ -281,7 +281,7 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
     with contextlib.ExitStack() as logs:
         try:
             if args.spawn_sim:
-                from sluice.sim import capacity_rps, estimate_chat_tokens, preset
+                from sluice.sim.model import capacity_rps, estimate_chat_tokens, preset
 
                 params = preset(args.spawn_sim)  # KeyError for an unknown name, before anything starts
                 if capacity is None:
@@ -351,7 +351,7 @@ async def _idle_rtt(http: httpx.AsyncClient, url: str, n: int = 20) -> float | N
 
 async def _settle(sampler: MetricsSampler) -> int | None:
     """Requests still queued or running at the targets after a grace period; None if unknown."""
-    from sluice.bench_load import QUEUE_GAUGES
+    from sluice.bench.load import QUEUE_GAUGES
 
     deadline = time.monotonic() + SETTLE_S
     left: int | None = None

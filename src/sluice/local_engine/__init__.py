@@ -1,0 +1,1 @@
+"""The local engine: llama.cpp's llama-server built from source (``build``) and supervised (``server``)."""

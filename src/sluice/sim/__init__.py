@@ -1,0 +1,2 @@
+"""The engine simulator: a model of continuous batching (``model``) behind an OpenAI-compatible
+server (``server``)."""
