@@ -34,7 +34,7 @@ from tests.redis_server import RedisServer  # noqa: E402
 
 from sluice.broker.base import Broker, BrokerSettings  # noqa: E402
 from sluice.broker.redis import RedisBroker  # noqa: E402
-from sluice.core.admission import Bounds, Limits  # noqa: E402
+from sluice.core.admission import Bounds, QueueLimits  # noqa: E402
 from sluice.core.job import Endpoint, Job, JobState, new_job_id  # noqa: E402
 from sluice.core.policy import CoDelPolicy  # noqa: E402
 
@@ -47,7 +47,7 @@ def settings() -> BrokerSettings:
     # but its delay limit never bites (20,000 jobs queued at once are a standing queue to it).
     never_standing = CoDelPolicy(target_s=1e9, interval_s=1e9, early_s=1e9)
     return BrokerSettings(
-        default_limits=Limits(model=Bounds(max_jobs=None)), lease_s=60.0, policy=never_standing
+        default_limits=QueueLimits(model=Bounds(max_jobs=None)), lease_s=60.0, policy=never_standing
     )
 
 

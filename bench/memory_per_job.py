@@ -21,14 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
-from sluice.core.admission import Bounds, Limits
+from sluice.core.admission import Bounds, QueueLimits
 from sluice.core.job import Endpoint, Job, new_job_id
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 128}
 
 
 async def main(jobs: int, tenants: int) -> None:
-    broker = MemoryBroker(BrokerSettings(default_limits=Limits(Bounds(max_jobs=None))))
+    broker = MemoryBroker(BrokerSettings(default_limits=QueueLimits(Bounds(max_jobs=None))))
     now = time.time()
     gc.collect()
     tracemalloc.start()

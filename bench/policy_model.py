@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sluice.bench.load import Profile, arrivals
-from sluice.core.admission import Admitted, Limits, QueueView, Refused
+from sluice.core.admission import Admitted, QueueLimits, QueueView, Refused
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import POLICIES, Candidate, CoDelPolicy, PolicyState, QueuePolicy, make_policy
 
@@ -82,7 +82,7 @@ def run(
     rng = random.Random(seed + 1)
     drain = DrainRate(slots=slots)
     state = PolicyState()
-    limits = Limits()
+    limits = QueueLimits()
     queue: deque[_Job] = deque()
     running: list[_Job] = []
     jobs: list[_Job] = []

@@ -9,7 +9,7 @@ import pytest
 
 from sluice.sim.model import (
     PRESETS,
-    Engine,
+    BatchModel,
     RequestState,
     SimParams,
     SimRequest,
@@ -32,7 +32,7 @@ class Clock:
     def __init__(self) -> None:
         self.now = 0.0
 
-    def step(self, engine: Engine) -> StepResult:
+    def step(self, engine: BatchModel) -> StepResult:
         duration = engine.next_step_duration()
         assert duration is not None, "the engine has no work"
         self.now += duration
@@ -40,7 +40,7 @@ class Clock:
         assert result.duration == duration
         return result
 
-    def run_until_idle(self, engine: Engine, max_steps: int = 1_000_000) -> list[StepResult]:
+    def run_until_idle(self, engine: BatchModel, max_steps: int = 1_000_000) -> list[StepResult]:
         results = []
         while engine.has_work():
             results.append(self.step(engine))
@@ -49,13 +49,13 @@ class Clock:
 
 
 def submit_many(
-    engine: Engine, count: int, prompt: int, max_tokens: int, now: float = 0.0
+    engine: BatchModel, count: int, prompt: int, max_tokens: int, now: float = 0.0
 ) -> list[SimRequest]:
     return [engine.submit(f"r{i}", prompt, max_tokens, now) for i in range(count)]
 
 
 def test_lone_request_takes_exactly_the_formula_time() -> None:
-    engine, clock = Engine(ARTICLE), Clock()
+    engine, clock = BatchModel(ARTICLE), Clock()
     req = engine.submit("only", prompt_tokens=32, max_tokens=128, now=0.0)
 
     results = clock.run_until_idle(engine)
@@ -72,7 +72,7 @@ def test_lone_request_takes_exactly_the_formula_time() -> None:
 
 
 def test_step_duration_counts_running_sequences_and_newly_admitted_prompts() -> None:
-    engine = Engine(ARTICLE)
+    engine = BatchModel(ARTICLE)
     engine.submit("a", 10, 5, 0.0)
     engine.submit("b", 30, 5, 0.0)
 
@@ -87,7 +87,7 @@ def test_step_duration_counts_running_sequences_and_newly_admitted_prompts() -> 
 
 
 def test_throughput_with_a_full_batch_matches_the_capacity_formula() -> None:
-    engine, clock = Engine(ARTICLE), Clock()
+    engine, clock = BatchModel(ARTICLE), Clock()
     rounds = 10
     submit_many(engine, rounds * ARTICLE.max_num_seqs, prompt=32, max_tokens=128)
 
@@ -99,7 +99,7 @@ def test_throughput_with_a_full_batch_matches_the_capacity_formula() -> None:
 
 def test_staggered_arrivals_under_overload_also_finish_at_capacity() -> None:
     """Arrivals faster than capacity keep every slot busy, whatever their phase."""
-    engine, clock = Engine(ARTICLE), Clock()
+    engine, clock = BatchModel(ARTICLE), Clock()
     arrivals = [i * 0.1 for i in range(200)]  # 10 req/s, as in the article
     finished_at: list[float] = []
     while arrivals or engine.has_work():
@@ -117,7 +117,7 @@ def test_staggered_arrivals_under_overload_also_finish_at_capacity() -> None:
 
 def test_at_most_max_num_seqs_run_and_waiting_requests_are_admitted_in_arrival_order() -> None:
     params = replace(ARTICLE, max_num_seqs=4)
-    engine, clock = Engine(params), Clock()
+    engine, clock = BatchModel(params), Clock()
     # Different lengths make requests finish out of order, so slots free up at odd times.
     reqs = [engine.submit(f"r{i}", 8, 3 + (i * 7) % 11, 0.0) for i in range(30)]
     admitted: list[str] = []
@@ -136,7 +136,7 @@ def test_at_most_max_num_seqs_run_and_waiting_requests_are_admitted_in_arrival_o
 
 
 def test_a_request_submitted_after_the_step_was_planned_waits_for_the_next_step() -> None:
-    engine = Engine(ARTICLE)
+    engine = BatchModel(ARTICLE)
     engine.submit("early", 4, 10, 0.0)
     planned = engine.next_step_duration()
     late = engine.submit("late", 4, 10, 0.001)
@@ -152,7 +152,7 @@ def test_a_request_submitted_after_the_step_was_planned_waits_for_the_next_step(
 def test_preemption_when_the_kv_cache_runs_out() -> None:
     # Four sequences of up to 10 + 40 tokens cannot all fit in 120 tokens of cache.
     params = replace(ARTICLE, max_num_seqs=4, kv_cache_tokens=120, max_model_len=120)
-    engine, clock = Engine(params), Clock()
+    engine, clock = BatchModel(params), Clock()
     reqs = submit_many(engine, 4, prompt=10, max_tokens=40)
     first_preemption: tuple[list[str], StepResult] | None = None
 
@@ -179,7 +179,7 @@ def test_preemption_when_the_kv_cache_runs_out() -> None:
 
 def test_a_preempted_request_goes_back_to_the_front_and_pays_for_recompute() -> None:
     params = replace(ARTICLE, max_num_seqs=2, kv_cache_tokens=30, max_model_len=30)
-    engine, clock = Engine(params), Clock()
+    engine, clock = BatchModel(params), Clock()
     a = engine.submit("a", 10, 20, 0.0)
     b = engine.submit("b", 10, 20, 0.0)
     c = engine.submit("c", 1, 1, 0.0)
@@ -204,7 +204,7 @@ def test_a_preempted_request_goes_back_to_the_front_and_pays_for_recompute() -> 
 
 
 def test_aborting_a_running_request_frees_its_slot_and_counts_its_tokens_as_wasted() -> None:
-    engine, clock = Engine(ARTICLE), Clock()
+    engine, clock = BatchModel(ARTICLE), Clock()
     doomed = engine.submit("doomed", 16, 100, 0.0)
     other = engine.submit("other", 16, 20, 0.0)
     for _ in range(5):
@@ -224,7 +224,7 @@ def test_aborting_a_running_request_frees_its_slot_and_counts_its_tokens_as_wast
 
 
 def test_aborting_a_waiting_request_removes_it_from_the_queue() -> None:
-    engine, clock = Engine(replace(ARTICLE, max_num_seqs=1)), Clock()
+    engine, clock = BatchModel(replace(ARTICLE, max_num_seqs=1)), Clock()
     first, second, third = submit_many(engine, 3, prompt=4, max_tokens=3)
     clock.step(engine)
 
@@ -242,7 +242,7 @@ def test_aborting_a_waiting_request_removes_it_from_the_queue() -> None:
 
 
 def test_a_request_aborted_during_its_step_emits_nothing() -> None:
-    engine = Engine(ARTICLE)
+    engine = BatchModel(ARTICLE)
     keep = engine.submit("keep", 4, 5, 0.0)
     engine.submit("drop", 4, 5, 0.0)
     engine.next_step_duration()
@@ -256,7 +256,7 @@ def test_a_request_aborted_during_its_step_emits_nothing() -> None:
 
 
 def test_an_idle_engine_has_no_step() -> None:
-    engine = Engine(ARTICLE)
+    engine = BatchModel(ARTICLE)
 
     assert engine.next_step_duration() is None
     assert engine.step(1.0) == StepResult(0.0, (), (), (), ())
@@ -264,7 +264,7 @@ def test_an_idle_engine_has_no_step() -> None:
 
 
 def test_submit_refuses_requests_that_can_never_fit_and_duplicate_ids() -> None:
-    engine = Engine(replace(ARTICLE, max_model_len=100))
+    engine = BatchModel(replace(ARTICLE, max_model_len=100))
 
     with pytest.raises(ValueError, match="max_model_len"):
         engine.submit("long", 60, 41, 0.0)

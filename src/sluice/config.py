@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sluice.core.admission import Bounds, Limits
+from sluice.core.admission import Bounds, QueueLimits
 from sluice.core.policy import QueuePolicy, make_policy
 from sluice.core.scheduler import ClassSpec
 
@@ -47,7 +47,7 @@ class ClassConfig(_Strict):
     max_queued_tokens: int | None = Field(default=None, ge=1)
 
 
-class KeyPolicy(_Strict):
+class KeyGrant(_Strict):
     """What the holder of an API key may do (the key itself is never stored)."""
 
     tenant: str = Field(min_length=1, max_length=128)
@@ -67,7 +67,7 @@ class KeyPolicy(_Strict):
     admin: bool = False
 
 
-class KeyConfig(KeyPolicy):
+class KeyConfig(KeyGrant):
     """An API key, stored as its SHA-256 (``sluice keys new`` makes one), and its policy."""
 
     key_sha256: str = Field(pattern="^[0-9a-f]{64}$")
@@ -192,15 +192,15 @@ class Settings(_Strict):
     def class_specs(self) -> list[ClassSpec]:
         return [ClassSpec(c.name, c.min_share) for c in self.classes]
 
-    def limits(self) -> tuple[dict[str, Limits], Limits]:
+    def limits(self) -> tuple[dict[str, QueueLimits], QueueLimits]:
         classes = {
             c.name: Bounds(c.max_queued_jobs, c.max_queued_tokens)
             for c in self.classes
             if c.max_queued_jobs is not None or c.max_queued_tokens is not None
         }
-        default = Limits(Bounds(self.max_queued_jobs, self.max_queued_tokens), classes)
+        default = QueueLimits(Bounds(self.max_queued_jobs, self.max_queued_tokens), classes)
         per_model = {
-            name: Limits(
+            name: QueueLimits(
                 Bounds(
                     m.max_queued_jobs if m.max_queued_jobs is not None else self.max_queued_jobs,
                     m.max_queued_tokens if m.max_queued_tokens is not None else self.max_queued_tokens,

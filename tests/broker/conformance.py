@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sluice.broker.base import Broker, BrokerSettings, EventType
-from sluice.core.admission import Bounds, Limits, Refused
+from sluice.core.admission import Bounds, QueueLimits, Refused
 from sluice.core.job import JobError, JobState
 from tests.helpers import FakeClock, make_job
 
@@ -21,8 +21,8 @@ W = "worker-1"
 
 def make_settings(clock: FakeClock) -> BrokerSettings:
     return BrokerSettings(
-        limits={"small": Limits(model=Bounds(max_jobs=3, max_tokens=1000))},
-        default_limits=Limits(model=Bounds(max_jobs=10_000)),
+        limits={"small": QueueLimits(model=Bounds(max_jobs=3, max_tokens=1000))},
+        default_limits=QueueLimits(model=Bounds(max_jobs=10_000)),
         lease_s=5.0,
         result_ttl_s=60.0,
         clock=clock,

@@ -7,7 +7,7 @@ import pytest
 from sluice.broker.base import Broker
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
-from sluice.core.ratelimit import TenantPolicy
+from sluice.core.ratelimit import TenantLimits
 from tests.helpers import FakeClock, make_job
 
 W = "worker-1"
@@ -15,7 +15,7 @@ W = "worker-1"
 
 class TenantLimitsConformance:
     async def test_requests_per_minute(self, broker: Broker, clock: FakeClock) -> None:
-        policy = TenantPolicy("t", rpm=2)
+        policy = TenantLimits("t", rpm=2)
         first = await broker.admit(make_job(clock), policy)
         assert first.rate is not None and first.rate.remaining_requests == 1
         await broker.admit(make_job(clock), policy)
@@ -28,7 +28,7 @@ class TenantLimitsConformance:
         assert (
             headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
         )
-        other = await broker.admit(make_job(clock, tenant="other"), TenantPolicy("other", rpm=2))
+        other = await broker.admit(make_job(clock, tenant="other"), TenantLimits("other", rpm=2))
         assert not other.duplicate  # limits are per tenant
         # The three queued jobs start (a queue that stood still for 30 s would be refused as
         # standing, which is the queue policy's business, not this test's).
@@ -38,7 +38,7 @@ class TenantLimitsConformance:
         await broker.admit(make_job(clock), policy)
 
     async def test_tokens_per_minute_settled_with_real_usage(self, broker: Broker, clock: FakeClock) -> None:
-        policy = TenantPolicy("t", tpm=100)
+        policy = TenantLimits("t", tpm=100)
         job = make_job(clock, prompt_tokens=10, max_tokens=50)
         await broker.admit(job, policy)
         with pytest.raises(Refused) as info:
@@ -53,7 +53,7 @@ class TenantLimitsConformance:
         assert hopeless.value.should_retry is False  # larger than a whole minute's allowance
 
     async def test_max_queued(self, broker: Broker, clock: FakeClock) -> None:
-        policy = TenantPolicy("t", max_queued=2)
+        policy = TenantLimits("t", max_queued=2)
         for _ in range(2):
             await broker.admit(make_job(clock), policy)
         with pytest.raises(Refused) as info:
@@ -64,10 +64,10 @@ class TenantLimitsConformance:
         await broker.admit(make_job(clock), policy)
 
     async def test_max_concurrent(self, broker: Broker, clock: FakeClock) -> None:
-        capped = TenantPolicy("capped", max_concurrent=1)
+        capped = TenantLimits("capped", max_concurrent=1)
         a1, a2 = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
         b = make_job(clock, tenant="free")
-        for job, policy in ((a1, capped), (a2, capped), (b, TenantPolicy("free"))):
+        for job, policy in ((a1, capped), (a2, capped), (b, TenantLimits("free"))):
             await broker.admit(job, policy)
         assert (await broker.claim(W, ["m"], timeout=1.0)).id == a1.id  # type: ignore[union-attr]
         assert (await broker.claim(W, ["m"], timeout=1.0)).id == b.id  # type: ignore[union-attr]
@@ -76,7 +76,7 @@ class TenantLimitsConformance:
         assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
 
     async def test_refused_requests_are_not_charged(self, broker: Broker, clock: FakeClock) -> None:
-        policy = TenantPolicy("t", rpm=5, max_queued=1)
+        policy = TenantLimits("t", rpm=5, max_queued=1)
         await broker.admit(make_job(clock), policy)
         for _ in range(3):
             with pytest.raises(Refused):

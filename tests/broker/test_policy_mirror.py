@@ -16,7 +16,7 @@ import pytest
 from sluice.broker.base import Broker, BrokerSettings
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
-from sluice.core.admission import Bounds, Limits, Refused
+from sluice.core.admission import Bounds, QueueLimits, Refused
 from sluice.core.job import JobState
 from sluice.core.policy import CapPolicy, CoDelPolicy, DeadlinePolicy, FifoPolicy, QueuePolicy
 from tests.helpers import FakeClock, make_job
@@ -32,7 +32,7 @@ POLICIES: dict[str, QueuePolicy] = {
 
 def _settings(clock: FakeClock, policy: QueuePolicy) -> BrokerSettings:
     return BrokerSettings(
-        default_limits=Limits(model=Bounds(max_jobs=80)),
+        default_limits=QueueLimits(model=Bounds(max_jobs=80)),
         lease_s=60.0,
         drain_prior_per_slot=100.0,
         policy=policy,

@@ -24,7 +24,7 @@ from sluice.broker.redis_keys import QueueKeys
 from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
-from sluice.core.ratelimit import TenantPolicy
+from sluice.core.ratelimit import TenantLimits
 from tests.broker.conformance import (
     BrokerConformance,
     DispatchDeadlineConformance,
@@ -135,7 +135,7 @@ async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
     model, tenant = "org/llama:8b", "acme:eu{1}%"
     await broker.register("w:1", {model: 2, "x": 1})
     first = make_job(clock, model=model, tenant=tenant, idempotency_key="k:1", max_attempts=1)
-    await broker.admit(first, TenantPolicy(tenant, rpm=100, tpm=10_000, max_queued=10, max_concurrent=3))
+    await broker.admit(first, TenantLimits(tenant, rpm=100, tpm=10_000, max_queued=10, max_concurrent=3))
     assert (await broker.admit(make_job(clock, model=model, tenant=tenant, idempotency_key="k:1"))).duplicate
     others = [
         make_job(clock, model=model, tenant=t, priority=p) for t in ("a", "b:c") for p in ("low", "high")
@@ -262,10 +262,10 @@ def test_escaped_names_never_collide() -> None:
 # --- the same decisions as the memory broker ----------------------------------------------------
 
 
-POLICIES: dict[str, TenantPolicy | None] = {
-    "a": TenantPolicy("a", max_concurrent=2),
-    "b": TenantPolicy("b", rpm=40, tpm=3000),
-    "c": TenantPolicy("c", max_queued=6, weight=2.5),
+POLICIES: dict[str, TenantLimits | None] = {
+    "a": TenantLimits("a", max_concurrent=2),
+    "b": TenantLimits("b", rpm=40, tpm=3000),
+    "c": TenantLimits("c", max_queued=6, weight=2.5),
     "d": None,
 }
 

@@ -6,7 +6,7 @@ from sluice.core.admission import (
     MAX_RETRY_AFTER_S,
     Admitted,
     Bounds,
-    Limits,
+    QueueLimits,
     QueueView,
     Refused,
     clamp_retry_after,
@@ -22,7 +22,7 @@ def check(
     now: float,
     deadline: float,
     view: QueueView,
-    limits: Limits,
+    limits: QueueLimits,
     drain: DrainRate,
 ) -> Admitted:
     """Admission's checks as the brokers run them: the bounds, then the deadline (``deadline`` policy)."""
@@ -42,20 +42,26 @@ def measured(per_slot: float = 100.0, slots: int = 2) -> DrainRate:
 
 def test_admits_into_empty_queue() -> None:
     ok = check(
-        cost=100, priority="normal", now=0, deadline=60, view=view(), limits=Limits(), drain=measured()
+        cost=100, priority="normal", now=0, deadline=60, view=view(), limits=QueueLimits(), drain=measured()
     )
     assert ok.position == 0 and ok.estimated_start_s == 0
 
 
 def test_estimated_start_follows_drain_rate() -> None:
     ok = check(
-        cost=100, priority="normal", now=0, deadline=60, view=view(5, 1000), limits=Limits(), drain=measured()
+        cost=100,
+        priority="normal",
+        now=0,
+        deadline=60,
+        view=view(5, 1000),
+        limits=QueueLimits(),
+        drain=measured(),
     )
     assert ok.position == 5 and ok.estimated_start_s == pytest.approx(5.0)
 
 
 def test_queue_full_on_jobs_with_sane_retry_after() -> None:
-    limits = Limits(model=Bounds(max_jobs=10))
+    limits = QueueLimits(model=Bounds(max_jobs=10))
     with pytest.raises(Refused) as info:
         check(
             cost=100,
@@ -72,7 +78,7 @@ def test_queue_full_on_jobs_with_sane_retry_after() -> None:
 
 
 def test_class_bounds() -> None:
-    limits = Limits(model=Bounds(max_jobs=100), classes={"low": Bounds(max_tokens=500)})
+    limits = QueueLimits(model=Bounds(max_jobs=100), classes={"low": Bounds(max_tokens=500)})
     v = QueueView(
         model_jobs=3, model_tokens=450, class_jobs=3, class_tokens=450, ahead_jobs=3, ahead_tokens=450
     )
@@ -90,7 +96,7 @@ def test_deadline_unmeetable() -> None:
             now=0,
             deadline=10,
             view=view(20, 4000),
-            limits=Limits(),
+            limits=QueueLimits(),
             drain=measured(),
         )
     # 20 s of work ahead, 10 s budget, 1 s of own service: it fits once 11 s of work has drained.
@@ -101,7 +107,15 @@ def test_deadline_unmeetable() -> None:
 
 def test_hopeless_deadline_says_do_not_retry() -> None:
     with pytest.raises(Refused) as info:
-        check(cost=1000, priority="normal", now=0, deadline=2, view=view(), limits=Limits(), drain=measured())
+        check(
+            cost=1000,
+            priority="normal",
+            now=0,
+            deadline=2,
+            view=view(),
+            limits=QueueLimits(),
+            drain=measured(),
+        )
     assert not info.value.should_retry and info.value.retry_after_s > 0
 
 
@@ -112,7 +126,7 @@ def test_no_deadline_refusal_before_any_measurement() -> None:
         now=0,
         deadline=1,
         view=view(100, 10**6),
-        limits=Limits(),
+        limits=QueueLimits(),
         drain=DrainRate(),
     )
     assert ok.position == 100

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sluice.core.admission import Bounds, Limits, QueueView, Refused
+from sluice.core.admission import Bounds, QueueLimits, QueueView, Refused
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import (
     POLICIES,
@@ -37,7 +37,7 @@ def queue(jobs: int, running: int = 0) -> QueueView:
 def candidate(
     now: float, jobs: int = 0, *, running: int = 0, deadline: float = 60.0, d: DrainRate | None = None
 ) -> Candidate:
-    return Candidate(COST, "normal", now, now + deadline, queue(jobs, running), Limits(), d or drain())
+    return Candidate(COST, "normal", now, now + deadline, queue(jobs, running), QueueLimits(), d or drain())
 
 
 # -- cap -------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_fifo_is_a_bounded_buffer_whatever_the_deadline() -> None:
 
 
 def test_every_policy_keeps_the_hard_bounds() -> None:
-    limits = Limits(Bounds(max_jobs=2))
+    limits = QueueLimits(Bounds(max_jobs=2))
     for name in POLICIES:
         c = Candidate(COST, "normal", 0.0, 60.0, queue(2), limits, drain(slots=100))
         with pytest.raises(Refused) as e:
@@ -163,7 +163,7 @@ def test_codel_admits_a_high_priority_job_over_a_full_normal_class() -> None:
     with pytest.raises(Refused):
         p.admit(candidate(1.0, jobs=4), s)
     # 8 normal jobs queued, none of the high class: the high job waits only for the running ones.
-    vip = Candidate(COST, "high", 1.1, 61.1, QueueView(8, 800, 0, 0, 0, 0), Limits(), drain())
+    vip = Candidate(COST, "high", 1.1, 61.1, QueueView(8, 800, 0, 0, 0, 0), QueueLimits(), drain())
     assert p.admit(vip, s).position == 0
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from sluice.core.ratelimit import Bucket, TenantLimiter, TenantPolicy, duration
+from sluice.core.ratelimit import Bucket, TenantLimiter, TenantLimits, duration
 
 
 def test_bucket_bursts_then_refills() -> None:
@@ -19,7 +19,7 @@ def test_bucket_bursts_then_refills() -> None:
 
 
 def test_limiter_checks_both_and_reports_the_worst() -> None:
-    lim = TenantLimiter(TenantPolicy("t", rpm=10, tpm=1000))
+    lim = TenantLimiter(TenantLimits("t", rpm=10, tpm=1000))
     assert lim.check(600, 0.0) == (0.0, None)
     lim.take(600, 0.0)
     wait, which = lim.check(600, 0.0)
@@ -28,7 +28,7 @@ def test_limiter_checks_both_and_reports_the_worst() -> None:
 
 
 def test_settle_gives_back_unused_tokens() -> None:
-    lim = TenantLimiter(TenantPolicy("t", tpm=1000))
+    lim = TenantLimiter(TenantLimits("t", tpm=1000))
     lim.take(800, 0.0)
     lim.settle(charged=800, used=100, now=0.0)
     status = lim.status(0.0)
@@ -36,7 +36,7 @@ def test_settle_gives_back_unused_tokens() -> None:
 
 
 def test_headers_in_openai_format() -> None:
-    lim = TenantLimiter(TenantPolicy("t", rpm=60, tpm=6000))
+    lim = TenantLimiter(TenantLimits("t", rpm=60, tpm=6000))
     lim.take(3000, 0.0)
     h = lim.status(0.0).headers()
     assert h["x-ratelimit-limit-requests"] == "60"
@@ -54,6 +54,6 @@ def test_duration_format() -> None:
 
 
 def test_no_limits_no_headers() -> None:
-    lim = TenantLimiter(TenantPolicy("t"))
+    lim = TenantLimiter(TenantLimits("t"))
     assert lim.check(10**9, 0.0) == (0.0, None)
     assert lim.status(0.0).headers() == {}

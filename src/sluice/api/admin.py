@@ -16,7 +16,7 @@ from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
 from sluice.broker.base import job_view
-from sluice.config import KeyPolicy
+from sluice.config import KeyGrant
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Admin = Annotated[Caller, Depends(admin)]
@@ -87,7 +87,7 @@ def _store_enabled(request: Request) -> Gateway:
 
 
 @router.post("/keys", status_code=201)
-async def create_key(request: Request, body: KeyPolicy, _: Admin) -> JSONResponse:
+async def create_key(request: Request, body: KeyGrant, _: Admin) -> JSONResponse:
     gw = _store_enabled(request)
     names = [c.name for c in gw.settings.classes]
     if body.max_priority is not None and body.max_priority not in names:

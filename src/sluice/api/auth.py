@@ -14,14 +14,14 @@ from starlette.requests import HTTPConnection
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker
 from sluice.config import KeyConfig, Settings
-from sluice.core.ratelimit import TenantPolicy
+from sluice.core.ratelimit import TenantLimits
 
 
 @dataclass(frozen=True)
 class Caller:
     """The authenticated caller of one request."""
 
-    policy: TenantPolicy
+    limits: TenantLimits
     admin: bool = False
     webhook_secret: str | None = None
     max_connections: int | None = None
@@ -30,7 +30,7 @@ class Caller:
 
     @property
     def tenant(self) -> str:
-        return self.policy.tenant
+        return self.limits.tenant
 
 
 def hash_key(key: str) -> str:
@@ -90,7 +90,7 @@ class KeyRing:
         return found
 
     def _caller(self, key: KeyConfig) -> Caller:
-        policy = TenantPolicy(
+        limits = TenantLimits(
             tenant=key.tenant,
             max_priority=key.max_priority,
             weight=key.weight,
@@ -99,14 +99,14 @@ class KeyRing:
             max_concurrent=key.max_concurrent,
             max_queued=key.max_queued,
         )
-        return Caller(policy, key.admin, key.webhook_secret, key.max_connections)
+        return Caller(limits, key.admin, key.webhook_secret, key.max_connections)
 
     async def authenticate(self, request: HTTPConnection) -> Caller:
         token = bearer(request)
         if self.open:
             # Open mode: callers are told apart by their bearer token, never kept in clear.
             tenant = "key-" + hash_key(token)[:16] if token else "anonymous"
-            return Caller(TenantPolicy(tenant), keyed=False)
+            return Caller(TenantLimits(tenant), keyed=False)
         if token is None:
             raise APIError(
                 401,

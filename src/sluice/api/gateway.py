@@ -107,7 +107,7 @@ class Gateway:
 
     def priority(self, request: Request, caller: Caller, opts: SchedulingOptions) -> str:
         names = [c.name for c in self.settings.classes]
-        ceiling = caller.policy.max_priority
+        ceiling = caller.limits.max_priority
         default = self.settings.default_priority
         if ceiling is not None and names.index(default) < names.index(ceiling):
             default = ceiling  # the key's own ceiling is its default when the server's is above it
@@ -206,7 +206,7 @@ class Gateway:
             deadline=now + self.timeout(request, opts),
             max_attempts=s.max_attempts,
             idempotency_key=request.headers.get("idempotency-key") or None,
-            weight=caller.policy.weight,
+            weight=caller.limits.weight,
             callback_url=await self.callback_url(body.get("callback_url")),
         )
 
@@ -230,7 +230,7 @@ class Gateway:
         (the official SDKs send it as ``x-stainless-retry-count``), counted so that a retry storm
         shows on the metrics."""
         try:
-            admission = await self.broker.admit(job, caller.policy)
+            admission = await self.broker.admit(job, caller.limits)
         except Refused as refused:
             self.metrics.admissions.labels("refused", refused.code).inc()
             if retry:

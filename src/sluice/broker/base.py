@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from sluice.core.admission import Limits
+from sluice.core.admission import QueueLimits
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.policy import CoDelPolicy, QueuePolicy
-from sluice.core.ratelimit import RateStatus, TenantPolicy
+from sluice.core.ratelimit import RateStatus, TenantLimits
 from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
 
 
@@ -68,8 +68,8 @@ class BrokerSettings:
     """
 
     classes: Sequence[ClassSpec] = DEFAULT_CLASSES
-    limits: Mapping[str, Limits] = field(default_factory=dict)
-    default_limits: Limits = field(default_factory=Limits)
+    limits: Mapping[str, QueueLimits] = field(default_factory=dict)
+    default_limits: QueueLimits = field(default_factory=QueueLimits)
     lease_s: float = 30.0
     result_ttl_s: float = 3600.0
     idempotency_ttl_s: float = 86400.0
@@ -77,7 +77,7 @@ class BrokerSettings:
     policy: QueuePolicy = field(default_factory=CoDelPolicy)
     clock: Callable[[], float] = time.time
 
-    def limits_for(self, model: str) -> Limits:
+    def limits_for(self, model: str) -> QueueLimits:
         return self.limits.get(model, self.default_limits)
 
 
@@ -133,12 +133,12 @@ class Broker(ABC):
     # --- gateway side -------------------------------------------------------------------------
 
     @abstractmethod
-    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
+    async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
         """Queue ``job`` or raise :class:`sluice.core.admission.Refused`.
 
-        Idempotency, the tenant's limits (``policy``: requests and tokens per minute, jobs queued),
+        Idempotency, the tenant's limits (``limits``: requests and tokens per minute, jobs queued),
         the queue's bounds and the deadline prediction are decided atomically with the enqueue. The
-        dispatcher never runs more of a tenant's jobs at once than ``policy.max_concurrent``.
+        dispatcher never runs more of a tenant's jobs at once than ``limits.max_concurrent``.
         """
 
     @abstractmethod

@@ -24,7 +24,7 @@ from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError, JobState, deadline_error
 from sluice.core.policy import Candidate, PolicyState
-from sluice.core.ratelimit import TenantLimiter, TenantPolicy
+from sluice.core.ratelimit import TenantLimiter, TenantLimits
 from sluice.core.scheduler import ClassScheduler, Entry
 
 MAINTAIN_INTERVAL_S = 0.1
@@ -151,12 +151,12 @@ class MemoryBroker(Broker):
         rec.events.append((type, json.dumps(data, separators=(",", ":"))))
         rec.signal.notify()
 
-    def _tenant(self, name: str, policy: TenantPolicy | None = None) -> _Tenant:
+    def _tenant(self, name: str, limits: TenantLimits | None = None) -> _Tenant:
         t = self._tenants.get(name)
         if t is None:
-            t = self._tenants[name] = _Tenant(TenantLimiter(policy or TenantPolicy(name)))
-        elif policy is not None and policy != t.limiter.policy:
-            t.limiter.update(policy)
+            t = self._tenants[name] = _Tenant(TenantLimiter(limits or TenantLimits(name)))
+        elif limits is not None and limits != t.limiter.limits:
+            t.limiter.update(limits)
         return t
 
     def _move(self, job: Job, state: JobState) -> None:
@@ -180,7 +180,7 @@ class MemoryBroker(Broker):
         return {
             name
             for name, t in self._tenants.items()
-            if t.limiter.policy.max_concurrent is not None and t.running >= t.limiter.policy.max_concurrent
+            if t.limiter.limits.max_concurrent is not None and t.running >= t.limiter.limits.max_concurrent
         }
 
     def _settle(self, rec: _Record, state: JobState, error: JobError | None = None) -> None:
@@ -202,7 +202,7 @@ class MemoryBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
+    async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
         now = self.now()
         idem = f"{job.tenant}:{job.idempotency_key}" if job.idempotency_key else None
         if idem is not None:
@@ -213,7 +213,7 @@ class MemoryBroker(Broker):
                 return Admission(first, True, pos or 0, 0.0)
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
-        tenant = self._tenant(job.tenant, policy)
+        tenant = self._tenant(job.tenant, limits)
         drain = self._drain_rate(job.model)
         admission.check_tenant(tenant.limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
         q = self._queue(job.model)

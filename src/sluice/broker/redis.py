@@ -49,7 +49,7 @@ from sluice.broker.redis_codec import (
     encode_job,
     limiter_from_state,
     pairs,
-    policy_args,
+    tenant_limit_args,
     to_json,
 )
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
@@ -59,7 +59,7 @@ from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState, deadline_error
 from sluice.core.policy import Candidate, PolicyState
-from sluice.core.ratelimit import TenantPolicy
+from sluice.core.ratelimit import TenantLimits
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
@@ -265,15 +265,15 @@ class RedisBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job, policy: TenantPolicy | None = None) -> Admission:
+    async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
-        return await self._admit(job, policy)
+        return await self._admit(job, limits)
 
-    async def _admit(self, job: Job, policy: TenantPolicy | None) -> Admission:
+    async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
         k = self.keys
-        limits = self.settings.limits_for(job.model)
-        cls_bounds = limits.classes.get(job.priority, admission.Bounds())
+        queue = self.settings.limits_for(job.model)
+        cls_bounds = queue.classes.get(job.priority, admission.Bounds())
         idem = k.idem(job.tenant, job.idempotency_key) if job.idempotency_key else k.job(job.id)
         now = self.now()
         job.state = JobState.QUEUED
@@ -302,13 +302,13 @@ class RedisBroker(Broker):
             job.priority,
             job.cost,
             repr(float(job.deadline)),
-            bound(limits.model.max_jobs),
-            bound(limits.model.max_tokens),
+            bound(queue.model.max_jobs),
+            bound(queue.model.max_tokens),
             bound(cls_bounds.max_jobs),
             bound(cls_bounds.max_tokens),
             repr(float(self.settings.drain_prior_per_slot)),
             repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
-            *policy_args(policy),
+            *tenant_limit_args(limits),
             *self._policy_args,
             len(self._class_names),
             *self._class_names,
@@ -324,7 +324,7 @@ class RedisBroker(Broker):
             first_id = str(reply[1]) if code == 2 else job.id
             first = await self.get(first_id)
             if first is None:  # dropped in between: admit afresh
-                return await self._admit(job, policy)
+                return await self._admit(job, limits)
             pos = await self.position(first_id)
             return Admission(first, code == 2, pos or 0, 0.0)
         # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
@@ -342,7 +342,7 @@ class RedisBroker(Broker):
         admission.check_tenant(limiter, cost=job.cost, queued=queued, now=now, drain=drain)
         above, standing, limit, refused = (float(v) if v not in ("", b"") else None for v in reply[20:24])
         state = PolicyState(above, standing, limit or 0.0, refused)
-        candidate = Candidate(job.cost, job.priority, now, job.deadline, view, limits, drain)
+        candidate = Candidate(job.cost, job.priority, now, job.deadline, view, queue, drain)
         self.settings.policy.admit(candidate, state)
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sluice.core.job import Job, JobError
-from sluice.core.ratelimit import TenantLimiter, TenantPolicy
+from sluice.core.ratelimit import TenantLimiter, TenantLimits
 
 #: One compact encoder for all: json.dumps with arguments builds a new encoder on every call.
 _encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -174,12 +174,12 @@ def bound(value: int | None) -> int:
     return -1 if value is None else value
 
 
-def policy_args(policy: TenantPolicy | None) -> list[int]:
-    """ARGV of admit.lua for a tenant policy: given or not, then its four limits."""
-    if policy is None:
+def tenant_limit_args(limits: TenantLimits | None) -> list[int]:
+    """ARGV of admit.lua for a tenant's limits: given or not, then its four limits."""
+    if limits is None:
         return [0, -1, -1, -1, -1]
-    limits = (policy.rpm, policy.tpm, policy.max_queued, policy.max_concurrent)
-    return [1, *map(bound, limits)]
+    values = (limits.rpm, limits.tpm, limits.max_queued, limits.max_concurrent)
+    return [1, *map(bound, values)]
 
 
 def limiter_from_state(tenant: str, state: Sequence[str]) -> TenantLimiter:
@@ -193,10 +193,10 @@ def limiter_from_state(tenant: str, state: Sequence[str]) -> TenantLimiter:
         value = opt(i)
         return None if value is None else int(value)
 
-    policy = TenantPolicy(
+    limits = TenantLimits(
         tenant, rpm=opt_int(0), tpm=opt_int(1), max_queued=opt_int(2), max_concurrent=opt_int(3)
     )
-    limiter = TenantLimiter(policy)
+    limiter = TenantLimiter(limits)
     for bucket, level, stamp in ((limiter.requests, opt(5), opt(6)), (limiter.tokens, opt(7), opt(8))):
         if bucket is not None and level is not None and stamp is not None:
             bucket.level, bucket.stamp = level, stamp

@@ -28,7 +28,7 @@ class Bounds:
 
 
 @dataclass(frozen=True)
-class Limits:
+class QueueLimits:
     """The bounds admission checks for one model: the model's own and each class's."""
 
     model: Bounds = Bounds(max_jobs=1000, max_tokens=None)
@@ -82,7 +82,7 @@ def clamp_retry_after(seconds: float) -> float:
     return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
 
 
-def check_bounds(cost: int, priority: str, view: QueueView, limits: Limits, drain: DrainRate) -> None:
+def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits, drain: DrainRate) -> None:
     """The hard bounds on queued jobs and tokens, of the model and of the job's class."""
     rate = drain.rate
     avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
@@ -137,7 +137,7 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
 
 def check_tenant(limiter: TenantLimiter, *, cost: int, queued: int, now: float, drain: DrainRate) -> None:
     """The tenant's own limits, checked before the queue's: requests and tokens per minute, jobs queued."""
-    policy = limiter.policy
+    limits = limiter.limits
     wait, which = limiter.check(cost, now)
     if which is not None:
         status = limiter.status(now)
@@ -145,13 +145,13 @@ def check_tenant(limiter: TenantLimiter, *, cost: int, queued: int, now: float, 
             raise Refused(
                 429,
                 "rate_limit_exceeded",
-                f"The request's {cost} tokens exceed this key's limit of {policy.tpm} tokens per minute; "
+                f"The request's {cost} tokens exceed this key's limit of {limits.tpm} tokens per minute; "
                 "lower max_tokens.",
                 MAX_RETRY_AFTER_S,
                 should_retry=False,
                 rate=status,
             )
-        limit = policy.rpm if which == "requests" else policy.tpm
+        limit = limits.rpm if which == "requests" else limits.tpm
         raise Refused(
             429,
             "rate_limit_exceeded",
@@ -159,7 +159,7 @@ def check_tenant(limiter: TenantLimiter, *, cost: int, queued: int, now: float, 
             clamp_retry_after(wait),
             rate=status,
         )
-    if policy.max_queued is not None and queued >= policy.max_queued:
+    if limits.max_queued is not None and queued >= limits.max_queued:
         raise Refused(
             429,
             "too_many_queued",

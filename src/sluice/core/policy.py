@@ -38,7 +38,7 @@ from typing import ClassVar
 
 from sluice.core.admission import (
     Admitted,
-    Limits,
+    QueueLimits,
     QueueView,
     Refused,
     check_bounds,
@@ -91,7 +91,7 @@ class Candidate:
     now: float
     deadline: float
     view: QueueView
-    limits: Limits
+    limits: QueueLimits
     drain: DrainRate
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class TenantPolicy:
+class TenantLimits:
     """What one API key may do.
 
     Args:
@@ -111,18 +111,18 @@ class RateStatus:
 class TenantLimiter:
     """The buckets of one tenant. Pure: the broker calls it inside its atomic admission."""
 
-    def __init__(self, policy: TenantPolicy) -> None:
-        self.policy = policy
-        self.requests = Bucket(policy.rpm) if policy.rpm else None
-        self.tokens = Bucket(policy.tpm) if policy.tpm else None
+    def __init__(self, limits: TenantLimits) -> None:
+        self.limits = limits
+        self.requests = Bucket(limits.rpm) if limits.rpm else None
+        self.tokens = Bucket(limits.tpm) if limits.tpm else None
 
-    def update(self, policy: TenantPolicy) -> None:
-        """Take a changed policy, keeping the levels of buckets whose size did not change."""
-        if policy.rpm != self.policy.rpm:
-            self.requests = Bucket(policy.rpm) if policy.rpm else None
-        if policy.tpm != self.policy.tpm:
-            self.tokens = Bucket(policy.tpm) if policy.tpm else None
-        self.policy = policy
+    def update(self, limits: TenantLimits) -> None:
+        """Take a changed set of limits, keeping the levels of buckets whose size did not change."""
+        if limits.rpm != self.limits.rpm:
+            self.requests = Bucket(limits.rpm) if limits.rpm else None
+        if limits.tpm != self.limits.tpm:
+            self.tokens = Bucket(limits.tpm) if limits.tpm else None
+        self.limits = limits
 
     def check(self, cost: int, now: float) -> tuple[float, str | None]:
         """(seconds to wait, which limit) — (0, None) when the job fits both buckets."""
@@ -148,10 +148,10 @@ class TenantLimiter:
     def status(self, now: float) -> RateStatus:
         r, t = self.requests, self.tokens
         return RateStatus(
-            limit_requests=self.policy.rpm,
+            limit_requests=self.limits.rpm,
             remaining_requests=math.floor(r.refill(now)) if r else None,
             reset_requests_s=r.reset_s(now) if r else None,
-            limit_tokens=self.policy.tpm,
+            limit_tokens=self.limits.tpm,
             remaining_tokens=math.floor(t.refill(now)) if t else None,
             reset_tokens_s=t.reset_s(now) if t else None,
         )

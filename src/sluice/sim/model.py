@@ -36,8 +36,8 @@ __all__ = [
     "PRESET_NOTES",
     "REFERENCE_COMPLETION_TOKENS",
     "REFERENCE_PROMPT_TOKENS",
-    "Engine",
-    "EngineStats",
+    "BatchModel",
+    "BatchStats",
     "RequestState",
     "SimParams",
     "SimRequest",
@@ -66,7 +66,7 @@ class SimParams:
     """Everything the simulator needs: the engine's timing and memory, and the server's knobs.
 
     ``model`` and the fault-injection fields (``fail_first``, ``error_rate``, ``stall_after``,
-    ``seed``) are applied by the HTTP server, not by :class:`Engine`; they live here so that one
+    ``seed``) are applied by the HTTP server, not by :class:`BatchModel`; they live here so that one
     frozen value describes a whole simulator.
     """
 
@@ -200,7 +200,7 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class SimRequest:
-    """One request inside the engine; the handle :meth:`Engine.submit` returns.
+    """One request inside the engine; the handle :meth:`BatchModel.submit` returns.
 
     ``generated`` only grows: tokens survive preemption, so whoever relays them can send
     ``token_text(i)`` for every ``i < generated`` as soon as it is counted.
@@ -236,7 +236,7 @@ class StepResult:
 
 
 @dataclass(slots=True)
-class EngineStats:
+class BatchStats:
     """Counters since the engine was created, named after the vLLM metrics they feed."""
 
     prompt_tokens_total: int = 0
@@ -258,7 +258,7 @@ class _Plan:
     duration: float
 
 
-class Engine:
+class BatchModel:
     """The scheduler and its state; single-threaded, driven by :meth:`next_step_duration` and
     :meth:`step`.
 
@@ -269,7 +269,7 @@ class Engine:
 
     def __init__(self, params: SimParams) -> None:
         self.params = params
-        self.stats = EngineStats()
+        self.stats = BatchStats()
         self._running: list[SimRequest] = []  # in admission order
         self._waiting: deque[SimRequest] = deque()
         self._live: dict[str, SimRequest] = {}  # waiting or running, by id

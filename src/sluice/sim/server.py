@@ -39,7 +39,7 @@ from sluice.sim.model import (
     PRESETS,
     REFERENCE_COMPLETION_TOKENS,
     REFERENCE_PROMPT_TOKENS,
-    Engine,
+    BatchModel,
     SimParams,
     SimRequest,
     StepResult,
@@ -216,7 +216,7 @@ class SimService:
 
     def __init__(self, params: SimParams) -> None:
         self.params = params
-        self.engine = Engine(params)
+        self.engine = BatchModel(params)
         self.faults = 0
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(self))
