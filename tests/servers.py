@@ -11,9 +11,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from sluice.api.app import create_app
 from sluice.config import Settings, load_settings
-from sluice.serve import build_backends
+from sluice.runtime import build_app
 from tests.helpers import wait_until
 
 
@@ -69,7 +68,7 @@ async def run_gateway(backends: list[str], **overrides: Any) -> AsyncIterator[Ga
         overrides={"backends": [{"url": u} for u in backends], "log_level": "warning", **overrides},
         environ={},
     )
-    app = create_app(settings, backends=lambda: build_backends(settings))
+    app = build_app(settings, dispatch=True)
     async with run_app(app) as url:
         # The dispatcher registers its models at start; wait until the gateway sees them.
         await wait_until(app.state.gateway.broker.served_models)

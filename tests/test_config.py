@@ -6,7 +6,8 @@ import pytest
 
 from sluice.cli import build_parser, main
 from sluice.config import ConfigError, load_settings
-from sluice.serve import FLAGS, LOCAL_ENGINE_BURST_RISE, settings_from_args, with_local_engine
+from sluice.roles.flags import ALL_GROUPS, settings_from_args
+from sluice.roles.serve import LOCAL_ENGINE_BURST_RISE, with_local_engine
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -109,7 +110,7 @@ def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> N
         main(["serve", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in [*FLAGS, "--config", "--backend", "--max-inflight-tokens"]:
+    for flag in [*(f.name for g in ALL_GROUPS for f in g), "--config", "--backend", "--max-inflight-tokens"]:
         assert flag in out
 
 

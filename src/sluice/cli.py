@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 from sluice import __version__
 
-# name -> (module, one-line help); the module has configure_parser/run, or configure_<name>/run_<name>
+# name -> (module, one-line help); the module has configure_parser(parser) and run(args)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("sluice.serve", "run the whole system in one process: gateway, broker and dispatcher"),
-    "gateway": ("sluice.roles", "run a gateway only, on a Redis broker (scale-out)"),
-    "worker": ("sluice.roles", "run a worker only, on a Redis broker (scale-out)"),
+    "serve": ("sluice.roles.serve", "run the whole system in one process: gateway, broker and dispatcher"),
+    "gateway": ("sluice.roles.gateway", "run a gateway only, on a Redis broker (scale-out)"),
+    "worker": ("sluice.roles.worker", "run a worker only, on a Redis broker (scale-out)"),
     "sim": ("sluice.sim.server", "run an engine simulator with the OpenAI API (continuous batching model)"),
     "bench": ("sluice.bench.cli", "open-loop load experiment against an engine or a Sluice gateway"),
     "engine": ("sluice.local_engine.server", "build, start or inspect the local llama-server engine"),
@@ -41,9 +41,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 if exc.name != module_name:
                     raise
                 continue
-            configure = getattr(module, f"configure_{name}", None) or module.configure_parser
-            configure(p)
-            p.set_defaults(_run=getattr(module, f"run_{name}", None) or module.run)
+            module.configure_parser(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 

@@ -13,15 +13,15 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from sluice.backends.base import Backend, BackendError
-from sluice.broker.base import Broker, EventType, job_view
-from sluice.core.job import Job, JobError, JobState, deadline_error
+from sluice.broker.base import Broker, EventType
+from sluice.core.errors import deadline_error
+from sluice.core.job import Job, JobError, JobState
 from sluice.metrics import Metrics
 from sluice.protocol import Assembler
-from sluice.webhooks import DeliveryAttempt, WebhookSender
 
 log = logging.getLogger("sluice.worker")
 
@@ -76,8 +76,6 @@ class Dispatcher:
         retry_backoff_s: float = 0.1,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
-        webhook_secrets: Mapping[str, str] | None = None,
-        webhooks_allow_private: bool = False,
     ) -> None:
         self.broker = broker
         self.slots = [_Slots(b) for b in backends]
@@ -89,9 +87,6 @@ class Dispatcher:
         self.running: dict[str, asyncio.Task[None]] = {}
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.webhook_secrets = dict(webhook_secrets or {})
-        self._sender = WebhookSender(allow_private=webhooks_allow_private)
-        self._deliveries: set[asyncio.Task[None]] = set()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -103,23 +98,19 @@ class Dispatcher:
                 except BackendError as exc:
                     log.warning("backend %s: %s; will retry", s.backend.name, exc.message)
         await self.broker.register(self.worker_id, self.capacity())
-        await self._sender.__aenter__()
         self._tasks = [
             asyncio.create_task(self._dispatch_forever(), name="dispatch"),
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
         ]
-        if self.broker.supports_callbacks:
-            self._tasks.append(asyncio.create_task(self._webhooks_forever(), name="webhooks"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        running = [*self.running.values(), *self._deliveries]
+        running = list(self.running.values())
         for task in running:
             task.cancel()
         await asyncio.gather(*self._tasks, *running, return_exceptions=True)
         self._tasks = []
-        await self._sender.__aexit__(None, None, None)
         with contextlib.suppress(Exception):
             await self.broker.unregister(self.worker_id)
 
@@ -341,54 +332,6 @@ class Dispatcher:
                 if task is not None:
                     task.cancel()
             await self._rediscover()
-
-    # --- webhooks -----------------------------------------------------------------------------
-
-    async def _webhooks_forever(self) -> None:
-        while True:
-            try:
-                ids = await self.broker.ended_callbacks(self.worker_id, timeout=CLAIM_WAIT_S)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("fetching webhooks failed")
-                await asyncio.sleep(1.0)
-                continue
-            for job_id in ids:
-                task = asyncio.create_task(self._deliver(job_id), name=f"webhook-{job_id}")
-                self._deliveries.add(task)
-                task.add_done_callback(self._deliveries.discard)
-
-    async def _deliver(self, job_id: str) -> None:
-        job = await self.broker.get(job_id)
-        if job is None or job.callback_url is None:
-            await self.broker.ack_callback(job_id)
-            return
-
-        async def record(attempt: DeliveryAttempt) -> None:
-            await self.broker.add_delivery(job_id, attempt.to_dict())
-
-        secret = self.webhook_secrets.get(job.tenant)
-        if secret is None:  # a key made with POST /admin/keys keeps its secret in the broker
-            stored = (await self.broker.list_keys()).values()
-            secret = next(
-                (
-                    r["webhook_secret"]
-                    for r in stored
-                    if r.get("tenant") == job.tenant and r.get("webhook_secret")
-                ),
-                None,
-            )
-        try:
-            attempts = await self._sender.deliver(job_view(job), job.callback_url, secret, on_attempt=record)
-        except Exception as exc:  # a refused URL (its address changed since admission) or a bug
-            await record(
-                DeliveryAttempt(attempt=1, at=self.clock(), status=None, error=str(exc), duration_ms=0.0)
-            )
-            attempts = []
-        ok = bool(attempts) and attempts[-1].ok
-        log.info("webhook", extra={"fields": {"job": job_id, "delivered": ok, "attempts": len(attempts)}})
-        await self.broker.ack_callback(job_id)
 
     async def _rediscover(self) -> None:
         for s in self.slots:

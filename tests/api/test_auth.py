@@ -11,7 +11,7 @@ from starlette.requests import Request
 from sluice.api.auth import hash_key
 from sluice.config import ConfigError, load_settings
 from sluice.core.job import new_job_id
-from sluice.serve import check_exposure
+from sluice.roles.http import check_exposure
 from tests.servers import Gateway, run_gateway
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -117,13 +117,12 @@ async def test_not_ready_without_backends(http: httpx.AsyncClient) -> None:
     from tests.helpers import free_port
 
     settings_backend = f"http://127.0.0.1:{free_port()}"
-    from sluice.api.app import create_app
     from sluice.config import load_settings
-    from sluice.serve import build_backends
+    from sluice.runtime import build_app
     from tests.servers import run_app
 
     settings = load_settings(overrides={"backends": [{"url": settings_backend}]}, environ={})
-    async with run_app(create_app(settings, backends=lambda: build_backends(settings))) as url:
+    async with run_app(build_app(settings, dispatch=True)) as url:
         r = await http.get(url + "/readyz")
         assert r.status_code == 503 and "no backend" in r.json()["reason"]
         r = await http.post(url + "/v1/chat/completions", json={"model": "sim", "messages": MSG})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -15,32 +15,50 @@ from fastapi.responses import JSONResponse
 from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
-from sluice.broker.base import job_view
 from sluice.config import KeyGrant
+from sluice.views import job_view
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Admin = Annotated[Caller, Depends(admin)]
+
+
+class BackendControl(Protocol):
+    """The backends a dispatcher in this process feeds (the dispatcher is one)."""
+
+    def backends(self) -> list[dict[str, object]]:
+        """Each backend's name, models, limits, in-flight work and health."""
+        ...
+
+    def apply_draining(self, names: set[str]) -> None:
+        """Stop giving new work to the backends named (and resume the others)."""
+        ...
+
+
+def local_backends(request: Request) -> BackendControl | None:
+    """The app's local backends, or None when this process runs no dispatcher."""
+    control: BackendControl | None = request.app.state.backends
+    return control
 
 
 @router.get("/queues")
 async def queues(request: Request, _: Admin) -> JSONResponse:
     gw = gateway(request)
     stats = {model: asdict(s) for model, s in (await gw.broker.stats()).items()}
-    dispatcher = request.app.state.dispatcher
+    local = local_backends(request)
     body: dict[str, Any] = {"models": stats, "draining": sorted(await gw.broker.draining())}
-    if dispatcher is not None:
-        body["backends"] = dispatcher.backends()
+    if local is not None:
+        body["backends"] = local.backends()
     return JSONResponse(body)
 
 
 async def _drain(request: Request, name: str, draining: bool) -> JSONResponse:
     gw = gateway(request)
-    dispatcher = request.app.state.dispatcher
-    if dispatcher is not None and name not in {b["name"] for b in dispatcher.backends()}:
+    local = local_backends(request)
+    if local is not None and name not in {b["name"] for b in local.backends()}:
         raise APIError(404, f"No backend named '{name}'.", "backend_not_found")
     await gw.broker.set_draining(name, draining)
-    if dispatcher is not None:
-        dispatcher.apply_draining(await gw.broker.draining())
+    if local is not None:
+        local.apply_draining(await gw.broker.draining())
     return JSONResponse({"backend": name, "draining": draining})
 
 

@@ -1,0 +1,168 @@
+"""The composition root: every part a role runs is built here, from the settings, and nowhere else.
+
+- ``sluice serve``: the gateway's app with a worker in the same process (:func:`build_app` with
+  ``dispatch=True``), on the embedded broker or on Redis;
+- ``sluice gateway``: the app alone, on a shared Redis broker (:func:`build_app`);
+- ``sluice worker``: a dispatcher and the webhook delivery beside it, on a shared Redis broker
+  (:func:`running_worker`).
+
+The web framework is imported only inside :func:`build_app`, so a worker process, which imports
+this module, never loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from sluice.backends.base import Backend
+from sluice.backends.openai import OpenAIBackend
+from sluice.broker import BrokerSettings, create_broker
+from sluice.broker.base import Broker
+from sluice.config import Settings
+from sluice.dispatcher import Dispatcher
+from sluice.metrics import Metrics
+from sluice.webhook_delivery import WebhookDelivery
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+def broker_settings(settings: Settings) -> BrokerSettings:
+    """What the broker needs of the settings: classes, queue bounds, lease, result TTL, policy."""
+    per_model, default = settings.limits()
+    return BrokerSettings(
+        classes=settings.class_specs(),
+        limits=per_model,
+        default_limits=default,
+        lease_s=settings.lease_s,
+        result_ttl_s=settings.result_ttl_s,
+        drain_prior_per_slot=settings.drain_prior_per_slot,
+        policy=settings.policy(),
+    )
+
+
+def build_broker(settings: Settings) -> Broker:
+    return create_broker(settings.broker, broker_settings(settings))
+
+
+def build_backends(settings: Settings) -> list[Backend]:
+    """One OpenAI-compatible backend per configured engine."""
+    return [
+        OpenAIBackend(
+            b.url,
+            name=b.name,
+            max_concurrency=b.max_concurrency or settings.max_concurrency,
+            max_inflight_tokens=b.max_inflight_tokens,
+            models=b.models,
+            api_key=b.api_key,
+        )
+        for b in settings.backends
+    ]
+
+
+def webhook_secrets(settings: Settings) -> dict[str, str]:
+    """Each tenant's webhook secret, from the configured keys."""
+    return {k.tenant: k.webhook_secret for k in settings.keys if k.webhook_secret}
+
+
+class Worker:
+    """What a worker runs: a dispatcher feeding its backends, and webhook delivery beside it.
+
+    Attributes:
+        broker: the queue it claims from (started and closed by whoever built it).
+        backends: the engines' adapters; closed by :meth:`stop`.
+        dispatcher: claims, runs and settles jobs on ``backends``.
+        webhooks: delivers the callbacks of ended jobs; None when the broker keeps none.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        backends: list[Backend],
+        dispatcher: Dispatcher,
+        webhooks: WebhookDelivery | None,
+    ) -> None:
+        self.broker = broker
+        self.backends = backends
+        self.dispatcher = dispatcher
+        self.webhooks = webhooks
+
+    async def start(self) -> None:
+        await self.dispatcher.start()
+        if self.webhooks is not None:
+            await self.webhooks.start()
+
+    async def stop(self) -> None:
+        if self.webhooks is not None:
+            await self.webhooks.stop()
+        await self.dispatcher.stop()
+        for backend in self.backends:
+            await backend.aclose()
+
+
+def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = None) -> Worker:
+    """A worker on ``broker`` for the configured backends (at least one)."""
+    backends = build_backends(settings)
+    dispatcher = Dispatcher(broker, backends, metrics=metrics)
+    webhooks = None
+    if broker.supports_callbacks:
+        webhooks = WebhookDelivery(
+            broker,
+            dispatcher.worker_id,
+            secrets=webhook_secrets(settings),
+            allow_private=settings.webhooks_allow_private,
+        )
+    return Worker(broker, backends, dispatcher, webhooks)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings) -> AsyncIterator[Worker]:
+    """The ``sluice worker`` role: its broker connected and its worker started, until the block ends."""
+    broker = build_broker(settings)
+    await broker.start()
+    try:
+        worker = build_worker(settings, broker)
+        try:
+            await worker.start()
+            yield worker
+        finally:
+            await worker.stop()
+    finally:
+        await broker.close()
+
+
+def build_app(settings: Settings, *, dispatch: bool = False) -> FastAPI:
+    """The gateway's ASGI app on its broker; with ``dispatch``, a worker for the configured backends
+    runs in the same process (``sluice serve``). The broker and the worker start with the app's
+    lifespan and stop with it."""
+    from sluice.api.app import create_app
+    from sluice.api.auth import KeyRing
+    from sluice.api.gateway import Gateway
+
+    metrics = Metrics()
+    broker = build_broker(settings)
+    worker = build_worker(settings, broker, metrics) if dispatch and settings.backends else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan() -> AsyncIterator[None]:
+        await broker.start()
+        try:
+            if worker is None:
+                yield
+                return
+            try:
+                await worker.start()
+                yield
+            finally:
+                await worker.stop()
+        finally:
+            await broker.close()
+
+    return create_app(
+        Gateway(settings, broker, metrics),
+        KeyRing(settings, broker),
+        backends=worker.dispatcher if worker is not None else None,
+        lifespan=lifespan,
+    )
