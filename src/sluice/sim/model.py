@@ -24,12 +24,13 @@ every N steps, and those N steps also carry the prefill of the S requests that r
 from __future__ import annotations
 
 import enum
-import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any
+
+from sluice.core import cost
 
 __all__ = [
     "PRESETS",
@@ -54,11 +55,6 @@ __all__ = [
 # The shapes that capacity figures are quoted for (in --help, on start, in docs/sim.md).
 REFERENCE_COMPLETION_TOKENS = 128
 REFERENCE_PROMPT_TOKENS = 32
-
-# Chat templates wrap every message in role markers; OpenAI's own counting recipe adds about this
-# many tokens per message, plus a few to prime the assistant's reply.
-CHAT_TOKENS_PER_MESSAGE = 4
-CHAT_TOKENS_PRIMING = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,14 +172,18 @@ def lone_latency_s(
     return completion_tokens * step_duration_s(params, 1, 0) + params.prefill_s_per_token * prompt_tokens
 
 
+# The simulated engine counts prompts by the gateway's rule (sluice.core.cost): one rule, not two
+# that drift apart. The server hands over each message's text (parts joined), not the message.
+
+
 def estimate_text_tokens(text: str) -> int:
-    """About four characters per token, as for English with common BPE vocabularies; at least 1."""
-    return max(1, math.ceil(len(text) / 4))
+    """Prompt tokens of a completion's text: the gateway's estimate, about four characters a token."""
+    return cost.estimate_prompt_tokens(text)
 
 
 def estimate_chat_tokens(contents: Sequence[str]) -> int:
-    """Prompt tokens of a chat: the text of each message plus the template's per-message markers."""
-    return sum(CHAT_TOKENS_PER_MESSAGE + math.ceil(len(c) / 4) for c in contents) + CHAT_TOKENS_PRIMING
+    """Prompt tokens of a chat whose messages hold these texts: the gateway's estimate of it."""
+    return cost.estimate_chat_tokens([{"role": "user", "content": c} for c in contents])
 
 
 def token_text(index: int) -> str:
