@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sluice.core.admission import Bounds, QueueLimits
 from sluice.core.policy import QueuePolicy, make_policy
+from sluice.core.request import RequestLimits
 from sluice.core.scheduler import ClassSpec
 
 
@@ -188,6 +189,20 @@ class Settings(_Strict):
         elif self.queue_policy == "fifo":
             params = {"max_queued": self.fifo_max_queued}
         return make_policy(self.queue_policy, **params)
+
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask for, and the defaults it gets (sluice.core.request)."""
+        return RequestLimits(
+            classes=tuple(c.name for c in self.classes),
+            default_priority=self.default_priority,
+            max_n=self.max_n,
+            default_max_tokens=self.default_max_tokens,
+            max_tokens_cap=self.max_tokens_cap,
+            max_messages=self.max_messages,
+            max_prompt_tokens=self.max_prompt_tokens,
+            default_timeout_s=self.default_timeout_s,
+            max_timeout_s=self.max_timeout_s,
+        )
 
     def class_specs(self) -> list[ClassSpec]:
         return [ClassSpec(c.name, c.min_share) for c in self.classes]

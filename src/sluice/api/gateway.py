@@ -1,4 +1,4 @@
-"""Turning a validated request into a job: options, defaults, caps, tenant, cost, and admission."""
+"""Turning a validated request into a job (the rules are sluice.core.request), and admitting it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from sluice.api.schemas import SchedulingOptions
 from sluice.broker.base import Admission, Broker
 from sluice.config import Settings
 from sluice.core.admission import Refused
-from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
 from sluice.core.job import Endpoint, Job, new_job_id
+from sluice.core.request import RequestedJob, RequestRejected, plan_job
 from sluice.metrics import Metrics
 from sluice.webhooks import CallbackRefused, check_callback_url
 
@@ -105,105 +105,51 @@ class Gateway:
         await stack.enter_async_context(self.connection(caller))
         return stack
 
-    def priority(self, request: Request, caller: Caller, opts: SchedulingOptions) -> str:
-        names = [c.name for c in self.settings.classes]
-        ceiling = caller.limits.max_priority
-        default = self.settings.default_priority
-        if ceiling is not None and names.index(default) < names.index(ceiling):
-            default = ceiling  # the key's own ceiling is its default when the server's is above it
-        value = opts.priority or request.headers.get("x-priority") or default
-        if value not in names:
-            raise APIError(
-                400, f"Unknown priority '{value}'; use one of {', '.join(names)}.", param="priority"
-            )
-        if ceiling is not None and names.index(value) < names.index(ceiling):
-            raise APIError(
-                403,
-                f"This key may use priority '{ceiling}' at most; '{value}' is above it.",
-                "priority_not_allowed",
-                param="priority",
-            )
-        return value
-
     def job_for(self, caller: Caller, job: Job | None, job_id: str) -> Job:
         """The caller's own job, or 404: other tenants' ids are indistinguishable from unknown ones."""
         if job is None or job.tenant != caller.tenant:
             raise APIError(404, f"No job with id '{job_id}'.", "job_not_found")
         return job
 
-    def timeout(self, request: Request, opts: SchedulingOptions) -> float:
-        value: float | None = opts.timeout
-        header = request.headers.get("x-request-timeout")
-        if value is None and header is not None:
-            try:
-                value = float(header)
-            except ValueError:
-                value = -1
-            if not value > 0 or value == float("inf"):
-                raise APIError(
-                    400, "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
-                )
-        return min(value or self.settings.default_timeout_s, self.settings.max_timeout_s)
-
-    def max_tokens(self, opts: SchedulingOptions) -> int:
-        s = self.settings
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = getattr(opts, name)
-            if value is None:
-                continue
-            if value <= 0:
-                raise APIError(400, f"'{name}' must be at least 1.", "invalid_value", param=name)
-            if value > s.max_tokens_cap:
-                raise APIError(
-                    400,
-                    f"'{name}' must be at most {s.max_tokens_cap} on this server.",
-                    "invalid_value",
-                    param=name,
-                )
-            return int(value)
-        return s.default_max_tokens
-
     async def build_job(
         self, request: Request, caller: Caller, endpoint: Endpoint, body: dict[str, Any]
     ) -> Job:
+        """The job a validated request body makes; raises the APIError of the first rule it breaks
+        (the rules themselves are :func:`sluice.core.request.plan_job`)."""
         opts = SchedulingOptions.model_validate(body)
         s = self.settings
         model = await self.resolve_model(opts.model)
-        n = opts.n or 1
-        if n > s.max_n:
-            raise APIError(400, f"'n' must be at most {s.max_n} on this server.", param="n")
-        max_tokens = self.max_tokens(opts)
+        asked = RequestedJob(
+            endpoint=endpoint,
+            messages=body.get("messages") if endpoint is Endpoint.CHAT else None,
+            prompt=body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None,
+            n=opts.n,
+            max_tokens=opts.max_tokens,
+            max_completion_tokens=opts.max_completion_tokens,
+            priority=opts.priority,
+            priority_header=request.headers.get("x-priority"),
+            timeout_s=opts.timeout,
+            timeout_header=request.headers.get("x-request-timeout"),
+        )
+        now = time.time()
+        try:
+            plan = plan_job(asked, s.request_limits(), caller.limits, now)
+        except RequestRejected as rejected:
+            raise APIError(rejected.status, rejected.message, rejected.code, param=rejected.param) from None
         engine_body = {k: v for k, v in body.items() if k not in OWN_FIELDS and k != "max_completion_tokens"}
         engine_body["model"] = model
-        engine_body["max_tokens"] = max_tokens
-        if endpoint is Endpoint.CHAT:
-            if len(body["messages"]) > s.max_messages:
-                raise APIError(
-                    400, f"At most {s.max_messages} messages per request on this server.", param="messages"
-                )
-            prompt_tokens = estimate_chat_tokens(body["messages"])
-        else:
-            prompt_tokens = estimate_prompt_tokens(body["prompt"])
-        if prompt_tokens > s.max_prompt_tokens:
-            raise APIError(
-                400,
-                f"The prompt is about {prompt_tokens} tokens; the most this server takes is "
-                f"{s.max_prompt_tokens}.",
-                "context_length_exceeded",
-                param="messages" if endpoint is Endpoint.CHAT else "prompt",
-            )
-        now = time.time()
+        engine_body["max_tokens"] = plan.engine_max_tokens
         return Job(
             id=new_job_id(),
             model=model,
             endpoint=endpoint,
             body=engine_body,
             tenant=caller.tenant,
-            priority=self.priority(request, caller, opts),
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens * n,
+            priority=plan.priority,
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.max_tokens,
             created_at=now,
-            deadline=now + self.timeout(request, opts),
+            deadline=plan.deadline,
             max_attempts=s.max_attempts,
             idempotency_key=request.headers.get("idempotency-key") or None,
             weight=caller.limits.weight,

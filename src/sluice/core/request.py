@@ -1,0 +1,252 @@
+"""The rules that turn what a request asked into a job's fields: priority, caps, defaults, cost, deadline.
+
+:func:`plan_job` is pure: it reads a :class:`RequestedJob` (what the client sent, already parsed
+from its body and headers), the server's :class:`RequestLimits` and the caller's
+:class:`~sluice.core.ratelimit.TenantLimits`, and returns a :class:`JobPlan` or raises
+:class:`RequestRejected`. The HTTP layer reads the request, calls it, and turns a rejection into its
+error response; the queue's own admission (bounds, deadlines, rates) comes after, in the broker.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
+from sluice.core.job import Endpoint
+from sluice.core.ratelimit import TenantLimits
+
+__all__ = [
+    "JobPlan",
+    "RequestLimits",
+    "RequestRejected",
+    "RequestedJob",
+    "choices",
+    "max_tokens",
+    "plan_job",
+    "priority",
+    "prompt_tokens",
+    "timeout_s",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedJob:
+    """What one request asked for, as sent; None wherever the client left a field out.
+
+    Attributes:
+        endpoint: chat completions (``messages``) or completions (``prompt``).
+        messages: the chat messages (chat only); an absent list counts as empty.
+        prompt: the completions prompt: text, texts, token ids or lists of them (completions only).
+        n: how many choices to generate; None: one.
+        max_tokens: the body's ``max_tokens``.
+        max_completion_tokens: the body's ``max_completion_tokens``, read only when ``max_tokens``
+            is absent (OpenAI's newer name for the same limit).
+        priority: the body's ``priority``; it wins over the header.
+        priority_header: the ``X-Priority`` header.
+        timeout_s: the body's ``timeout`` (seconds); it wins over the header.
+        timeout_header: the ``X-Request-Timeout`` header, unparsed: its text is checked here.
+    """
+
+    endpoint: Endpoint
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[Any] | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    priority: str | None = None
+    priority_header: str | None = None
+    timeout_s: float | None = None
+    timeout_header: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What this server lets one request ask for, and what it gives one that asks nothing.
+
+    Attributes:
+        classes: the priority class names, highest first.
+        default_priority: the class of a request that names none (a key's ceiling may lower it).
+        max_n: the most choices one request may ask for.
+        default_max_tokens: ``max_tokens`` of a request that sets none.
+        max_tokens_cap: the most ``max_tokens`` (per choice) a request may ask for.
+        max_messages: the most chat messages one request may carry.
+        max_prompt_tokens: the longest prompt taken, in estimated tokens.
+        default_timeout_s: the deadline of a request that sets none (seconds from now).
+        max_timeout_s: the longest deadline a request may ask for; longer ones are cut to it.
+    """
+
+    classes: tuple[str, ...]
+    default_priority: str
+    max_n: int
+    default_max_tokens: int
+    max_tokens_cap: int
+    max_messages: int
+    max_prompt_tokens: int
+    default_timeout_s: float
+    max_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlan:
+    """The job's fields that the rules decide.
+
+    Attributes:
+        priority: the job's priority class.
+        engine_max_tokens: the ``max_tokens`` the engine is asked for, per choice.
+        max_tokens: the most tokens the job may generate in all: ``engine_max_tokens`` times ``n``
+            (the job's ``max_tokens``, what admission reserves).
+        prompt_tokens: the prompt's estimated length in tokens.
+        deadline: when nobody waits for the answer any more (seconds since the epoch).
+    """
+
+    priority: str
+    engine_max_tokens: int
+    max_tokens: int
+    prompt_tokens: int
+    deadline: float
+
+    @property
+    def cost(self) -> int:
+        """What the job costs the engine, in tokens: the prompt plus the most it may generate."""
+        return self.prompt_tokens + self.max_tokens
+
+
+class RequestRejected(Exception):
+    """A request the rules refuse, with what its error response says.
+
+    Attributes:
+        status: the HTTP status (400 for a bad value, 403 for one the key may not use); the error's
+            type follows from it, as for every error of the API.
+        message: for the client, saying what to change.
+        code: the error's machine-readable code, where it has one.
+        param: the parameter at fault (a body field, or a header's name).
+    """
+
+    def __init__(
+        self, status: int, message: str, code: str | None = None, *, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def plan_job(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits, now: float) -> JobPlan:
+    """The job ``asked`` makes, under ``limits`` and the caller's ``tenant`` limits, created at ``now``.
+
+    The checks run in a fixed order, so that a request with several faults always hears of the same
+    one first: ``n``, ``max_tokens``, the messages' count, the prompt's length, the priority, the
+    time-out. Raises :class:`RequestRejected` at the first fault.
+    """
+    n = choices(asked, limits)
+    engine_max_tokens = max_tokens(asked, limits)
+    prompt = prompt_tokens(asked, limits)
+    return JobPlan(
+        priority=priority(asked, limits, tenant),
+        engine_max_tokens=engine_max_tokens,
+        max_tokens=engine_max_tokens * n,
+        prompt_tokens=prompt,
+        deadline=now + timeout_s(asked, limits),
+    )
+
+
+def choices(asked: RequestedJob, limits: RequestLimits) -> int:
+    """How many choices the request asks for: ``n``, one by default, at most ``max_n``."""
+    n = 1 if asked.n is None else asked.n
+    if n < 1:
+        raise RequestRejected(400, "'n' must be at least 1.", "invalid_value", param="n")
+    if n > limits.max_n:
+        raise RequestRejected(400, f"'n' must be at most {limits.max_n} on this server.", param="n")
+    return n
+
+
+def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
+    """The ``max_tokens`` per choice: the request's (``max_tokens``, else ``max_completion_tokens``),
+    within 1 and ``max_tokens_cap``, or ``default_max_tokens`` when it sets neither."""
+    for name, value in (
+        ("max_tokens", asked.max_tokens),
+        ("max_completion_tokens", asked.max_completion_tokens),
+    ):
+        if value is None:
+            continue
+        if value <= 0:
+            raise RequestRejected(400, f"'{name}' must be at least 1.", "invalid_value", param=name)
+        if value > limits.max_tokens_cap:
+            raise RequestRejected(
+                400,
+                f"'{name}' must be at most {limits.max_tokens_cap} on this server.",
+                "invalid_value",
+                param=name,
+            )
+        return int(value)
+    return limits.default_max_tokens
+
+
+def prompt_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
+    """The prompt's estimated length in tokens, once the messages' count and that length are within
+    ``max_messages`` and ``max_prompt_tokens``."""
+    if asked.endpoint is Endpoint.CHAT:
+        messages = asked.messages or []
+        if len(messages) > limits.max_messages:
+            raise RequestRejected(
+                400, f"At most {limits.max_messages} messages per request on this server.", param="messages"
+            )
+        tokens = estimate_chat_tokens(messages)
+    else:
+        tokens = estimate_prompt_tokens(asked.prompt if asked.prompt is not None else "")
+    if tokens > limits.max_prompt_tokens:
+        raise RequestRejected(
+            400,
+            f"The prompt is about {tokens} tokens; the most this server takes is {limits.max_prompt_tokens}.",
+            "context_length_exceeded",
+            param="messages" if asked.endpoint is Endpoint.CHAT else "prompt",
+        )
+    return tokens
+
+
+def priority(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits) -> str:
+    """The job's class: the body's, else the header's, else the default; never above the key's ceiling.
+
+    The default is the server's ``default_priority``, or the key's ``max_priority`` when that is
+    lower: a key held below the server's default must not have every request without a priority
+    refused.
+    """
+    names = limits.classes
+    ceiling = tenant.max_priority
+    default = limits.default_priority
+    if ceiling is not None and names.index(default) < names.index(ceiling):
+        default = ceiling
+    value = asked.priority or asked.priority_header or default
+    if value not in names:
+        raise RequestRejected(
+            400, f"Unknown priority '{value}'; use one of {', '.join(names)}.", param="priority"
+        )
+    if ceiling is not None and names.index(value) < names.index(ceiling):
+        raise RequestRejected(
+            403,
+            f"This key may use priority '{ceiling}' at most; '{value}' is above it.",
+            "priority_not_allowed",
+            param="priority",
+        )
+    return value
+
+
+def timeout_s(asked: RequestedJob, limits: RequestLimits) -> float:
+    """Seconds until the job's deadline: the body's ``timeout``, else the ``X-Request-Timeout``
+    header (which must be a positive, finite number), else ``default_timeout_s``; at most
+    ``max_timeout_s``."""
+    value = asked.timeout_s
+    if value is None and asked.timeout_header is not None:
+        try:
+            value = float(asked.timeout_header)
+        except ValueError:
+            value = -1.0
+        # 'not > 0' also catches NaN; an infinite wait is no deadline at all.
+        if not value > 0 or math.isinf(value):
+            raise RequestRejected(
+                400, "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
+            )
+    return min(value or limits.default_timeout_s, limits.max_timeout_s)

@@ -1,0 +1,237 @@
+"""The request rules: priority, caps, defaults, cost and deadline, each rule at its boundaries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
+from sluice.core.job import Endpoint
+from sluice.core.ratelimit import TenantLimits
+from sluice.core.request import JobPlan, RequestedJob, RequestLimits, RequestRejected, plan_job
+
+NOW = 1_000.0
+MSG = [{"role": "user", "content": "hi"}]
+LIMITS = RequestLimits(
+    classes=("high", "normal", "low"),
+    default_priority="normal",
+    max_n=4,
+    default_max_tokens=512,
+    max_tokens_cap=4096,
+    max_messages=3,
+    max_prompt_tokens=100,
+    default_timeout_s=120.0,
+    max_timeout_s=600.0,
+)
+ANYONE = TenantLimits("t")
+
+
+def chat(**fields: Any) -> RequestedJob:
+    return RequestedJob(Endpoint.CHAT, messages=fields.pop("messages", MSG), **fields)
+
+
+def plan(asked: RequestedJob, limits: RequestLimits = LIMITS, tenant: TenantLimits = ANYONE) -> JobPlan:
+    return plan_job(asked, limits, tenant, NOW)
+
+
+def rejected(
+    asked: RequestedJob, limits: RequestLimits = LIMITS, tenant: TenantLimits = ANYONE
+) -> RequestRejected:
+    with pytest.raises(RequestRejected) as info:
+        plan_job(asked, limits, tenant, NOW)
+    return info.value
+
+
+def test_a_request_that_asks_nothing_gets_the_defaults() -> None:
+    p = plan(chat())
+    assert p == JobPlan(
+        priority="normal",
+        engine_max_tokens=512,
+        max_tokens=512,
+        prompt_tokens=estimate_chat_tokens(MSG),
+        deadline=NOW + 120.0,
+    )
+    assert p.cost == p.prompt_tokens + 512
+
+
+# --- n ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_n_up_to_max_n_multiplies_the_reserved_tokens(n: int) -> None:
+    p = plan(chat(n=n, max_tokens=10))
+    assert (p.engine_max_tokens, p.max_tokens) == (10, 10 * n)
+    assert p.cost == p.prompt_tokens + 10 * n
+
+
+def test_n_above_max_n_is_refused() -> None:
+    r = rejected(chat(n=5))
+    assert (r.status, r.code, r.param) == (400, None, "n")
+    assert r.message == "'n' must be at most 4 on this server."
+
+
+def test_n_below_one_is_refused() -> None:
+    r = rejected(chat(n=0))
+    assert (r.status, r.code, r.param) == (400, "invalid_value", "n")
+
+
+# --- max_tokens ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [1, 4096])
+def test_max_tokens_within_bounds_is_taken(name: str, value: int) -> None:
+    assert plan(chat(**{name: value})).engine_max_tokens == value
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(0, "at least 1"), (-3, "at least 1"), (4097, "at most 4096 on this server")],
+)
+def test_max_tokens_out_of_bounds_is_refused(name: str, value: int, message: str) -> None:
+    r = rejected(chat(**{name: value}))
+    assert (r.status, r.code, r.param) == (400, "invalid_value", name)
+    assert r.message == f"'{name}' must be {message}."
+
+
+def test_max_tokens_wins_over_max_completion_tokens() -> None:
+    assert plan(chat(max_tokens=7, max_completion_tokens=9)).engine_max_tokens == 7
+    # The newer name is not even read when the older one is set.
+    assert plan(chat(max_tokens=7, max_completion_tokens=0)).engine_max_tokens == 7
+
+
+# --- messages and the prompt --------------------------------------------------------------------
+
+
+def test_messages_up_to_max_messages_are_taken() -> None:
+    assert plan(chat(messages=MSG * 3)).prompt_tokens == estimate_chat_tokens(MSG * 3)
+
+
+def test_more_messages_than_max_messages_are_refused() -> None:
+    r = rejected(chat(messages=MSG * 4))
+    assert (r.status, r.code, r.param) == (400, None, "messages")
+    assert r.message == "At most 3 messages per request on this server."
+
+
+def prompt_of(tokens: int) -> str:
+    """A completions prompt the estimate puts at exactly ``tokens`` tokens."""
+    text = "abcd" * tokens
+    assert estimate_prompt_tokens(text) == tokens
+    return text
+
+
+def test_a_prompt_of_max_prompt_tokens_is_taken() -> None:
+    p = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=prompt_of(100)))
+    assert p.prompt_tokens == 100
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "param"), [(Endpoint.COMPLETIONS, "prompt"), (Endpoint.CHAT, "messages")]
+)
+def test_a_prompt_over_max_prompt_tokens_is_refused(endpoint: Endpoint, param: str) -> None:
+    text = prompt_of(101)
+    asked = RequestedJob(endpoint, prompt=text, messages=[{"role": "user", "content": text}])
+    r = rejected(asked)
+    tokens = estimate_chat_tokens(asked.messages or []) if endpoint is Endpoint.CHAT else 101
+    assert (r.status, r.code, r.param) == (400, "context_length_exceeded", param)
+    assert r.message == f"The prompt is about {tokens} tokens; the most this server takes is 100."
+
+
+def test_token_ids_count_one_each() -> None:
+    assert plan(RequestedJob(Endpoint.COMPLETIONS, prompt=list(range(100)))).prompt_tokens == 100
+    assert rejected(RequestedJob(Endpoint.COMPLETIONS, prompt=list(range(101)))).param == "prompt"
+
+
+# --- priority -----------------------------------------------------------------------------------
+
+
+def test_the_body_priority_wins_over_the_header() -> None:
+    assert plan(chat(priority="low", priority_header="high")).priority == "low"
+    assert plan(chat(priority_header="high")).priority == "high"
+
+
+def test_an_unknown_priority_is_refused() -> None:
+    for asked in (chat(priority="vip"), chat(priority_header="vip")):
+        r = rejected(asked)
+        assert (r.status, r.code, r.param) == (400, None, "priority")
+        assert r.message == "Unknown priority 'vip'; use one of high, normal, low."
+
+
+def test_a_key_may_ask_its_ceiling_and_below_never_above() -> None:
+    capped = TenantLimits("t", max_priority="normal")
+    assert plan(chat(priority="normal"), tenant=capped).priority == "normal"
+    assert plan(chat(priority="low"), tenant=capped).priority == "low"
+    r = rejected(chat(priority="high"), tenant=capped)
+    assert (r.status, r.code, r.param) == (403, "priority_not_allowed", "priority")
+    assert r.message == "This key may use priority 'normal' at most; 'high' is above it."
+
+
+def test_a_key_capped_below_the_default_gets_its_ceiling_by_default() -> None:
+    assert plan(chat(), tenant=TenantLimits("t", max_priority="low")).priority == "low"
+    # A ceiling above the server's default leaves the default alone.
+    assert plan(chat(), tenant=TenantLimits("t", max_priority="high")).priority == "normal"
+
+
+# --- the deadline -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "seconds"),
+    [
+        ({"timeout_s": 5.0}, 5.0),
+        ({"timeout_s": 600.0}, 600.0),
+        ({"timeout_s": 601.0}, 600.0),
+        ({"timeout_header": "7.5"}, 7.5),
+        ({"timeout_header": "1e9"}, 600.0),
+        ({"timeout_s": 5.0, "timeout_header": "soon"}, 5.0),  # the body wins; the header is not read
+    ],
+)
+def test_the_deadline_is_the_asked_timeout_capped(fields: dict[str, Any], seconds: float) -> None:
+    assert plan(chat(**fields)).deadline == NOW + seconds
+
+
+def test_the_default_timeout_is_capped_too() -> None:
+    assert plan(chat(), limits=replace(LIMITS, max_timeout_s=60.0)).deadline == NOW + 60.0
+
+
+@pytest.mark.parametrize("header", ["soon", "", "0", "-1", "nan", "inf", "-inf"])
+def test_a_bad_timeout_header_is_refused(header: str) -> None:
+    r = rejected(chat(timeout_header=header))
+    assert (r.status, r.code, r.param) == (400, None, "X-Request-Timeout")
+    assert r.message == "X-Request-Timeout must be a positive number of seconds."
+
+
+# --- order --------------------------------------------------------------------------------------
+
+
+def test_the_first_rule_broken_is_the_one_reported() -> None:
+    long = [{"role": "user", "content": prompt_of(101)}]
+    # Each fault, in the order the rules check them: its (param, code), what makes it, what mends it.
+    faults: list[tuple[tuple[str, str | None], dict[str, Any], dict[str, Any]]] = [
+        (("n", None), {"n": 5}, {"n": None}),
+        (("max_tokens", "invalid_value"), {"max_tokens": 0}, {"max_tokens": None}),
+        (("messages", None), {"messages": long * 4}, {"messages": long}),
+        (("messages", "context_length_exceeded"), {}, {"messages": MSG}),
+        (("priority", None), {"priority": "vip"}, {"priority": None}),
+        (("X-Request-Timeout", None), {"timeout_header": "soon"}, {"timeout_header": None}),
+    ]
+    asked = chat(**{k: v for _, fault, _ in faults for k, v in fault.items()})
+    for expected, _, mend in faults:
+        r = rejected(asked)
+        assert (r.param, r.code) == expected, r.message
+        asked = replace(asked, **mend)
+    assert plan(asked).priority == "normal"
+
+
+def test_the_rules_do_not_need_the_web_framework() -> None:
+    code = (
+        "import sys, sluice.core.request; "
+        "print(sorted(m for m in ('fastapi', 'starlette', 'pydantic') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
