@@ -124,3 +124,32 @@ def test_serve_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "serve" in capsys.readouterr().out
+
+
+def test_unset_settings_are_the_core_and_broker_defaults() -> None:
+    """A server configured with nothing runs as the core and the broker do by default: the defaults
+    live there, once, and configuration reads them (it once said 600 s of results, the broker 3600)."""
+    import dataclasses
+
+    from sluice.broker.base import BrokerSettings
+    from sluice.core.admission import QueueLimits
+    from sluice.core.capacity import DrainRate
+    from sluice.core.job import Job
+    from sluice.core.policy import CoDelPolicy, FifoPolicy
+    from sluice.core.scheduler import DEFAULT_CLASSES
+
+    s = load_settings(environ={})
+    broker = BrokerSettings()
+    assert s.class_specs() == list(DEFAULT_CLASSES) == list(broker.classes)
+    assert s.policy() == CoDelPolicy() == broker.policy
+    assert s.model_copy(update={"queue_policy": "fifo"}).policy() == FifoPolicy()
+    assert s.limits() == ({}, QueueLimits()) and QueueLimits() == broker.default_limits
+    assert (s.lease_s, s.result_ttl_s, s.drain_prior_per_slot) == (
+        broker.lease_s,
+        broker.result_ttl_s,
+        broker.drain_prior_per_slot,
+    )
+    assert broker.drain_prior_per_slot == DrainRate().prior_per_slot
+    assert s.result_ttl_s == 600.0  # the documented value (docs/configuration.md)
+    job_defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    assert s.max_attempts == job_defaults["max_attempts"]

@@ -6,16 +6,20 @@ Every field can be set in the TOML file; scalar fields also by ``SLUICE_<FIELD>`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sluice.broker.base import BrokerSettings
+from sluice.core import scheduler
 from sluice.core.admission import Bounds, QueueLimits
-from sluice.core.policy import QueuePolicy, make_policy
+from sluice.core.job import Job
+from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.request import RequestLimits
 from sluice.core.scheduler import ClassSpec
 
@@ -81,11 +85,20 @@ class ModelConfig(_Strict):
     max_queued_tokens: int | None = Field(default=None, ge=1)
 
 
-DEFAULT_CLASSES = [
-    ClassConfig(name="high"),
-    ClassConfig(name="normal", min_share=0.1),
-    ClassConfig(name="low", min_share=0.05),
-]
+# Every default that feeds the core or the broker is read from their own defaults, never written
+# again here: a server configured with nothing runs exactly as they do by default, and the two
+# cannot drift apart (tests/test_config.py pins it).
+
+#: the scheduler's default classes, as configuration
+DEFAULT_CLASSES = [ClassConfig(name=c.name, min_share=c.min_share) for c in scheduler.DEFAULT_CLASSES]
+#: the codel policy's parameters, for the queue_* defaults
+_CODEL = CoDelPolicy()
+#: the per-model queue bounds, for max_queued_jobs and max_queued_tokens
+_QUEUE_LIMITS = QueueLimits()
+#: lease_s, result_ttl_s and drain_prior_per_slot
+_BROKER = BrokerSettings()
+#: a job's attempts on backends (Job's dataclass has slots: its defaults live only in its fields)
+_JOB_MAX_ATTEMPTS = cast(int, next(f.default for f in dataclasses.fields(Job) if f.name == "max_attempts"))
 
 
 class Settings(_Strict):
@@ -102,20 +115,20 @@ class Settings(_Strict):
     #: the queue policy (docs/configuration.md, "Queue policy"): cap, fifo, deadline or codel
     queue_policy: Literal["cap", "fifo", "deadline", "codel"] = "codel"
     #: codel: the queueing delay a standing queue is driven down to (seconds)
-    queue_target_s: float = Field(default=0.5, ge=0)
+    queue_target_s: float = Field(default=_CODEL.target_s, ge=0)
     #: codel: the longest a queue may stay above the target, growing, before it counts as standing
-    queue_interval_s: float = Field(default=2.5, ge=0)
+    queue_interval_s: float = Field(default=_CODEL.interval_s, ge=0)
     #: codel: after this long above the target, a slowly rising queue counts as standing already
-    queue_early_s: float = Field(default=0.5, ge=0)
+    queue_early_s: float = Field(default=_CODEL.early_s, ge=0)
     #: codel: seconds of delay gained per second above the target that mark a burst, not an overload
-    queue_burst_rise: float = Field(default=2.0, ge=0)
+    queue_burst_rise: float = Field(default=_CODEL.burst_rise, ge=0)
     #: codel: half-life of the delay limit a burst's queue keeps, on its way down to the target (seconds)
-    queue_half_life_s: float = Field(default=30.0, gt=0)
+    queue_half_life_s: float = Field(default=_CODEL.half_life_s, gt=0)
     #: fifo: jobs the buffer holds
-    fifo_max_queued: int = Field(default=50, ge=1)
+    fifo_max_queued: int = Field(default=FifoPolicy.max_queued, ge=1)
     #: per-model bounds for models not listed in ``models``
-    max_queued_jobs: int | None = Field(default=1000, ge=1)
-    max_queued_tokens: int | None = Field(default=None, ge=1)
+    max_queued_jobs: int | None = Field(default=_QUEUE_LIMITS.model.max_jobs, ge=1)
+    max_queued_tokens: int | None = Field(default=_QUEUE_LIMITS.model.max_tokens, ge=1)
     #: deadline of a request that sets none (seconds)
     default_timeout_s: float = Field(default=120.0, gt=0)
     max_timeout_s: float = Field(default=600.0, gt=0)
@@ -124,13 +137,13 @@ class Settings(_Strict):
     max_tokens_cap: int = Field(default=4096, ge=1)
     max_n: int = Field(default=4, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    max_attempts: int = Field(default=3, ge=1)
-    result_ttl_s: float = Field(default=600.0, gt=0)
-    lease_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=_JOB_MAX_ATTEMPTS, ge=1)
+    result_ttl_s: float = Field(default=_BROKER.result_ttl_s, gt=0)
+    lease_s: float = Field(default=_BROKER.lease_s, gt=0)
     #: longest ?wait= a poll may hold the connection (seconds)
     max_poll_wait_s: float = Field(default=60.0, gt=0)
     #: the per-slot service rate (tokens/s) assumed before any job has finished
-    drain_prior_per_slot: float = Field(default=50.0, gt=0)
+    drain_prior_per_slot: float = Field(default=_BROKER.drain_prior_per_slot, gt=0)
     #: API keys; none configured means open mode, allowed only on a loopback address
     keys: list[KeyConfig] = Field(default_factory=list)
     #: also accept API keys stored in the broker by an administrator (POST /admin/keys); with it the

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from sluice.core.admission import QueueLimits
+from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.policy import CoDelPolicy, QueuePolicy
 from sluice.core.ratelimit import RateStatus, TenantLimits
@@ -71,9 +72,9 @@ class BrokerSettings:
     limits: Mapping[str, QueueLimits] = field(default_factory=dict)
     default_limits: QueueLimits = field(default_factory=QueueLimits)
     lease_s: float = 30.0
-    result_ttl_s: float = 3600.0
+    result_ttl_s: float = 600.0
     idempotency_ttl_s: float = 86400.0
-    drain_prior_per_slot: float = 50.0
+    drain_prior_per_slot: float = DrainRate.prior_per_slot
     policy: QueuePolicy = field(default_factory=CoDelPolicy)
     clock: Callable[[], float] = time.time
 
