@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice import __version__
-from sluice.broker.base import job_view
 from sluice.core.job import JobError, JobState
+from sluice.views import job_view
 from sluice.webhooks import (
     CallbackRefused,
     CallbackUnresolvable,

@@ -366,7 +366,7 @@ class WebhookSender:
     ) -> list[DeliveryAttempt]:
         """POST the job's terminal event to ``url`` until a 2xx or a final failure; return the attempts.
 
-        ``job_view`` is :func:`sluice.broker.base.job_view` of a finished job. ``on_attempt`` is awaited
+        ``job_view`` is :func:`sluice.views.job_view` of a finished job. ``on_attempt`` is awaited
         after each attempt (to append it to the job's delivery log as it happens); if it raises, the
         error is logged and the delivery carries on, since the receiver matters more than the log.
         """

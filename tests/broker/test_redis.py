@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from sluice.broker.base import Broker, BrokerUnavailable, EventType, job_view
+from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
 from sluice.broker.redis_keys import QueueKeys
@@ -25,6 +25,7 @@ from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
+from sluice.views import job_view
 from tests.broker.conformance import (
     BrokerConformance,
     DispatchDeadlineConformance,

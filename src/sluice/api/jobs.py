@@ -18,8 +18,8 @@ from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.relay import bounded
 from sluice.api.schemas import JobRequest, SubmitRequest
-from sluice.broker.base import job_view
 from sluice.core.job import Endpoint, Job, JobState
+from sluice.views import job_view
 
 router = APIRouter(tags=["jobs"])
 

@@ -1,8 +1,10 @@
 """The Broker interface: the queue between gateways and dispatchers.
 
-Every implementation runs the same conformance suite (``tests/broker_conformance.py``). Time is
-read from ``settings.clock`` (seconds since the epoch) so that tests can move it; waits that block
-(claim, wait, events) use real time with a bound.
+Every implementation runs the same conformance suite (``tests/broker/test_conformance.py``). Time
+is read from ``settings.clock`` (seconds since the epoch) so that tests can move it; waits that
+block (claim, wait, events) use real time with a bound. Where every broker takes the same first
+steps (``admit``, ``claim``), the public method here takes them and calls the implementation's
+``_admit`` or ``_claim``.
 """
 
 from __future__ import annotations
@@ -111,9 +113,6 @@ class Broker(ABC):
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
         self.classes = [c.name for c in settings.classes]
-        # Draining is kept here in the embedded broker; a shared store keeps it for all processes.
-        self._draining: set[str] = set()
-        self._keys: dict[str, dict[str, Any]] = {}
 
     def now(self) -> float:
         return self.settings.clock()
@@ -133,14 +132,21 @@ class Broker(ABC):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    @abstractmethod
     async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
-        """Queue ``job`` or raise :class:`sluice.core.admission.Refused`.
+        """Queue ``job`` or raise :class:`sluice.core.admission.Refused`; a priority class the broker
+        does not know raises ValueError.
 
         Idempotency, the tenant's limits (``limits``: requests and tokens per minute, jobs queued),
         the queue's bounds and the deadline prediction are decided atomically with the enqueue. The
         dispatcher never runs more of a tenant's jobs at once than ``limits.max_concurrent``.
         """
+        if job.priority not in self.classes:
+            raise ValueError(f"unknown priority class {job.priority!r}")
+        return await self._admit(job, limits)
+
+    @abstractmethod
+    async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
+        """:meth:`admit` of a job whose class is known."""
 
     @abstractmethod
     async def get(self, job_id: str) -> Job | None:
@@ -186,12 +192,19 @@ class Broker(ABC):
     async def served_models(self) -> dict[str, int]:
         """Models some live worker serves, with their total slots."""
 
-    @abstractmethod
     async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
         """Take the next job of one of ``models`` (in dispatch order), waiting at most ``timeout``.
 
         The job turns RUNNING with a lease for ``worker_id``; its STARTED event is published.
         """
+        if not models:  # nothing can come: wait as asked, so that a caller's loop does not spin
+            await asyncio.sleep(timeout)
+            return None
+        return await self._claim(worker_id, models, timeout)
+
+    @abstractmethod
+    async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+        """:meth:`claim` for at least one model."""
 
     @abstractmethod
     async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
@@ -231,34 +244,35 @@ class Broker(ABC):
 
         Their records (with the error) stay readable with :meth:`get` until the result TTL."""
 
+    @abstractmethod
     async def purge_dead_letters(self, ids: Sequence[str] | None = None) -> int:
         """Forget dead letters (all, or ``ids``), records included; returns how many went."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def set_draining(self, backend: str, draining: bool) -> None:
         """Mark a backend as draining: dispatchers send it no new jobs, running ones finish."""
-        if draining:
-            self._draining.add(backend)
-        else:
-            self._draining.discard(backend)
 
+    @abstractmethod
     async def draining(self) -> set[str]:
-        return set(self._draining)
+        """The backends marked as draining, by every process that shares the broker."""
 
     # --- API keys stored by an administrator (the config file holds the others) --------------
 
+    @abstractmethod
     async def put_key(self, key_sha256: str, record: dict[str, Any]) -> None:
-        self._keys[key_sha256] = dict(record)
+        """Store (or replace) the record of the API key whose SHA-256 is ``key_sha256``."""
 
+    @abstractmethod
     async def get_key(self, key_sha256: str) -> dict[str, Any] | None:
-        record = self._keys.get(key_sha256)
-        return dict(record) if record is not None else None
+        """A stored key's record, None if there is none."""
 
+    @abstractmethod
     async def delete_key(self, key_sha256: str) -> bool:
-        return self._keys.pop(key_sha256, None) is not None
+        """Forget a stored key; False if there was none."""
 
+    @abstractmethod
     async def list_keys(self) -> dict[str, dict[str, Any]]:
-        return {h: dict(r) for h, r in self._keys.items()}
+        """Every stored key: SHA-256 → record."""
 
     # --- webhooks -----------------------------------------------------------------------------
 
@@ -280,22 +294,3 @@ class Broker(ABC):
     async def maintain(self) -> None:
         """One round of upkeep: expire queued jobs past their deadline, re-queue jobs whose lease
         expired (or dead-letter them after ``max_attempts``), drop results past their TTL."""
-
-
-def job_view(job: Job) -> dict[str, Any]:
-    """The public JSON view of a job (``GET /v1/jobs/{id}`` and the terminal events)."""
-    return {
-        "id": job.id,
-        "object": "job",
-        "model": job.model,
-        "status": job.state.value,
-        "priority": job.priority,
-        "created_at": job.created_at,
-        "timings": job.timings(),
-        "attempts": job.attempts,
-        "result": job.result,
-        "usage": job.usage,
-        "error": job.error.to_dict() if job.error else None,
-        "callback_url": job.callback_url,
-        "deliveries": job.extra.get("deliveries", []),
-    }

@@ -18,39 +18,18 @@ from sluice.broker.base import (
     Event,
     EventType,
     ModelStats,
-    job_view,
 )
+from sluice.broker.signal import Signal
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.job import Job, JobError, JobState, deadline_error
+from sluice.core.errors import cancelled_error, deadline_error, unfinishable_error, worker_lost_error
+from sluice.core.job import Job, JobError, JobState
 from sluice.core.policy import Candidate, PolicyState
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
 from sluice.core.scheduler import ClassScheduler, Entry
+from sluice.views import job_view
 
 MAINTAIN_INTERVAL_S = 0.1
-
-
-class _Signal:
-    """A broadcast wake-up: waiters take the current event, the notifier swaps in a fresh one.
-
-    The event is made only when someone waits: most queued jobs are never watched, and an
-    ``asyncio.Event`` costs about 700 bytes.
-    """
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: asyncio.Event | None = None
-
-    def current(self) -> asyncio.Event:
-        if self._event is None:
-            self._event = asyncio.Event()
-        return self._event
-
-    def notify(self) -> None:
-        old, self._event = self._event, None
-        if old is not None:
-            old.set()
 
 
 @dataclass(slots=True)
@@ -60,9 +39,9 @@ class _Record:
     # hundreds of thousands of token events for the result TTL; as dicts they made GC pauses of 0.2 s.
     events: list[tuple[EventType, str]] = field(default_factory=list)
     #: every new event
-    signal: _Signal = field(default_factory=_Signal)
+    signal: Signal = field(default_factory=Signal)
     #: the end of the job only: waiters for the outcome do not wake for every token
-    ended: _Signal = field(default_factory=_Signal)
+    ended: Signal = field(default_factory=Signal)
 
 
 @dataclass
@@ -102,9 +81,11 @@ class MemoryBroker(Broker):
         self._ttl: list[tuple[float, str]] = []
         self._dead: dict[str, float] = {}
         self._callbacks: list[str] = []
-        self._callback_signal = _Signal()
-        self._work = _Signal()
-        self._abort = _Signal()
+        self._callback_signal = Signal()
+        self._work = Signal()
+        self._abort = Signal()
+        self._draining: set[str] = set()
+        self._keys: dict[str, dict[str, Any]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -202,7 +183,7 @@ class MemoryBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
+    async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
         now = self.now()
         idem = f"{job.tenant}:{job.idempotency_key}" if job.idempotency_key else None
         if idem is not None:
@@ -211,8 +192,6 @@ class MemoryBroker(Broker):
                 first = self._records[hit[0]].job
                 pos = await self.position(first.id)
                 return Admission(first, True, pos or 0, 0.0)
-        if job.priority not in self.classes:
-            raise ValueError(f"unknown priority class {job.priority!r}")
         tenant = self._tenant(job.tenant, limits)
         drain = self._drain_rate(job.model)
         admission.check_tenant(tenant.limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
@@ -295,7 +274,7 @@ class MemoryBroker(Broker):
             self._abort.notify()  # the lease stays until the worker hears of it and lets go
         else:
             return job
-        self._settle(rec, JobState.CANCELLED, JobError("The job was cancelled.", "cancelled", "cancelled"))
+        self._settle(rec, JobState.CANCELLED, cancelled_error())
         return job
 
     async def position(self, job_id: str) -> int | None:
@@ -353,11 +332,11 @@ class MemoryBroker(Broker):
             drain = self._drain_rate(rec.job.model)
             if drain.measured and rec.job.deadline - now < drain.service_s(rec.job.cost):
                 # It would be aborted half-way: the engine's time goes to a job that can finish.
-                self._settle(rec, JobState.EXPIRED, _unfinishable_error(rec.job.deadline - now))
+                self._settle(rec, JobState.EXPIRED, unfinishable_error(rec.job.deadline - now))
                 continue
             return rec.job
 
-    async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+    async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
         try:
             async with asyncio.timeout(timeout):
                 while True:
@@ -445,6 +424,28 @@ class MemoryBroker(Broker):
             self._records.pop(job_id, None)
         return len(gone)
 
+    async def set_draining(self, backend: str, draining: bool) -> None:
+        if draining:
+            self._draining.add(backend)
+        else:
+            self._draining.discard(backend)
+
+    async def draining(self) -> set[str]:
+        return set(self._draining)
+
+    async def put_key(self, key_sha256: str, record: dict[str, Any]) -> None:
+        self._keys[key_sha256] = dict(record)
+
+    async def get_key(self, key_sha256: str) -> dict[str, Any] | None:
+        record = self._keys.get(key_sha256)
+        return dict(record) if record is not None else None
+
+    async def delete_key(self, key_sha256: str) -> bool:
+        return self._keys.pop(key_sha256, None) is not None
+
+    async def list_keys(self) -> dict[str, dict[str, Any]]:
+        return {h: dict(r) for h, r in self._keys.items()}
+
     supports_callbacks = True
 
     async def ended_callbacks(self, worker_id: str, timeout: float) -> list[str]:
@@ -479,15 +480,7 @@ class MemoryBroker(Broker):
             job = rec.job
             if job.attempts >= job.max_attempts:
                 self._dead[job.id] = now
-                self._settle(
-                    rec,
-                    JobState.FAILED,
-                    JobError(
-                        f"The worker running the job was lost {job.attempts} times; giving up.",
-                        "server_error",
-                        "attempts_exhausted",
-                    ),
-                )
+                self._settle(rec, JobState.FAILED, worker_lost_error(job.attempts))
                 continue
             self._move(job, JobState.QUEUED)
             self._queue(job.model).push(job.priority, self._entry(job), front=True)
@@ -502,12 +495,3 @@ class MemoryBroker(Broker):
         for key, (_, expires) in list(self._idempotency.items()):
             if expires <= now:
                 del self._idempotency[key]
-
-
-def _unfinishable_error(left_s: float) -> JobError:
-    return JobError(
-        f"Dropped before dispatch: {left_s:.1f} s were left before the deadline, less than the "
-        "generation needs.",
-        "timeout",
-        "deadline_exceeded",
-    )

@@ -41,25 +41,40 @@ from sluice.broker.base import (
     Event,
     EventType,
     ModelStats,
-    job_view,
 )
 from sluice.broker.redis_codec import (
+    AdmitOutcome,
+    AdmitReply,
+    JobReply,
+    PurgeExpiredReply,
+    ReapReply,
     bound,
+    capacity_drain,
+    capacity_slots,
     decode_job,
     encode_job,
-    limiter_from_state,
     pairs,
+    settle_fields,
     tenant_limit_args,
     to_json,
 )
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
-from sluice.broker.redis_keys import QueueKeys, part
+from sluice.broker.redis_keys import JobField, QueueKeys, queued_jobs_field, queued_tokens_field
 from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState, deadline_error
-from sluice.core.policy import Candidate, PolicyState
+from sluice.core.errors import (
+    UNFINISHABLE_LEFT,
+    WORKER_LOST_ATTEMPTS,
+    cancelled_error,
+    deadline_error,
+    unfinishable_error,
+    worker_lost_error,
+)
+from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
+from sluice.core.policy import Candidate
 from sluice.core.ratelimit import TenantLimits
+from sluice.views import job_view
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
 
@@ -82,16 +97,11 @@ CALLBACK_LEASE_S = 600.0
 #: Webhooks handed to one worker at a time.
 CALLBACK_BATCH = 100
 
-_EXPIRED = deadline_error()
-_CANCELLED = JobError("The job was cancelled.", "cancelled", "cancelled")
-_DROPPED = JobError(
-    "Dropped before dispatch: {left} s were left before the deadline, less than the generation needs.",
-    "timeout",
-    "deadline_exceeded",
-)
-_EXHAUSTED = JobError(
-    "The worker running the job was lost {attempts} times; giving up.", "server_error", "attempts_exhausted"
-)
+# The errors the scripts settle jobs with, as JSON; the scripts fill in the placeholders.
+_EXPIRED = to_json(deadline_error().to_dict())
+_CANCELLED = to_json(cancelled_error().to_dict())
+_UNFINISHABLE = to_json(unfinishable_error(UNFINISHABLE_LEFT).to_dict())
+_WORKER_LOST = to_json(worker_lost_error(WORKER_LOST_ATTEMPTS).to_dict())
 
 SCRIPT_NAMES = (
     "admit",
@@ -118,7 +128,7 @@ class _ClaimPlan:
     markers: list[str]
     lease_s: str
     fixed: list[str]  # ARGV[6 .. 11]
-    dropped: str  # ARGV[13]
+    unfinishable: str  # ARGV[13]
     tail: list[str]  # class names, minimum shares, models
 
 
@@ -265,11 +275,6 @@ class RedisBroker(Broker):
 
     # --- gateway side -------------------------------------------------------------------------
 
-    async def admit(self, job: Job, limits: TenantLimits | None = None) -> Admission:
-        if job.priority not in self.classes:
-            raise ValueError(f"unknown priority class {job.priority!r}")
-        return await self._admit(job, limits)
-
     async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
         k = self.keys
         queue = self.settings.limits_for(job.model)
@@ -314,36 +319,28 @@ class RedisBroker(Broker):
             *self._class_names,
             *encode_job(job),
         ]
-        reply = await self._call("admit", keys, args)
-        code = int(reply[0])
-        if code == 1:
-            rate = limiter_from_state(job.tenant, reply[3:12]).status(now)
-            return Admission(job, False, int(reply[1]), float(reply[2]), rate)
-        if code in (2, 3):
-            # 2: a repeat of an idempotent request; 3: our own earlier try of this call got through.
-            first_id = str(reply[1]) if code == 2 else job.id
+        reply = AdmitReply.from_reply(await self._call("admit", keys, args))
+        if reply.outcome is AdmitOutcome.QUEUED:
+            assert reply.tenant is not None
+            rate = reply.tenant.limiter(job.tenant).status(now)
+            return Admission(job, False, reply.position, reply.estimated_start_s, rate)
+        if reply.outcome is not AdmitOutcome.REFUSED:
+            # A repeat of an idempotent request, or our own earlier try of this call got through.
+            first_id = reply.first_id or job.id
             first = await self.get(first_id)
             if first is None:  # dropped in between: admit afresh
                 return await self._admit(job, limits)
             pos = await self.position(first_id)
-            return Admission(first, code == 2, pos or 0, 0.0)
+            return Admission(first, reply.outcome is AdmitOutcome.DUPLICATE, pos or 0, 0.0)
         # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
         # the memory broker raises (tenant limits first, then the queue).
-        drain = DrainRate(
-            prior_per_slot=self.settings.drain_prior_per_slot,
-            per_slot=float(reply[7]),
-            samples=int(reply[8]),
-            slots=int(reply[9]),
-        )
-        mj, mt, cj, ct, aj, at = map(int, reply[1:7])
-        view = admission.QueueView(mj, mt, cj, ct, aj, at, int(reply[19]))
-        limiter = limiter_from_state(job.tenant, reply[10:19])
-        queued = int(float(reply[14]))
-        admission.check_tenant(limiter, cost=job.cost, queued=queued, now=now, drain=drain)
-        above, standing, limit, refused = (float(v) if v not in ("", b"") else None for v in reply[20:24])
-        state = PolicyState(above, standing, limit or 0.0, refused)
-        candidate = Candidate(job.cost, job.priority, now, job.deadline, view, queue, drain)
-        self.settings.policy.admit(candidate, state)
+        assert reply.tenant is not None and reply.refusal is not None
+        refusal = reply.refusal
+        drain = refusal.drain(self.settings.drain_prior_per_slot)
+        limiter = reply.tenant.limiter(job.tenant)
+        admission.check_tenant(limiter, cost=job.cost, queued=reply.tenant.queued, now=now, drain=drain)
+        candidate = Candidate(job.cost, job.priority, now, job.deadline, refusal.view, queue, drain)
+        self.settings.policy.admit(candidate, refusal.policy)
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
 
     async def _record(self, job_id: str) -> dict[str, str]:
@@ -362,7 +359,7 @@ class RedisBroker(Broker):
             return job
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                async for event in self.events(job_id, after=int(data.get("seq", "0"))):
+                async for event in self.events(job_id, after=int(data.get(JobField.SEQ, "0"))):
                     if event.type in TERMINAL_EVENTS:
                         break
         return await self.get(job_id) or job
@@ -371,7 +368,7 @@ class RedisBroker(Broker):
         key = self.keys.out(job_id)
         last = max(after, 0)
         # Event 1 (QUEUED) is kept in the record; the stream starts at 0-2 (see admit.lua).
-        record = self._batch.call(("HMGET", self.keys.job(job_id), "state", "q"))
+        record = self._batch.call(("HMGET", self.keys.job(job_id), JobField.STATE, JobField.QUEUED_EVENT))
         stream = self._batch.call(("XRANGE", key, f"0-{max(last + 1, 2)}", "+"))
         (state, queued), backlog = await asyncio.gather(record, stream)
         if state is None:
@@ -417,10 +414,10 @@ class RedisBroker(Broker):
                 repr(float(self.settings.result_ttl_s)),
                 STREAM_MAXLEN,
                 k.abort_channel,
-                to_json(_CANCELLED.to_dict()),
+                _CANCELLED,
             ],
         )
-        return decode_job(pairs(reply[1:])) if int(reply[0]) == 1 else None
+        return JobReply.from_reply(reply).job
 
     async def position(self, job_id: str) -> int | None:
         k = self.keys
@@ -430,9 +427,9 @@ class RedisBroker(Broker):
     async def stats(self) -> dict[str, ModelStats]:
         k = self.keys
         capacity = await self._workers("list")
-        slots = {f[2:]: int(n) for f, n in capacity.items() if f.startswith("s:")}
+        slots = capacity_slots(capacity)
         models = sorted(cast(set[str], await self._io(self._redis.smembers(k.models))) | set(slots))
-        fields = [f"{kind}:{part(c)}" for c in self._class_names for kind in ("j", "k")]
+        fields = [f(c) for c in self._class_names for f in (queued_jobs_field, queued_tokens_field)]
         async with self._redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.hmget(k.state(model), fields)
@@ -441,12 +438,7 @@ class RedisBroker(Broker):
         running: dict[str, str] = replies[-1]
         out: dict[str, ModelStats] = {}
         for model, counts in zip(models, replies, strict=False):
-            drain = DrainRate(
-                prior_per_slot=self.settings.drain_prior_per_slot,
-                per_slot=float(capacity.get(f"p:{model}", 0.0)),
-                samples=int(capacity.get(f"n:{model}", 0)),
-                slots=slots.get(model, 0),
-            )
+            drain = capacity_drain(capacity, model, self.settings.drain_prior_per_slot)
             out[model] = ModelStats(
                 sum(int(n or 0) for n in counts[0::2]),
                 sum(int(n or 0) for n in counts[1::2]),
@@ -485,9 +477,6 @@ class RedisBroker(Broker):
         return {h: cast(dict[str, Any], json.loads(v)) for h, v in raw.items()}
 
     async def dead_letters(self) -> dict[str, float]:
-        """Jobs that failed for good after losing their worker ``max_attempts`` times: id → when.
-
-        Their records (with the error) stay readable with :meth:`get` until the result TTL."""
         entries = await self._io(self._redis.zrange(self.keys.dead, 0, -1, withscores=True))
         return {str(member): float(score) for member, score in cast(list[tuple[str, float]], entries)}
 
@@ -512,8 +501,7 @@ class RedisBroker(Broker):
         await self._workers("unregister", worker_id)
 
     async def served_models(self) -> dict[str, int]:
-        capacity = await self._workers("list")
-        return {f[2:]: int(n) for f, n in capacity.items() if f.startswith("s:") and int(n) > 0}
+        return {model: n for model, n in capacity_slots(await self._workers("list")).items() if n > 0}
 
     def _plan(self, models: Sequence[str]) -> _ClaimPlan:
         plan = self._plans.get(tuple(models))
@@ -529,22 +517,19 @@ class RedisBroker(Broker):
                 str(len(self._class_names)),
                 str(len(models)),
                 str(EXPIRED_PER_CLAIM),
-                to_json(_EXPIRED.to_dict()),
+                _EXPIRED,
             ]
             plan = self._plans[tuple(models)] = _ClaimPlan(
                 keys,
                 [k.marker(m) for m in models],
                 repr(float(self.settings.lease_s)),
                 fixed,
-                to_json(_DROPPED.to_dict()),
+                _UNFINISHABLE,
                 [*self._class_names, *self._min_shares, *models],
             )
         return plan
 
-    async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
-        if not models:
-            await asyncio.sleep(timeout)
-            return None
+    async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
         plan = self._plan(models)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
@@ -562,7 +547,7 @@ class RedisBroker(Broker):
                     token,
                     *plan.fixed,
                     woken,
-                    plan.dropped,
+                    plan.unfinishable,
                     *plan.tail,
                 ],
             )
@@ -578,12 +563,11 @@ class RedisBroker(Broker):
                 reply = await self._batch.submit(command, script=script, orphan=orphan)
             except (RedisError, OSError) as exc:
                 raise translate(exc) from exc
-            code = int(reply[0])
-            if code == 1:
-                job = decode_job(pairs(reply[1:]))
-                self._tokens[(worker_id, job.id)] = token
-                return job
-            if code == 2:
+            claimed = JobReply.from_reply(reply)
+            if claimed.job is not None:
+                self._tokens[(worker_id, claimed.job.id)] = token
+                return claimed.job
+            if claimed.code == 2:
                 continue
             remaining = give_up - loop.time()
             if remaining <= 0:
@@ -595,9 +579,10 @@ class RedisBroker(Broker):
             woken = 1 if popped else 0
 
     async def _release_claimed(self, reply: Any, worker_id: str, token: str) -> None:
-        if int(reply[0]) != 1:
+        claimed = JobReply.from_reply(reply).job
+        if claimed is None:
             return
-        job_id = decode_job(pairs(reply[1:])).id
+        job_id = claimed.id
         k = self.keys
         with contextlib.suppress(Exception):
             await self._call(
@@ -639,17 +624,7 @@ class RedisBroker(Broker):
         attempts: int | None = None,
         backend: str | None = None,
     ) -> Job | None:
-        fields: list[str] = []
-        if result is not None:
-            fields += ["result", to_json(result)]
-        if usage is not None:
-            fields += ["usage", to_json(usage)]
-        if error is not None:
-            fields += ["error", to_json(error.to_dict())]
-        if attempts is not None:
-            fields += ["attempts", str(attempts)]
-        if backend is not None:
-            fields += ["backend", backend]
+        fields = settle_fields(result=result, usage=usage, error=error, attempts=attempts, backend=backend)
         used = usage.get("total_tokens") if usage is not None else None
         return await self._finish(job_id, worker_id, state, used if isinstance(used, int) else -1, fields)
 
@@ -675,7 +650,7 @@ class RedisBroker(Broker):
                 *fields,
             ],
         )
-        return decode_job(pairs(reply[1:])) if int(reply[0]) == 1 else None
+        return JobReply.from_reply(reply).job
 
     # --- webhooks -----------------------------------------------------------------------------
 
@@ -708,7 +683,7 @@ class RedisBroker(Broker):
     async def add_delivery(self, job_id: str, attempt: dict[str, Any]) -> None:
         k = self.keys
         for _ in range(10):  # compare and set: another writer is unlikely, but never lost
-            before = await self._batch.call(("HGET", k.job(job_id), "extra"))
+            before = await self._batch.call(("HGET", k.job(job_id), JobField.EXTRA))
             if before is None:
                 return
             extra = json.loads(before)
@@ -728,19 +703,23 @@ class RedisBroker(Broker):
         ]
         # Deadlines before leases, as the memory broker: a job handed back now waits a round.
         while True:
-            reply = await self._call(
-                "purge_expired",
-                [k.deadline, k.results, k.dead, k.running, k.blocked],
-                [self._now(), *common, to_json(_EXPIRED.to_dict())],
+            purged = PurgeExpiredReply.from_reply(
+                await self._call(
+                    "purge_expired",
+                    [k.deadline, k.results, k.dead, k.running, k.blocked],
+                    [self._now(), *common, _EXPIRED],
+                )
             )
-            if not int(reply[2]):
+            if not purged.more:
                 break
         while True:
-            reply = await self._call(
-                "reap",
-                [k.active, k.deadline, k.results, k.dead, k.running, k.blocked],
-                [self._now(), *common, to_json(_EXHAUSTED.to_dict())],
+            reaped = ReapReply.from_reply(
+                await self._call(
+                    "reap",
+                    [k.active, k.deadline, k.results, k.dead, k.running, k.blocked],
+                    [self._now(), *common, _WORKER_LOST],
+                )
             )
-            if not int(reply[2]):
+            if not reaped.more:
                 break
         await self._workers("list")

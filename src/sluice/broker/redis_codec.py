@@ -1,12 +1,14 @@
 """What the Redis broker's scripts read and write, in Python terms: the job record (one hash per
-job) and the tenant-limit state admit.lua hands back.
+job), the capacity hash, and the replies of the scripts that answer with more than one value (one
+decoder per reply layout; ``lua/README.md`` says which script answers with which).
 
 Fields the scripts read or write are fields of their own, as JSON text when they are numbers or
 JSON (so a script can splice them into a reply unchanged); the fields that never change after
 admission travel as one JSON field, ``spec``: every argument and reply element that crosses into a
 script costs Redis time, and a record is read whole on every claim and finish. The layout follows
 the ``Job`` dataclass's type hints, so a field added to ``Job`` is stored without a change here
-(in ``spec``, unless it is listed in :data:`OWN_FIELDS` because a script needs it).
+(in ``spec``, unless it is listed in :data:`~sluice.broker.redis_keys.JOB_OWN_FIELDS` because a
+script needs it).
 """
 
 from __future__ import annotations
@@ -17,9 +19,22 @@ import json
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, ClassVar
 
+from sluice.broker.redis_keys import (
+    JOB_OWN_FIELDS,
+    SLOTS_PREFIX,
+    JobField,
+    drain_rate_field,
+    drain_samples_field,
+    slots_field,
+)
+from sluice.core.admission import QueueView
+from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError
+from sluice.core.policy import PolicyState
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
 
 #: One compact encoder for all: json.dumps with arguments builds a new encoder on every call.
@@ -56,15 +71,6 @@ def _field_kinds() -> dict[str, tuple[str, Any]]:
 
 _KINDS = _field_kinds()
 
-#: Job fields the scripts read or write, each a field of the record hash; the others go in ``spec``.
-OWN_FIELDS = frozenset(
-    {
-        "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
-        "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
-        "error", "extra", "callback_url",
-    }
-)  # fmt: skip
-
 
 Conv = Callable[[Any], Any] | None  # None: the value as it is
 Plan = list[tuple[str, Conv]]
@@ -100,7 +106,7 @@ def _plans() -> tuple[Plan, Plan, Plan, Plan]:
     spec_in: Plan = []
     for name, (kind, cls) in _KINDS.items():
         text_out, json_out, text_in, json_in = _convs(kind, cls)
-        if name in OWN_FIELDS:
+        if name in JOB_OWN_FIELDS:
             own_out.append((name, text_out))
             own_in.append((name, text_in))
         else:
@@ -133,13 +139,13 @@ def _compile() -> tuple[Callable[[Job], list[str]], Callable[[Mapping[str, str]]
             ]
         return lines
 
-    enc = ["def encode_job(job):", "    out = ['cost', str(job.cost)]"]
+    enc = ["def encode_job(job):", f"    out = [{JobField.COST!r}, str(job.cost)]"]
     enc += fields(_OWN_OUT, "oo", "job.{name}", "out += ({name}, {value})")
     enc.append("    spec = {}")
     enc += fields(_SPEC_OUT, "so", "job.{name}", "spec[{name}] = {value}")
-    enc += ["    out += ('spec', _encode(spec))", "    return out"]
+    enc += [f"    out += ({JobField.SPEC!r}, _encode(spec))", "    return out"]
 
-    dec = ["def decode_job(data):", "    kw = {}", "    get = _decode(data['spec']).get"]
+    dec = ["def decode_job(data):", "    kw = {}", f"    get = _decode(data[{JobField.SPEC!r}]).get"]
     dec += fields(_SPEC_IN, "si", "get({name!r})", "kw[{name}] = {value}")
     dec.append("    get = data.get")
     dec += fields(_OWN_IN, "oi", "get({name!r})", "kw[{name}] = {value}")
@@ -160,10 +166,52 @@ def decode_job(data: Mapping[str, str]) -> Job:
     return _decode_job(data)
 
 
+def settle_fields(
+    *,
+    result: dict[str, Any] | None,
+    usage: dict[str, Any] | None,
+    error: JobError | None,
+    attempts: int | None,
+    backend: str | None,
+) -> list[str]:
+    """Field, value pairs finish.lua records in a job's hash when it settles it; None is left out."""
+    fields: list[str] = []
+    if result is not None:
+        fields += [JobField.RESULT, to_json(result)]
+    if usage is not None:
+        fields += [JobField.USAGE, to_json(usage)]
+    if error is not None:
+        fields += [JobField.ERROR, to_json(error.to_dict())]
+    if attempts is not None:
+        fields += [JobField.ATTEMPTS, str(attempts)]
+    if backend is not None:
+        fields += [JobField.BACKEND, backend]
+    return fields
+
+
 def pairs(flat: Sequence[Any]) -> dict[str, str]:
     """A flat reply ``[field, value, ...]`` as a dict."""
     it = iter(flat)
     return dict(zip(it, it, strict=False))
+
+
+# --- the capacity hash ---------------------------------------------------------------------------------
+
+
+def capacity_slots(capacity: Mapping[str, str]) -> dict[str, int]:
+    """Model → slots of the live workers, from the capacity hash (workers.lua's reply)."""
+    n = len(SLOTS_PREFIX)
+    return {f[n:]: int(v) for f, v in capacity.items() if f.startswith(SLOTS_PREFIX)}
+
+
+def capacity_drain(capacity: Mapping[str, str], model: str, prior_per_slot: float) -> DrainRate:
+    """A model's DrainRate as the capacity hash holds it: the measured rate, its samples, the slots."""
+    return DrainRate(
+        prior_per_slot=prior_per_slot,
+        per_slot=float(capacity.get(drain_rate_field(model), 0.0)),
+        samples=int(capacity.get(drain_samples_field(model), 0)),
+        slots=int(capacity.get(slots_field(model), 0)),
+    )
 
 
 # --- tenant limits ----------------------------------------------------------------------------
@@ -182,22 +230,218 @@ def tenant_limit_args(limits: TenantLimits | None) -> list[int]:
     return [1, *map(bound, values)]
 
 
+def _opt(text: str) -> float | None:
+    """A number a script sent as text, '' for none."""
+    return float(text) if text != "" else None
+
+
+def _opt_int(text: str) -> int | None:
+    value = _opt(text)
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantState:
+    """A tenant as admit.lua leaves (or finds) it: ``T`` in its reply, :attr:`WIDTH` elements."""
+
+    #: requests per minute (``TenantLimits.rpm``); None for no limit
+    rpm: int | None
+    #: tokens per minute (``TenantLimits.tpm``); None for no limit
+    tpm: int | None
+    #: most jobs queued at once (``TenantLimits.max_queued``); None for no limit
+    max_queued: int | None
+    #: most jobs running at once (``TenantLimits.max_concurrent``); None for no limit
+    max_concurrent: int | None
+    #: the tenant's jobs queued now
+    queued: int
+    #: the requests bucket's level and when it was last refilled; None before its first use
+    requests_level: float | None
+    requests_stamp: float | None
+    #: the tokens bucket's level and when it was last refilled; None before its first use
+    tokens_level: float | None
+    tokens_stamp: float | None
+
+    #: How many reply elements it takes.
+    WIDTH: ClassVar[int] = 9
+
+    @classmethod
+    def from_reply(cls, state: Sequence[str]) -> TenantState:
+        """From the ``WIDTH`` strings of the reply ('' for none), in field order."""
+        return cls(
+            _opt_int(state[0]),
+            _opt_int(state[1]),
+            _opt_int(state[2]),
+            _opt_int(state[3]),
+            int(float(state[4])),
+            _opt(state[5]),
+            _opt(state[6]),
+            _opt(state[7]),
+            _opt(state[8]),
+        )
+
+    def limiter(self, tenant: str) -> TenantLimiter:
+        """The TenantLimiter of ``tenant`` in this state, as the memory broker would hold it."""
+        limits = TenantLimits(
+            tenant,
+            rpm=self.rpm,
+            tpm=self.tpm,
+            max_queued=self.max_queued,
+            max_concurrent=self.max_concurrent,
+        )
+        limiter = TenantLimiter(limits)
+        buckets = (
+            (limiter.requests, self.requests_level, self.requests_stamp),
+            (limiter.tokens, self.tokens_level, self.tokens_stamp),
+        )
+        for bucket, level, stamp in buckets:
+            if bucket is not None and level is not None and stamp is not None:
+                bucket.level, bucket.stamp = level, stamp
+        return limiter
+
+
 def limiter_from_state(tenant: str, state: Sequence[str]) -> TenantLimiter:
-    """A TenantLimiter as the admit script left (or found) the tenant: rpm, tpm, max queued, max
-    concurrent, queued, requests level and stamp, tokens level and stamp ('' for none)."""
+    """A TenantLimiter as the admit script left (or found) the tenant (``T`` of its reply: see
+    :class:`TenantState`)."""
+    return TenantState.from_reply(state).limiter(tenant)
 
-    def opt(i: int) -> float | None:
-        return float(state[i]) if state[i] != "" else None
 
-    def opt_int(i: int) -> int | None:
-        value = opt(i)
-        return None if value is None else int(value)
+# --- script replies ------------------------------------------------------------------------------------
 
-    limits = TenantLimits(
-        tenant, rpm=opt_int(0), tpm=opt_int(1), max_queued=opt_int(2), max_concurrent=opt_int(3)
-    )
-    limiter = TenantLimiter(limits)
-    for bucket, level, stamp in ((limiter.requests, opt(5), opt(6)), (limiter.tokens, opt(7), opt(8))):
-        if bucket is not None and level is not None and stamp is not None:
-            bucket.level, bucket.stamp = level, stamp
-    return limiter
+
+class AdmitOutcome(IntEnum):
+    """The first element of admit.lua's reply."""
+
+    #: the script refused the job; the core's checks, run again on the state it saw, say why
+    REFUSED = 0
+    #: the job is queued
+    QUEUED = 1
+    #: the idempotency key names an earlier live job: nothing was queued
+    DUPLICATE = 2
+    #: this job id is already admitted: an earlier try of this very call got through
+    RETRIED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRefusal:
+    """What admit.lua saw when it refused a job: the state the core's checks need in order to raise
+    the same Refused as the memory broker (tenant limits first, then the queue)."""
+
+    #: the model's queue (jobs and tokens of the model, of the job's class and ahead of it; running
+    #: jobs, which only the cap policy needs and the script counts only for it)
+    view: QueueView
+    #: the model's measured drain rate per slot (``DrainRate.per_slot``)
+    per_slot: float
+    #: how many jobs that rate was measured on (``DrainRate.samples``)
+    samples: int
+    #: the slots of the model's live workers
+    slots: int
+    #: the queue policy's state before the decision (codel's; empty for the others)
+    policy: PolicyState
+
+    def drain(self, prior_per_slot: float) -> DrainRate:
+        return DrainRate(
+            prior_per_slot=prior_per_slot, per_slot=self.per_slot, samples=self.samples, slots=self.slots
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    """admit.lua's reply, decoded. Its layout, by outcome (``T``: :class:`TenantState`; ``S``:
+    codel's four fields, '' for none)::
+
+        {1, position, estimated_start_s, T...}
+        {2, first job id}
+        {3}
+        {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
+            per_slot, samples, slots, T..., running, S...}
+    """
+
+    #: what the script did
+    outcome: AdmitOutcome
+    #: QUEUED: the jobs that would be dispatched before this one
+    position: int = 0
+    #: QUEUED: the predicted wait before it starts, in seconds
+    estimated_start_s: float = 0.0
+    #: DUPLICATE: the id of the earlier job the idempotency key names
+    first_id: str | None = None
+    #: QUEUED: the tenant after the charge; REFUSED: the tenant before the checks
+    tenant: TenantState | None = None
+    #: REFUSED: the state the refusal was decided on
+    refusal: AdmitRefusal | None = None
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> AdmitReply:
+        outcome = AdmitOutcome(int(reply[0]))
+        w = TenantState.WIDTH
+        if outcome is AdmitOutcome.QUEUED:
+            return cls(
+                outcome, int(reply[1]), float(reply[2]), tenant=TenantState.from_reply(reply[3 : 3 + w])
+            )
+        if outcome is AdmitOutcome.DUPLICATE:
+            return cls(outcome, first_id=str(reply[1]))
+        if outcome is AdmitOutcome.RETRIED:
+            return cls(outcome)
+        model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = map(int, reply[1:7])
+        tenant_end = 10 + w
+        running = int(reply[tenant_end])
+        above, standing, limit, refused = map(_opt, reply[tenant_end + 1 : tenant_end + 5])
+        view = QueueView(
+            model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, running
+        )
+        refusal = AdmitRefusal(
+            view,
+            per_slot=float(reply[7]),
+            samples=int(reply[8]),
+            slots=int(reply[9]),
+            policy=PolicyState(above, standing, limit or 0.0, refused),
+        )
+        return cls(outcome, tenant=TenantState.from_reply(reply[10:tenant_end]), refusal=refusal)
+
+
+@dataclass(frozen=True, slots=True)
+class JobReply:
+    """The reply of the scripts that answer with a job's record: claim.lua, finish.lua, cancel.lua
+    (``{1, field, value, ...}``, built by ``job_reply`` in _job.lua), or with a code alone."""
+
+    #: 1: the record follows. 0: cancel: the job is unknown; finish: the caller's lease is gone;
+    #: claim: nothing to claim. 2 (claim only): enough expired jobs settled for one call: call again.
+    code: int
+    #: the record, when ``code`` is 1
+    job: Job | None
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> JobReply:
+        code = int(reply[0])
+        return cls(code, decode_job(pairs(reply[1:])) if code == 1 else None)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeExpiredReply:
+    """purge_expired.lua's reply, ``{expired, dropped, more}``."""
+
+    #: queued jobs past their deadline, settled as expired
+    expired: int
+    #: finished jobs past their result TTL, dropped with their events
+    dropped: int
+    #: a bound of the call was reached: call again
+    more: bool
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> PurgeExpiredReply:
+        return cls(int(reply[0]), int(reply[1]), bool(int(reply[2])))
+
+
+@dataclass(frozen=True, slots=True)
+class ReapReply:
+    """reap.lua's reply, ``{requeued, dead_lettered, more}``."""
+
+    #: jobs whose lease ran out, queued again for another attempt
+    requeued: int
+    #: jobs whose lease ran out on their last attempt, failed into the dead letters
+    dead_lettered: int
+    #: the bound of the call was reached: call again
+    more: bool
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> ReapReply:
+        return cls(int(reply[0]), int(reply[1]), bool(int(reply[2])))

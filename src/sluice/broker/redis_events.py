@@ -22,6 +22,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import KeyT, StreamIdT
 
 from sluice.broker.base import Event, EventType
+from sluice.broker.redis_keys import EVENT_DATA, EVENT_TYPE, WAKE_FIELD
+from sluice.broker.signal import Signal
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +61,12 @@ async def stop_task(task: asyncio.Task[None] | None) -> None:
 
 
 def decode_event(entry_id: str, fields: dict[str, str]) -> Event:
-    """A stream entry ``0-<seq>`` with fields ``t`` (type) and ``d`` (JSON data; empty for a terminal
-    event, whose data the reader builds from the job's record)."""
-    data = fields["d"]
-    return Event(int(entry_id.rpartition("-")[2]), EventType(fields["t"]), json.loads(data) if data else {})
-
-
-class Signal:
-    """A broadcast wake-up: waiters take the current event, the notifier swaps in a fresh one."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def current(self) -> asyncio.Event:
-        return self._event
-
-    def notify(self) -> None:
-        old, self._event = self._event, asyncio.Event()
-        old.set()
+    """A stream entry ``0-<seq>`` with its type and its JSON data (empty for a terminal event, whose
+    data the reader builds from the job's record)."""
+    data = fields[EVENT_DATA]
+    return Event(
+        int(entry_id.rpartition("-")[2]), EventType(fields[EVENT_TYPE]), json.loads(data) if data else {}
+    )
 
 
 @dataclass(eq=False)
@@ -125,7 +115,7 @@ class StreamHub:
             self._woken = True
             with contextlib.suppress(*_TRANSIENT):
                 async with asyncio.timeout(2.0), self._commands.pipeline(transaction=False) as pipe:
-                    pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                    pipe.xadd(self._wake_key, {WAKE_FIELD: "1"}, maxlen=1, approximate=False)
                     pipe.pexpire(self._wake_key, WAKE_TTL_MS)
                     await pipe.execute()
             check_cancelled()

@@ -1,4 +1,5 @@
-"""Every Redis key name of the durable broker, built in one place.
+"""Every Redis key name of the durable broker, and the names of the fields Python reads or writes in
+its hashes and streams, built in one place.
 
 All keys of one Sluice queue start with the same hash tag, ``{<queue>}:``, so that Redis Cluster
 puts them in one slot and every Lua script touches a single shard. Names that carry a model, a
@@ -7,12 +8,14 @@ with ``model="a", class="b"``.
 
 The scripts that find keys from data (``claim`` pops a tenant and then needs its list) build those
 names in Lua; ``lua/_keys.lua`` mirrors the builders marked "mirrored in Lua" below, and
-``tests/broker/test_redis.py`` checks that both agree.
+``tests/broker/test_redis.py`` checks that both agree. The scripts name the same fields in their
+own text (``lua/README.md`` says which script reads what).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 
 def part(name: str) -> str:
@@ -169,3 +172,88 @@ class QueueKeys:
     def wake(self, reader_id: str) -> str:
         """Stream: interrupts one process's multiplexed XREAD when a new reader joins."""
         return f"{self.prefix}wake:{part(reader_id)}"
+
+
+# --- fields of the job record (QueueKeys.job) ---------------------------------------------------------
+
+
+class JobField:
+    """Fields of a job's hash that Python names. The ``Job`` dataclass's own fields are stored under
+    their attribute names (``redis_codec``): :data:`JOB_OWN_FIELDS` each as a field of its own, the
+    rest together in :attr:`SPEC`."""
+
+    #: the job's state (``JobState`` value)
+    STATE: Final = "state"
+    #: the id of the job's latest event
+    SEQ: Final = "seq"
+    #: the data of event 1 (QUEUED), kept in the record rather than in the stream (admit.lua)
+    QUEUED_EVENT: Final = "q"
+    #: prompt plus most tokens, for the scripts (``Job.cost``)
+    COST: Final = "cost"
+    #: the fields that never change after admission, as one JSON object
+    SPEC: Final = "spec"
+    #: the answer (``Job.result``), recorded by finish.lua
+    RESULT: Final = "result"
+    #: the engine's token accounting (``Job.usage``), recorded by finish.lua
+    USAGE: Final = "usage"
+    #: why the job failed, was cancelled or expired (``Job.error``)
+    ERROR: Final = "error"
+    #: how many times the job was started (``Job.attempts``)
+    ATTEMPTS: Final = "attempts"
+    #: the backend of the latest attempt (``Job.backend``)
+    BACKEND: Final = "backend"
+    #: ``Job.extra`` as JSON (the webhook delivery log); callbacks.lua compares and sets it
+    EXTRA: Final = "extra"
+
+
+#: Job fields the scripts read or write, each a field of the record hash; the others go in ``spec``.
+JOB_OWN_FIELDS: Final = frozenset(
+    {
+        "model", "tenant", "priority", "weight", "created_at", "deadline", "max_attempts", "state",
+        "attempts", "started_at", "first_token_at", "finished_at", "backend", "result", "usage",
+        "error", "extra", "callback_url",
+    }
+)  # fmt: skip
+
+
+# --- fields of a model's queue state (QueueKeys.state) and of the capacity hash ------------------------
+
+
+def queued_jobs_field(cls: str) -> str:
+    """State hash: jobs queued in a class. Mirrored in Lua (``f_jobs``)."""
+    return f"j:{part(cls)}"
+
+
+def queued_tokens_field(cls: str) -> str:
+    """State hash: cost (tokens) queued in a class. Mirrored in Lua (``f_tokens``)."""
+    return f"k:{part(cls)}"
+
+
+#: Capacity hash: ``<prefix><model>`` holds the slots of the live workers for a model (the model
+#: unescaped: nothing follows it in the field name).
+SLOTS_PREFIX: Final = "s:"
+
+
+def slots_field(model: str) -> str:
+    """Capacity hash: the slots of the live workers for ``model``."""
+    return SLOTS_PREFIX + model
+
+
+def drain_rate_field(model: str) -> str:
+    """Capacity hash: the measured drain rate per slot of ``model`` (``DrainRate.per_slot``)."""
+    return f"p:{model}"
+
+
+def drain_samples_field(model: str) -> str:
+    """Capacity hash: how many jobs that rate was measured on (``DrainRate.samples``)."""
+    return f"n:{model}"
+
+
+# --- fields of stream entries ---------------------------------------------------------------------------
+
+#: A job's event stream (QueueKeys.out): the event's type (``EventType`` value).
+EVENT_TYPE: Final = "t"
+#: A job's event stream: the event's data as JSON; empty in a terminal event.
+EVENT_DATA: Final = "d"
+#: A reader's wake-up stream (QueueKeys.wake): the one field of its entries.
+WAKE_FIELD: Final = "w"

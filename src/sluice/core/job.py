@@ -51,11 +51,6 @@ class JobError:
         return {"message": self.message, "type": self.type, "code": self.code}
 
 
-def deadline_error() -> JobError:
-    """Why a job expired: its deadline passed, queued or running."""
-    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
-
-
 def new_job_id() -> str:
     # 128 bits of randomness: ids are handed to clients and must not be guessable.
     return "job_" + secrets.token_urlsafe(16)
