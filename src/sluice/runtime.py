@@ -12,8 +12,12 @@ this module, never loads it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sluice.backends.base import Backend
@@ -23,10 +27,13 @@ from sluice.broker.base import Broker
 from sluice.config import Settings
 from sluice.dispatcher import Dispatcher
 from sluice.metrics import Metrics
+from sluice.startup import EngineStartup, StartupPhase
 from sluice.webhook_delivery import WebhookDelivery
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+log = logging.getLogger("sluice.serve")
 
 
 def broker_settings(settings: Settings) -> BrokerSettings:
@@ -133,9 +140,61 @@ async def running_worker(settings: Settings) -> AsyncIterator[Worker]:
         await broker.close()
 
 
-def build_app(settings: Settings, *, dispatch: bool = False) -> FastAPI:
+@dataclass
+class PendingEngine:
+    """An engine still being provisioned when the app starts (``sluice serve`` with no backend).
+
+    Attributes:
+        startup: its progress, which ``/readyz`` and the requests that arrive first report.
+        provision: provisions and supervises the engine; yields the settings with it as their
+            backend, and stops it when the block ends.
+        on_failed: called when provisioning fails (``sluice serve`` then exits with the error).
+    """
+
+    startup: EngineStartup
+    provision: Callable[[], AbstractAsyncContextManager[Settings]]
+    on_failed: Callable[[str], None]
+
+
+class _LocalBackends:
+    """The admin routes' view of a dispatcher that may not exist yet (its engine still starting)."""
+
+    def __init__(self) -> None:
+        self.dispatcher: Dispatcher | None = None
+
+    def backends(self) -> list[dict[str, object]]:
+        return self.dispatcher.backends() if self.dispatcher is not None else []
+
+    def apply_draining(self, names: set[str]) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.apply_draining(names)
+
+
+async def _serve_when_ready(
+    pending: PendingEngine, broker: Broker, metrics: Metrics, local: _LocalBackends
+) -> None:
+    try:
+        async with pending.provision() as effective:
+            worker = build_worker(effective, broker, metrics)
+            try:
+                await worker.start()
+                local.dispatcher = worker.dispatcher
+                pending.startup.enter(StartupPhase.READY)
+                await asyncio.Event().wait()  # until the app stops
+            finally:
+                local.dispatcher = None
+                await worker.stop()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        pending.startup.enter(StartupPhase.FAILED, str(exc))
+        pending.on_failed(str(exc))
+
+
+def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEngine | None = None) -> FastAPI:
     """The gateway's ASGI app on its broker; with ``dispatch``, a worker for the configured backends
-    runs in the same process (``sluice serve``). The broker and the worker start with the app's
+    runs in the same process (``sluice serve``), and with ``pending`` a worker for an engine that
+    is provisioned while the app already answers. The broker and the worker start with the app's
     lifespan and stop with it."""
     from sluice.api.app import create_app
     from sluice.api.auth import KeyRing
@@ -144,11 +203,15 @@ def build_app(settings: Settings, *, dispatch: bool = False) -> FastAPI:
     metrics = Metrics()
     broker = build_broker(settings)
     worker = build_worker(settings, broker, metrics) if dispatch and settings.backends else None
+    local = _LocalBackends()
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
         await broker.start()
+        started: list[asyncio.Task[None]] = []
         try:
+            if pending is not None:
+                started.append(asyncio.create_task(_serve_when_ready(pending, broker, metrics, local)))
             if worker is None:
                 yield
                 return
@@ -158,11 +221,15 @@ def build_app(settings: Settings, *, dispatch: bool = False) -> FastAPI:
             finally:
                 await worker.stop()
         finally:
+            for task in started:
+                task.cancel()
+            await asyncio.gather(*started, return_exceptions=True)
             await broker.close()
 
+    control = worker.dispatcher if worker is not None else local if pending is not None else None
     return create_app(
-        Gateway(settings, broker, metrics),
+        Gateway(settings, broker, metrics, startup=pending.startup if pending is not None else None),
         KeyRing(settings, broker),
-        backends=worker.dispatcher if worker is not None else None,
+        backends=control,
         lifespan=lifespan,
     )

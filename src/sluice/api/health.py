@@ -26,6 +26,13 @@ async def readyz(request: Request) -> JSONResponse:
             {"status": "unavailable", "reason": f"broker: {type(exc).__name__}"}, status_code=503
         )
     if not served:
+        starting = gw.starting()
+        if starting is not None and gw.startup is not None:
+            return JSONResponse(
+                {"status": "starting", "reason": starting.message, "engine": gw.startup.view()},
+                status_code=503,
+                headers=starting.headers(),
+            )
         return JSONResponse(
             {"status": "unavailable", "reason": "no backend serves any model"}, status_code=503
         )

@@ -30,7 +30,7 @@ import sys
 import tarfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -283,7 +283,14 @@ def parse_progress(line: str) -> tuple[int, int] | None:
 class _Progress:
     """A tqdm bar on a terminal; otherwise a line every tenth of the way, so CI logs stay short."""
 
-    def __init__(self, desc: str, stream: IO[str] | None = None, bar: bool | None = None) -> None:
+    def __init__(
+        self,
+        desc: str,
+        stream: IO[str] | None = None,
+        bar: bool | None = None,
+        on_update: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._on_update = on_update
         self._stream = stream if stream is not None else sys.stderr
         self._desc = desc
         use_bar = self._stream.isatty() if bar is None else bar
@@ -295,6 +302,8 @@ class _Progress:
         self._last_tenth = -1
 
     def update(self, done: int, total: int) -> None:
+        if self._on_update is not None:
+            self._on_update(done, total)
         if self._bar is not None:
             if self._bar.total != total:
                 self._bar.total = total
@@ -447,11 +456,13 @@ def build_llama_server(
     jobs: int | None = None,
     source_dir: Path | None = None,
     progress_bar: bool | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Build llama-server into the cache (unless a complete build is there) and return its path.
 
     ``source_dir`` builds from an existing llama.cpp tree instead of downloading the llama-cpp-python
     sdist. ``progress_bar`` forces the tqdm bar on or off (default: on when stderr is a terminal).
+    ``on_progress(done, total)`` is called at each compile step (from this thread).
     """
     tools = check_build_tools()
     final = cached_binary_path()
@@ -489,7 +500,7 @@ def build_llama_server(
                     raise EngineBuildError("cmake configure failed")
                 phases["configure_s"] = round(time.monotonic() - started - phases["download_s"], 1)
                 n_jobs = jobs or usable_cpus()
-                progress = _Progress("building llama-server", bar=progress_bar)
+                progress = _Progress("building llama-server", bar=progress_bar, on_update=on_progress)
                 try:
                     build = [
                         tools.cmake,
@@ -538,15 +549,16 @@ def build_llama_server(
             shutil.rmtree(work, ignore_errors=True)
 
 
-def ensure_llama_server() -> Path:
-    """The binary to run, building it on first use (a few minutes; progress goes to stderr)."""
+def ensure_llama_server(on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """The binary to run, building it on first use (a few minutes; progress goes to stderr and to
+    ``on_progress(done, total)``)."""
     override = os.environ.get(ENV_LLAMA_SERVER)
     if override:
         found = find_llama_server()
         if found is None:
             raise EngineError(f"${ENV_LLAMA_SERVER} is set to {override}, which is not an executable file")
         return found
-    return find_llama_server() or build_llama_server()
+    return find_llama_server() or build_llama_server(on_progress=on_progress)
 
 
 # --------------------------------------------------------------------------------------- the model

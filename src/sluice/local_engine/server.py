@@ -49,6 +49,7 @@ from sluice.local_engine.build import (
     read_build_info,
     usable_cpus,
 )
+from sluice.startup import EngineStartup, StartupPhase
 
 __all__ = [
     "BINARY_NAME",
@@ -193,7 +194,9 @@ class LocalEngine:
 
     ``binary`` and ``model_path`` default to the cached build and model, provisioned if absent. ``port``
     defaults to a free one, kept across restarts. ``on_restart`` is awaited after each restart once the
-    new process is healthy; its exceptions are logged, never raised into the supervisor.
+    new process is healthy; its exceptions are logged, never raised into the supervisor. ``startup``,
+    when given, is kept informed of the build's progress and of the start (``sluice serve`` answers
+    from it while the engine is not serving yet).
     """
 
     def __init__(
@@ -214,6 +217,7 @@ class LocalEngine:
         restart_backoff: tuple[float, float] = (0.25, 10.0),
         on_restart: OnRestart | None = None,
         extra_args: Sequence[str] = (),
+        startup: EngineStartup | None = None,
     ) -> None:
         if slots < 1 or ctx_per_slot < 1:
             raise ValueError("slots and ctx_per_slot must be >= 1")
@@ -233,6 +237,7 @@ class LocalEngine:
         self.restart_backoff = restart_backoff
         self.on_restart = on_restart
         self.extra_args = tuple(extra_args)
+        self.startup = startup
         self.restarts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -289,8 +294,11 @@ class LocalEngine:
         if self._process() is not None:
             raise RuntimeError("the engine is already started")
         # Building takes minutes of blocking subprocess work; keep the event loop responsive meanwhile.
+        on_progress = self.startup.build_progress if self.startup is not None else None
         if self.binary is None:
-            self.binary = await asyncio.to_thread(ensure_llama_server)
+            self.binary = await asyncio.to_thread(ensure_llama_server, on_progress)
+        if self.startup is not None:
+            self.startup.enter(StartupPhase.STARTING)
         if self.model_path is None:
             self.model_path = await asyncio.to_thread(ensure_model)
         self._stopping = False

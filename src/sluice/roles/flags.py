@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.config import BackendConfig, Settings, load_settings
+from sluice.config import BackendConfig, ConfigError, Settings, load_settings
 
 
 @dataclass(frozen=True)
@@ -192,3 +192,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             for url in args.backend
         ]
     return load_settings(args.config, overrides=overrides)
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def shared_settings(args: argparse.Namespace, role: str) -> Settings:
+    """The settings of a scaled-out role (gateway, worker), which must name a Redis broker."""
+    settings = settings_from_args(args)
+    if not settings.broker.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"needs --broker redis://HOST:PORT (the {role}s share a Redis broker)")
+    return settings

@@ -11,12 +11,10 @@ import contextlib
 import sys
 
 from sluice import aio, runtime
-from sluice.config import ConfigError, Settings
+from sluice.config import ConfigError
 from sluice.logs import setup_logging
 from sluice.roles import flags
 from sluice.roles.http import bind, check_exposure, serve_http
-
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -30,17 +28,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     flags.add_flags(parser, flags.COMMON, flags.HTTP, flags.ADMISSION)
 
 
-def shared_settings(args: argparse.Namespace, role: str) -> Settings:
-    """The settings of a scaled-out role, which must name a Redis broker."""
-    settings = flags.settings_from_args(args)
-    if not settings.broker.startswith(REDIS_SCHEMES):
-        raise ConfigError(f"needs --broker redis://HOST:PORT (the {role}s share a Redis broker)")
-    return settings
-
-
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = shared_settings(args, "gateway")
+        settings = flags.shared_settings(args, "gateway")
         setup_logging(settings.log_level, settings.log_format)
         check_exposure(settings)
         sock = bind(settings.host, settings.port)

@@ -7,6 +7,7 @@ import gc
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -75,10 +76,19 @@ def quiet_gc() -> None:
     gc.freeze()
 
 
-async def serve_http(app: object, sock: socket.socket, settings: Settings, role: str) -> None:
-    """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM."""
+async def serve_http(
+    app: object,
+    sock: socket.socket,
+    settings: Settings,
+    role: str,
+    on_server: Callable[[uvicorn.Server], None] | None = None,
+) -> None:
+    """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM (or until ``should_exit`` is set
+    on the server that ``on_server`` receives)."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")  # type: ignore[arg-type]
     server = uvicorn.Server(config)
+    if on_server is not None:
+        on_server(server)
     quiet_gc()
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host

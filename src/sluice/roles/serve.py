@@ -12,13 +12,15 @@ import logging
 import socket
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+
+import uvicorn
 
 from sluice import aio, runtime
 from sluice.config import BackendConfig, ConfigError, Settings
 from sluice.logs import setup_logging
 from sluice.roles import flags
 from sluice.roles.http import bind, check_exposure, serve_http
+from sluice.startup import EngineStartup
 
 log = logging.getLogger("sluice.serve")
 
@@ -37,14 +39,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.asynccontextmanager
-async def local_engine(settings: Settings) -> AsyncIterator[Settings]:
-    """With no backend configured, provision and supervise the local llama-server."""
-    if settings.backends:
-        yield settings
-        return
+async def local_engine(settings: Settings, startup: EngineStartup) -> AsyncIterator[Settings]:
+    """Provision and supervise the local llama-server; the settings with it as their backend."""
     from sluice.local_engine.server import LocalEngine
 
-    async with LocalEngine() as engine:
+    async with LocalEngine(startup=startup) as engine:
         log.info("local engine ready", extra={"fields": {"url": engine.url, "slots": engine.slots}})
         yield with_local_engine(settings, engine.url, engine.model, engine.slots)
 
@@ -55,18 +54,43 @@ async def local_engine(settings: Settings) -> AsyncIterator[Settings]:
 LOCAL_ENGINE_BURST_RISE = 1.0
 
 
+def local_engine_defaults(settings: Settings) -> Settings:
+    """Queue defaults that suit the local engine, where the settings do not choose."""
+    if "queue_burst_rise" in settings.model_fields_set:
+        return settings
+    return settings.model_copy(update={"queue_burst_rise": LOCAL_ENGINE_BURST_RISE})
+
+
 def with_local_engine(settings: Settings, url: str, model: str, slots: int) -> Settings:
     """The settings with the local engine as their one backend, and queue defaults that suit it."""
     backend = BackendConfig(url=url, name="local", models=[model], max_concurrency=slots)
-    update: dict[str, Any] = {"backends": [backend]}
-    if "queue_burst_rise" not in settings.model_fields_set:
-        update["queue_burst_rise"] = LOCAL_ENGINE_BURST_RISE
-    return settings.model_copy(update=update)
+    return local_engine_defaults(settings).model_copy(update={"backends": [backend]})
 
 
-async def serve(settings: Settings, sock: socket.socket) -> None:
-    async with local_engine(settings) as effective:
-        await serve_http(runtime.build_app(effective, dispatch=True), sock, effective, "serve")
+async def serve(settings: Settings, sock: socket.socket) -> int:
+    """Serve until SIGINT/SIGTERM; with no backend configured, answer while the local engine is
+    provisioned (``/readyz`` and requests say how far along it is). 1 if the engine failed."""
+    if settings.backends:
+        await serve_http(runtime.build_app(settings, dispatch=True), sock, settings, "serve")
+        return 0
+    settings = local_engine_defaults(settings)
+    startup = EngineStartup()
+    failure: list[str] = []
+    server: list[uvicorn.Server] = []
+
+    def failed(reason: str) -> None:
+        failure.append(reason)
+        log.error("local engine failed", extra={"fields": {"error": reason}})
+        for s in server:
+            s.should_exit = True
+
+    pending = runtime.PendingEngine(startup, lambda: local_engine(settings, startup), failed)
+    app = runtime.build_app(settings, dispatch=True, pending=pending)
+    await serve_http(app, sock, settings, "serve", on_server=server.append)
+    if failure:
+        print(f"sluice: the local engine failed: {failure[0]}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,5 +103,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     with sock, contextlib.suppress(KeyboardInterrupt):
-        aio.run(serve(settings, sock))
+        return aio.run(serve(settings, sock))
     return 0

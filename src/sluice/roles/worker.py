@@ -16,7 +16,6 @@ from sluice import aio, runtime
 from sluice.config import ConfigError, Settings
 from sluice.logs import setup_logging
 from sluice.roles import flags
-from sluice.roles.gateway import shared_settings
 
 log = logging.getLogger("sluice.worker")
 
@@ -47,7 +46,7 @@ async def work(settings: Settings) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = shared_settings(args, "worker")
+        settings = flags.shared_settings(args, "worker")
         if not settings.backends:
             raise ConfigError("a worker needs at least one --backend")
     except ConfigError as exc:
