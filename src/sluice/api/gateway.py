@@ -16,10 +16,11 @@ from sluice.api.errors import APIError
 from sluice.api.schemas import SchedulingOptions
 from sluice.broker.base import Admission, Broker
 from sluice.config import Settings
-from sluice.core.admission import Refused
+from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.core.request import RequestedJob, RequestRejected, plan_job
 from sluice.metrics import Metrics
+from sluice.startup import EngineStartup
 from sluice.webhooks import CallbackRefused, check_callback_url
 
 log = logging.getLogger("sluice.gateway")
@@ -44,6 +45,8 @@ class Gateway:
     settings: Settings
     broker: Broker
     metrics: Metrics
+    #: the local engine's progress while ``sluice serve`` provisions it; None when engines are given
+    startup: EngineStartup | None = None
     connections: dict[str, int] = field(default_factory=dict)
     _served: tuple[float, dict[str, int]] = (0.0, {})
 
@@ -74,14 +77,33 @@ class Gateway:
 
     async def served_models(self) -> dict[str, int]:
         """The registry, read at most once per SERVED_CACHE_S: it is on every admission's path, and
-        on Redis each read is a round trip."""
+        on Redis each read is a round trip. An empty registry is not kept: the first worker to come
+        up (the local engine once built) is served at once."""
         now = time.monotonic()
         if now >= self._served[0]:
-            self._served = (now + SERVED_CACHE_S, await self.broker.served_models())
+            served = await self.broker.served_models()
+            self._served = (now + SERVED_CACHE_S if served else 0.0, served)
         return self._served[1]
+
+    def starting(self) -> APIError | None:
+        """The answer for requests that need the local engine while it is not serving yet."""
+        if self.startup is None or self.startup.ready:
+            return None
+        eta = self.startup.eta_s()
+        failed = eta is None and self.startup.error is not None
+        message = self.startup.describe()
+        return APIError(
+            503,
+            message[:1].upper() + message[1:] + ".",
+            "engine_failed" if failed else "engine_starting",
+            retry_after_s=clamp_retry_after(eta if eta is not None else 30.0),
+            should_retry=not failed,
+        )
 
     async def resolve_model(self, requested: str | None) -> str:
         served = await self.served_models()
+        if not served and (starting := self.starting()) is not None:
+            raise starting
         if requested is None:
             if len(served) == 1:
                 return next(iter(served))
