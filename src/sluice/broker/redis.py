@@ -1,4 +1,4 @@
-"""The durable broker: Redis, with one Lua script per state change (DESIGN.md §5).
+"""The durable broker: Redis, with one Lua script per state change (docs/design.md, "Redis").
 
 Every key of a queue carries the queue's hash tag (``sluice.broker.redis_keys``), so each script touches
 one slot and the layout runs unchanged on Redis Cluster. Scripts get the time from the caller

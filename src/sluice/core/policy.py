@@ -21,7 +21,7 @@ configured hard bounds (jobs and tokens per model and per class); then each deci
   overload, which will not go away by itself) is standing after ``early_s``, while its queue is
   still shallow, and is held to the target at once. Adaptive LIFO was measured on top
   of this and left out: with admission already bounded by deadlines it only starves the jobs it
-  admitted (docs/benchmarks.md, "Queue policies").
+  admitted (docs/benchmarks/policies.md).
 
 A policy is pure: it reads a :class:`QueueView`, the drain rate and the :class:`PolicyState` the
 broker keeps for the model, updates that state, and admits or raises :class:`Refused`. The Redis

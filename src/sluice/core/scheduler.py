@@ -1,6 +1,6 @@
 """Dispatch order inside one model's queue.
 
-Two levels, as DESIGN.md §4 asks:
+Two levels (docs/design.md, "Scheduling"):
 
 * between priority classes, strict priority, except that a class keeps its configured minimum
   share of dispatches while classes compete, so that a low class is never starved forever;
