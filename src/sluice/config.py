@@ -22,6 +22,8 @@ from sluice.core.job import Job
 from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.request import RequestLimits
 from sluice.core.scheduler import ClassSpec
+from sluice.local_engine.server import DEFAULT_CTX_PER_SLOT as LOCAL_ENGINE_CTX_PER_SLOT
+from sluice.local_engine.server import DEFAULT_SLOTS as LOCAL_ENGINE_SLOTS
 
 
 class _Strict(BaseModel):
@@ -161,6 +163,12 @@ class Settings(_Strict):
     webhooks_allow_private: bool = False
     log_level: str = "info"
     log_format: str = Field(default="json", pattern="^(json|text)$")
+    #: the local engine (``sluice serve`` with no backend): the port llama-server listens on (None: a
+    #: free one), the sequences it runs at once, and each sequence's context in tokens (prompt +
+    #: answer; llama-server's "context size exceeded ... try increasing it" means this one)
+    engine_port: int | None = Field(default=None, ge=1, le=65535)
+    engine_slots: int = Field(default=LOCAL_ENGINE_SLOTS, ge=1, le=256)
+    engine_ctx_per_slot: int = Field(default=LOCAL_ENGINE_CTX_PER_SLOT, ge=128)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

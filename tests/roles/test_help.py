@@ -49,3 +49,24 @@ def test_scaled_out_roles_need_redis(role: str, capsys: pytest.CaptureFixture[st
 def test_a_worker_needs_a_backend(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["worker", "--broker", "redis://127.0.0.1:9"]) == 2
     assert "--backend" in capsys.readouterr().err
+
+
+def test_local_engine_flags_reach_the_settings() -> None:
+    from sluice.cli import build_parser
+    from sluice.roles.flags import settings_from_args
+
+    args = build_parser("serve").parse_args(
+        ["serve", "--engine-port", "8011", "--engine-slots", "2", "--engine-ctx", "4096"]
+    )
+    settings = settings_from_args(args)
+    assert (settings.engine_port, settings.engine_slots, settings.engine_ctx_per_slot) == (8011, 2, 4096)
+
+
+def test_help_shows_the_defaults_the_settings_have(capsys: pytest.CaptureFixture[str]) -> None:
+    from sluice.config import Settings
+
+    out = " ".join(help_of("serve", capsys).split())
+    defaults = Settings()
+    assert f"kept (default: {defaults.result_ttl_s})" in out
+    assert f"(default: {defaults.max_queued_jobs})" in out
+    assert "queue_full (default: unbounded)" in out

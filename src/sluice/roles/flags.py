@@ -22,13 +22,15 @@ class Flag:
         name: the flag, e.g. ``--port``.
         field: the setting it overrides.
         kind: the type its value is parsed as.
-        help: what it does, with its default.
+        help: what it does; the help adds the setting's default, read from :class:`Settings`.
     """
 
     name: str
     field: str
     kind: type
     help: str
+    #: what the default means when it is None
+    unset: str = "none"
 
     @property
     def dest(self) -> str:
@@ -37,22 +39,22 @@ class Flag:
 
 #: what every role reads: where the queue is, how it logs, how long results stay
 COMMON = (
-    Flag("--broker", "broker", str, "'memory' (default, embedded) or a redis:// URL (durable)"),
+    Flag("--broker", "broker", str, "'memory' (embedded) or a redis:// URL (durable)"),
     Flag(
         "--result-ttl",
         "result_ttl_s",
         float,
-        "seconds finished jobs, their results and events are kept (600)",
+        "seconds finished jobs, their results and events are kept",
     ),
-    Flag("--log-level", "log_level", str, "debug, info, warning or error (info)"),
-    Flag("--log-format", "log_format", str, "json (one object per line, default) or text"),
+    Flag("--log-level", "log_level", str, "debug, info, warning or error"),
+    Flag("--log-format", "log_format", str, "json (one object per line) or text"),
 )
 
 #: what a process that serves HTTP reads
 HTTP = (
-    Flag("--host", "host", str, "address to listen on (default 127.0.0.1)"),
-    Flag("--port", "port", int, "port to listen on (default 8000)"),
-    Flag("--max-body-bytes", "max_body_bytes", int, "request bodies above this size get 413 (4 MiB)"),
+    Flag("--host", "host", str, "address to listen on"),
+    Flag("--port", "port", int, "port to listen on"),
+    Flag("--max-body-bytes", "max_body_bytes", int, "request bodies above this many bytes get 413"),
 )
 
 #: what admission reads: deadlines, request caps, queue bounds and the queue policy
@@ -61,63 +63,67 @@ ADMISSION = (
         "--default-timeout",
         "default_timeout_s",
         float,
-        "deadline in seconds of a request that sets none (120)",
+        "deadline in seconds of a request that sets none",
     ),
     Flag(
         "--max-timeout",
         "max_timeout_s",
         float,
-        "the longest deadline a request may ask for, in seconds (600)",
+        "the longest deadline a request may ask for, in seconds",
     ),
     Flag(
         "--queue-policy",
         "queue_policy",
         str,
-        "cap, fifo, deadline or codel (default; see docs/configuration.md, Queue policy)",
+        "cap, fifo, deadline or codel (see docs/configuration.md, Queue policy)",
     ),
     Flag(
-        "--queue-target", "queue_target_s", float, "codel: queueing delay a standing queue is held to (0.5 s)"
+        "--queue-target",
+        "queue_target_s",
+        float,
+        "codel: queueing delay a standing queue is held to, in seconds",
     ),
     Flag(
         "--queue-interval",
         "queue_interval_s",
         float,
-        "codel: how long a steeply rising queue may grow before it counts as standing (2.5 s)",
+        "codel: seconds a steeply rising queue may grow before it counts as standing",
     ),
     Flag(
         "--queue-early",
         "queue_early_s",
         float,
-        "codel: how soon a slowly rising queue counts as standing (0.5 s)",
+        "codel: seconds after which a slowly rising queue counts as standing",
     ),
     Flag(
         "--queue-burst-rise",
         "queue_burst_rise",
         float,
-        "codel: seconds of delay per second of rise that mark a burst (2)",
+        "codel: seconds of delay per second of rise that mark a burst",
     ),
     Flag(
         "--queue-half-life",
         "queue_half_life_s",
         float,
-        "codel: half-life of the delay limit after a burst (30 s)",
+        "codel: half-life of the delay limit after a burst, in seconds",
     ),
-    Flag("--fifo-max-queued", "fifo_max_queued", int, "fifo: jobs the buffer holds (50)"),
-    Flag("--max-queued-jobs", "max_queued_jobs", int, "queued jobs per model before 429 queue_full (1000)"),
+    Flag("--fifo-max-queued", "fifo_max_queued", int, "fifo: jobs the buffer holds"),
+    Flag("--max-queued-jobs", "max_queued_jobs", int, "queued jobs per model before 429 queue_full"),
     Flag(
         "--max-queued-tokens",
         "max_queued_tokens",
         int,
-        "queued tokens per model before 429 queue_full (unbounded)",
+        "queued tokens per model before 429 queue_full",
+        unset="unbounded",
     ),
-    Flag("--default-max-tokens", "default_max_tokens", int, "max_tokens of a request that sets none (512)"),
+    Flag("--default-max-tokens", "default_max_tokens", int, "max_tokens of a request that sets none"),
     Flag(
         "--max-tokens-cap",
         "max_tokens_cap",
         int,
-        "the most max_tokens a request may ask for; more is a 400 (4096)",
+        "the most max_tokens a request may ask for; more is a 400",
     ),
-    Flag("--max-attempts", "max_attempts", int, "attempts on backends before a job fails (3)"),
+    Flag("--max-attempts", "max_attempts", int, "attempts on backends before a job fails"),
 )
 
 #: what a dispatcher reads: the engines and how much each takes at once
@@ -127,7 +133,20 @@ DISPATCH = (
         "max_concurrency",
         int,
         "requests each backend runs at once: the engine's batch size, e.g. vLLM's --max-num-seqs or "
-        "llama-server's -np (default 8)",
+        "llama-server's -np",
+    ),
+)
+
+
+#: the local engine that ``sluice serve`` runs when no backend is given
+LOCAL_ENGINE = (
+    Flag("--engine-port", "engine_port", int, "port of the local llama-server", unset="a free one"),
+    Flag("--engine-slots", "engine_slots", int, "sequences the local llama-server runs at once"),
+    Flag(
+        "--engine-ctx",
+        "engine_ctx_per_slot",
+        int,
+        "context of each of the local llama-server's sequences, in tokens: prompt + answer",
     ),
 )
 
@@ -138,13 +157,19 @@ def add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def default_text(flag: Flag) -> str:
+    """The setting's default, as the help shows it."""
+    default = Settings.model_fields[flag.field].default
+    return flag.unset if default is None else str(default)
+
+
 def add_flags(parser: argparse.ArgumentParser, *groups: tuple[Flag, ...]) -> None:
     for group in groups:
         for flag in group:
             parser.add_argument(
                 flag.name,
                 type=flag.kind,
-                help=flag.help,
+                help=f"{flag.help} (default: {default_text(flag)})",
                 metavar=flag.name.lstrip("-").split("-")[-1].upper(),
             )
 
@@ -174,7 +199,7 @@ def add_backends(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ALL_GROUPS = (COMMON, HTTP, ADMISSION, DISPATCH)
+ALL_GROUPS = (COMMON, HTTP, ADMISSION, DISPATCH, LOCAL_ENGINE)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -35,7 +35,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     flags.add_config(parser)
     flags.add_backends(parser)
     flags.add_insecure_open(parser)
-    flags.add_flags(parser, flags.COMMON, flags.HTTP, flags.DISPATCH, flags.ADMISSION)
+    flags.add_flags(parser, flags.COMMON, flags.HTTP, flags.DISPATCH, flags.ADMISSION, flags.LOCAL_ENGINE)
 
 
 @contextlib.asynccontextmanager
@@ -43,7 +43,13 @@ async def local_engine(settings: Settings, startup: EngineStartup) -> AsyncItera
     """Provision and supervise the local llama-server; the settings with it as their backend."""
     from sluice.local_engine.server import LocalEngine
 
-    async with LocalEngine(startup=startup) as engine:
+    engine = LocalEngine(
+        port=settings.engine_port,
+        slots=settings.engine_slots,
+        ctx_per_slot=settings.engine_ctx_per_slot,
+        startup=startup,
+    )
+    async with engine:
         log.info("local engine ready", extra={"fields": {"url": engine.url, "slots": engine.slots}})
         yield with_local_engine(settings, engine.url, engine.model, engine.slots)
 
