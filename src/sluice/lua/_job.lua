@@ -41,7 +41,7 @@ end
 
 -- Puts a job in a terminal state, with `changes` (field, value, ...) recorded too, publishes its
 -- terminal event and starts its result TTL. f is the record as job_read returned it. The terminal
--- event's data is empty: readers fill in the job's view from the record (sluice.broker.base.job_view),
+-- event's data is empty: readers fill in the job's view from the record (sluice.views.job_view),
 -- which then is final, so that the view is built in one place. The results zset drives removal on
 -- the caller's clock; the Redis TTL (a minute later) only catches records no upkeep ever reaped.
 local function settle(id, f, state, changes)

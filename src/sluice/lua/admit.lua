@@ -1,8 +1,8 @@
 -- admit: idempotency, the tenant's limits, the queue's bounds and the queue policy's decision, then
--- the enqueue: all or nothing. Mirrors the memory broker's admit (admission.check_tenant with its
+-- the enqueue: all or nothing. Mirrors the memory broker's _admit (admission.check_tenant with its
 -- TenantLimiter, then QueuePolicy.admit, here _policy.lua); on refusal it returns the state those
 -- need, and Python re-runs them on it to raise the same Refused (status, code, message,
--- Retry-After, rate).
+-- Retry-After, rate). Its reply is decoded by redis_codec.AdmitReply.
 --
 -- KEYS[1]  job hash                 KEYS[2]  event stream of the job (not written: see 'q')
 -- KEYS[3]  the tenant's list        KEYS[4]  sched zset of the job's class
@@ -39,22 +39,33 @@
 -- @include _workers.lua
 -- @include _policy.lua
 
+local job_k, tq_k, sched_k, idem_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
+local state_k, deadline_k, models_k, capacity_k = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local workers_k, wslots_k, marker_k, tenant_k = KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local blocked_k, running_k = KEYS[14], KEYS[15]
+
 local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
-local idem_ttl, ncls = tonumber(ARGV[13]), tonumber(ARGV[25])
-local classes = {}
-for i = 1, ncls do classes[i] = ARGV[25 + i] end
+local model_max_jobs, model_max_tokens = tonumber(ARGV[8]), tonumber(ARGV[9])
+local class_max_jobs, class_max_tokens = tonumber(ARGV[10]), tonumber(ARGV[11])
+local drain_prior, idem_ttl = tonumber(ARGV[12]), tonumber(ARGV[13])
+local limits_given = ARGV[14] == '1'
+local given_limits = { ARGV[15], ARGV[16], ARGV[17], ARGV[18] } -- rpm, tpm, max queued, max concurrent
 local policy_kind, policy = tonumber(ARGV[19]), {}
 for i = 1, 5 do policy[i] = tonumber(ARGV[19 + i]) end
+local ncls = tonumber(ARGV[25])
+local classes = {}
+for i = 1, ncls do classes[i] = ARGV[25 + i] end
+local record_at = 26 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
 
-if redis.call('EXISTS', KEYS[1]) == 1 then return { 3 } end
+if redis.call('EXISTS', job_k) == 1 then return { 3 } end
 
 if idem_ttl > 0 then
-  local hit = redis.call('GET', KEYS[5])
+  local hit = redis.call('GET', idem_k)
   if hit then
     local sp = string.find(hit, ' ', 1, true)
     local first = string.sub(hit, 1, sp - 1)
-    local P = string.sub(KEYS[1], 1, -(#id + 5)) -- KEYS[1] is P .. 'job:' .. id
+    local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
     if tonumber(string.sub(hit, sp + 1)) > now and redis.call('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
@@ -64,15 +75,15 @@ end
 -- The tenant (the memory broker's _tenant): a policy that comes with the job replaces the stored
 -- one, and a bucket whose size changed starts afresh (TenantLimiter.update).
 local t = {}
-local flat = redis.call('HGETALL', KEYS[13])
+local flat = redis.call('HGETALL', tenant_k)
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
 local had_mc = t.mc ~= nil
 local stored = {} -- the fields the hash has now
 for i = 1, #flat, 2 do stored[flat[i]] = true end
-if ARGV[14] == '1' then
+if limits_given then
   local names = { 'rpm', 'tpm', 'mq', 'mc' }
   for i, name in ipairs(names) do
-    local v = tonumber(ARGV[14 + i])
+    local v = tonumber(given_limits[i])
     if v < 0 or (v == 0 and i <= 2) then v = nil end -- a zero-sized bucket is no bucket
     if i <= 2 and tonumber(t[name]) ~= v then
       local lf, sf = 'rl', 'rs'
@@ -105,12 +116,12 @@ local function tenant_store(rl, rs, tl, ts)
       sets[#sets + 1] = kv[2]
     end
   end
-  redis.call('HSET', KEYS[13], unpack(sets))
-  if #dels > 0 then redis.call('HDEL', KEYS[13], unpack(dels)) end
+  redis.call('HSET', tenant_k, unpack(sets))
+  if #dels > 0 then redis.call('HDEL', tenant_k, unpack(dels)) end
   if mc and (tonumber(t.r) or 0) >= mc then
-    redis.call('SADD', KEYS[14], tenant)
+    redis.call('SADD', blocked_k, tenant)
   elseif mc or had_mc then -- only a tenant that has, or had, a cap can be in the set
-    redis.call('SREM', KEYS[14], tenant)
+    redis.call('SREM', blocked_k, tenant)
   end
 end
 
@@ -138,7 +149,7 @@ fields[#fields + 1] = f_seq(cls)
 if policy_kind == 4 then -- only codel keeps state
   for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
 end
-local st = st_open(KEYS[6], fields)
+local st = st_open(state_k, fields)
 local policy_before = { '', '', '', '' }
 if policy_kind == 4 then policy_before = policy_state(st) end
 
@@ -153,16 +164,16 @@ for _, c in ipairs(classes) do
   end
 end
 
-local d = redis.call('HMGET', KEYS[9], 'p:' .. model, 'n:' .. model, 's:' .. model, 'e')
+local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e')
 local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
 if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
-  workers_refresh(KEYS[10], KEYS[11], KEYS[9], now_s)
-  workers_mark(KEYS[10], KEYS[9])
-  slots = tonumber(redis.call('HGET', KEYS[9], 's:' .. model)) or 0
+  workers_refresh(workers_k, wslots_k, capacity_k, now_s)
+  workers_mark(workers_k, capacity_k)
+  slots = tonumber(redis.call('HGET', capacity_k, 's:' .. model)) or 0
 end
 
 -- DrainRate.rate and slot_rate
-local slot_rate = tonumber(ARGV[12])
+local slot_rate = drain_prior
 if samples > 0 then slot_rate = per_slot end
 local rate = math.max(slot_rate * math.max(slots, 1), 1e-3)
 local avg_cost = cost
@@ -180,11 +191,11 @@ end
 local wait = ahead_tokens / rate
 local service = cost / math.max(slot_rate, 1e-3)
 local running = 0 -- only cap counts the running jobs
-if policy_kind == 1 then running = tonumber(redis.call('HGET', KEYS[15], model)) or 0 end
+if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy.
 local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
-    or over(tonumber(ARGV[8]), tonumber(ARGV[9]), model_jobs, model_tokens)
-    or over(tonumber(ARGV[10]), tonumber(ARGV[11]), class_jobs, class_tokens)
+    or over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
+    or over(class_max_jobs, class_max_tokens, class_jobs, class_tokens)
 if not refused then
   refused = policy_refuses(st, policy_kind, policy, now, now_s, {
     running = running, model_jobs = model_jobs, slots = slots, wait = wait,
@@ -211,19 +222,19 @@ tenant_store(rl, rs, tl, ts)
 
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
-redis.call('HSET', KEYS[1], 'state', 'queued', 'seq', 1,
-  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, 26 + ncls))
-fq_push(st, cls, KEYS[4], KEYS[3], tenant, id, cost, false)
+redis.call('HSET', job_k, 'state', 'queued', 'seq', 1,
+  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, record_at))
+fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
 st_flush(st)
-redis.call('ZADD', KEYS[7], deadline, id)
+redis.call('ZADD', deadline_k, deadline, id)
 if idem_ttl > 0 then
-  redis.call('SET', KEYS[5], id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
+  redis.call('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end
 if model_jobs == 0 then
   -- While the model has queued work, every claim that leaves some behind sets the marker again
   -- (claim.lua), so only the first job of an idle queue needs to wake a claimer.
-  redis.call('SADD', KEYS[8], model)
-  redis.call('ZADD', KEYS[12], 0, 'w')
+  redis.call('SADD', models_k, model)
+  redis.call('ZADD', marker_k, 0, 'w')
 end
 local out = { 1, ahead_jobs, num(wait) }
 for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end

@@ -10,25 +10,31 @@
 --   extra: ARGV[3] the extra JSON read before   ARGV[4] the new one -> 1 when written, 0 when it
 --          changed meanwhile (read again and retry), -1 when the job is gone
 
-local op, now = ARGV[1], tonumber(ARGV[2])
+local pending_k, inflight_k, job_k = KEYS[1], KEYS[2], KEYS[3]
+local op, now_s = ARGV[1], ARGV[2]
+local now = tonumber(now_s)
+
 if op == 'take' then
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])) do
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('RPUSH', KEYS[1], id) -- its worker went quiet: hand it out again
+  local lease_s, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', inflight_k, '-inf', now_s)) do
+    redis.call('ZREM', inflight_k, id)
+    redis.call('RPUSH', pending_k, id) -- its worker went quiet: hand it out again
   end
-  local ids = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1)
+  local ids = redis.call('LRANGE', pending_k, 0, most - 1)
   if #ids > 0 then
-    redis.call('LTRIM', KEYS[1], #ids, -1)
-    for _, id in ipairs(ids) do redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), id) end
+    redis.call('LTRIM', pending_k, #ids, -1)
+    for _, id in ipairs(ids) do redis.call('ZADD', inflight_k, now + lease_s, id) end
   end
   return ids
 elseif op == 'ack' then
-  return redis.call('ZREM', KEYS[2], ARGV[3])
+  local id = ARGV[3]
+  return redis.call('ZREM', inflight_k, id)
 elseif op == 'extra' then
-  local cur = redis.call('HGET', KEYS[3], 'extra')
+  local before, after = ARGV[3], ARGV[4]
+  local cur = redis.call('HGET', job_k, 'extra')
   if not cur then return -1 end
-  if cur ~= ARGV[3] then return 0 end
-  redis.call('HSET', KEYS[3], 'extra', ARGV[4])
+  if cur ~= before then return 0 end
+  redis.call('HSET', job_k, 'extra', after)
   return 1
 end
 return redis.error_reply('unknown op ' .. op)

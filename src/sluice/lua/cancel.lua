@@ -6,7 +6,8 @@
 -- KEYS[5] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] abort channel   ARGV[7] error JSON of a cancelled job
--- Returns {1, field, value, ...} the record after the request; {0} when the job is unknown.
+-- Returns {1, field, value, ...} the record after the request; {0} when the job is unknown
+-- (decoded by redis_codec.JobReply).
 -- Builds the stream, tenant-list, tenant and state keys of the job from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
@@ -15,20 +16,22 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 
-local now_s, P, id = ARGV[1], ARGV[2], ARGV[3]
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running, J.blocked = KEYS[3], KEYS[4], KEYS[5]
+local job_k, deadline_k, results_k, running_k, blocked_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local now_s, P, id, result_ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local abort_channel, cancelled_error = ARGV[6], ARGV[7]
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local f = job_read(KEYS[1])
+local f = job_read(job_k)
 if not f.state then return { 0 } end
 if f.state == 'queued' then
   local st = st_open(state_key(P, f.model), {})
   fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
   st_flush(st)
-  redis.call('ZREM', KEYS[2], id)
-  settle(id, f, 'cancelled', { 'error', ARGV[7] })
+  redis.call('ZREM', deadline_k, id)
+  settle(id, f, 'cancelled', { 'error', cancelled_error })
 elseif f.state == 'running' then
-  redis.call('PUBLISH', ARGV[6], id)
-  settle(id, f, 'cancelled', { 'error', ARGV[7] })
+  redis.call('PUBLISH', abort_channel, id)
+  settle(id, f, 'cancelled', { 'error', cancelled_error })
 end
 return job_reply(f)

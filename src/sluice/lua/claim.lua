@@ -13,11 +13,13 @@
 -- ARGV[6] result TTL s   ARGV[7] events kept per stream   ARGV[8] ncls   ARGV[9] nmodels
 -- ARGV[10] most expired jobs to settle in this call   ARGV[11] error JSON of an expired job
 -- ARGV[12] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
--- ARGV[13] error JSON of a job dropped at dispatch, '{left}' standing for the seconds it had left
+-- ARGV[13] error JSON of a job dropped at dispatch, '{left}' (sluice.core.errors.UNFINISHABLE_LEFT)
+--          standing for the seconds it had left
 -- then ncls class names, ncls class minimum shares, nmodels model names
 -- Returns {1, field, value, ...} the leased job's record
 --         {0}                    nothing to claim
 --         {2}                    the bound of expired jobs was reached: call again
+-- (decoded by redis_codec.JobReply)
 -- Builds tenant-list, tenant, job and stream keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
@@ -27,32 +29,41 @@
 -- @include _fairqueue.lua
 -- @include _classes.lua
 
+local active_k, deadline_k, results_k, running_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local blocked_k, capacity_k = KEYS[5], KEYS[6]
+local MODEL_KEYS_AT = 7 -- KEYS[MODEL_KEYS_AT ..]: the blocks of keys per model
+
 local now_s, P = ARGV[1], ARGV[2]
 local now = tonumber(now_s)
 local lease_s, worker, token = tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local result_ttl, maxlen = tonumber(ARGV[6]), ARGV[7]
 local ncls, nmodels, max_expired = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local expired_error, woken, dropped_error = ARGV[11], ARGV[12] == '1', ARGV[13]
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[6]), ARGV[7]
-J.results, J.running, J.blocked = KEYS[3], KEYS[4], KEYS[5]
+local expired_error, woken, unfinishable_error = ARGV[11], ARGV[12] == '1', ARGV[13]
+local NAMES_AT = 14 -- ARGV[NAMES_AT ..]: class names, minimum shares, model names
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 local classes, mins, models = {}, {}, {}
 for i = 1, ncls do
-  classes[i] = ARGV[13 + i]
-  mins[i] = tonumber(ARGV[13 + ncls + i])
+  classes[i] = ARGV[NAMES_AT - 1 + i]
+  mins[i] = tonumber(ARGV[NAMES_AT - 1 + ncls + i])
 end
-for m = 1, nmodels do models[m] = ARGV[13 + 2 * ncls + m] end
+for m = 1, nmodels do models[m] = ARGV[NAMES_AT - 1 + 2 * ncls + m] end
 local fields = class_fields(classes)
 
-local function block(m) return 6 + (m - 1) * (2 + ncls) end
-local function sched_of(m, i) return KEYS[block(m) + 2 + i] end
+-- The keys of model m: its state hash, its marker, then the sched zset of class i.
+local function model_key(m, j) return KEYS[MODEL_KEYS_AT + (m - 1) * (2 + ncls) + j] end
+local function state_of(m) return model_key(m, 0) end
+local function marker_of(m) return model_key(m, 1) end
+local function sched_of(m, i) return model_key(m, 1 + i) end
 
 local blocked = {}
-for _, t in ipairs(redis.call('SMEMBERS', KEYS[5])) do blocked[t] = true end
+for _, t in ipairs(redis.call('SMEMBERS', blocked_k)) do blocked[t] = true end
 
 -- Per model: its state view, and its queue lengths and credits by class index.
 local states, counts, credits = {}, {}, {}
 for m = 1, nmodels do
-  local st = st_open(KEYS[block(m) + 1], fields)
+  local st = st_open(state_of(m), fields)
   states[m], counts[m], credits[m] = st, {}, {}
   for i, c in ipairs(classes) do
     counts[m][i] = st_num(st, f_jobs(c), 0)
@@ -122,30 +133,30 @@ while true do
     end
   end
   st_flush(st)
-  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', deadline_k, id)
 
   -- DrainRate.service_s at the measured rate; before any measurement only the deadline counts.
   local left, service = tonumber(f.deadline) - now, nil
   if left > 0 then
-    local d = redis.call('HMGET', KEYS[6], 'p:' .. models[m], 'n:' .. models[m])
+    local d = redis.call('HMGET', capacity_k, 'p:' .. models[m], 'n:' .. models[m])
     if (tonumber(d[2]) or 0) > 0 then service = tonumber(f.cost) / math.max(tonumber(d[1]), 1e-3) end
   end
   if left <= 0 or (service and left < service) then
     local err = expired_error
     if left > 0 then -- it would be aborted half-way: the engine's time goes to a job that can finish
-      err = string.gsub(dropped_error, '{left}', string.format('%.1f', left))
+      err = string.gsub(unfinishable_error, '{left}', string.format('%.1f', left))
     end
     settle(id, f, 'expired', { 'error', err })
     expired = expired + 1
     if expired >= max_expired then return { 2 } end
   else
     local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
-    local ls = redis.call('HINCRBY', KEYS[6], 'ls', 1) -- the order leases are taken in (reap.lua)
+    local ls = redis.call('HINCRBY', capacity_k, 'ls', 1) -- the order leases are taken in (reap.lua)
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
       'attempts', attempt, 'seq', seq, 'ls', ls })
-    redis.call('HINCRBY', KEYS[4], models[m], 1)
-    tenant_move(P, KEYS[5], f.tenant, 'queued', 'running')
-    redis.call('ZADD', KEYS[1], now + lease_s, id)
+    redis.call('HINCRBY', running_k, models[m], 1)
+    tenant_move(P, blocked_k, f.tenant, 'queued', 'running')
+    redis.call('ZADD', active_k, now + lease_s, id)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
     -- A claimer that was idle wakes the next idle one while work is left, so that a burst does not
     -- wait behind a single marker. Busy claimers come back by themselves and consume no markers,
@@ -154,7 +165,7 @@ while true do
       for mm = 1, nmodels do
         for c = 1, ncls do
           if counts[mm][c] > 0 then
-            redis.call('ZADD', KEYS[block(mm) + 2], 0, 'w')
+            redis.call('ZADD', marker_of(mm), 0, 'w')
             break
           end
         end

@@ -10,39 +10,45 @@
 -- ARGV[11 ..] field, value pairs to record (result, usage, error, attempts, backend)
 -- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
+-- (decoded by redis_codec.JobReply)
 
 -- @include _keys.lua
 -- @include _tenant.lua
 -- @include _job.lua
 
+local job_k, active_k, results_k, running_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
+local capacity_k, blocked_k = KEYS[6], KEYS[7]
 local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local result_ttl, maxlen, drain_alpha = tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
+local used = tonumber(ARGV[10])
+local CHANGES_AT = 11 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
 local now = tonumber(now_s)
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[7]), ARGV[8]
-J.results, J.running, J.blocked = KEYS[4], KEYS[5], KEYS[7]
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local f = job_read(KEYS[1])
+local f = job_read(job_k)
 if f.worker ~= worker or (token ~= '' and f.lease ~= token) then return { 0 } end
-if redis.call('ZREM', KEYS[3], id) == 0 then return { 0 } end -- not leased (any more)
+if redis.call('ZREM', active_k, id) == 0 then return { 0 } end -- not leased (any more)
 if f.state ~= 'running' then return { 0 } end -- cancelled while running: the lease is released above
 
 local changes = {}
-for i = 11, #ARGV do changes[#changes + 1] = ARGV[i] end
+for i = CHANGES_AT, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 settle(id, f, state, changes)
-tenant_give_back(P, f.tenant, tonumber(f.cost), tonumber(ARGV[10]), now)
+tenant_give_back(P, f.tenant, tonumber(f.cost), used, now)
 
 if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
   if cost > 0 and service > 0 then
     local model = f.model
-    local d = redis.call('HMGET', KEYS[6], 'p:' .. model, 'n:' .. model)
+    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model)
     local sample, per_slot, samples = cost / service, tonumber(d[1]) or 0, tonumber(d[2]) or 0
     if samples == 0 then
       per_slot = sample
     else
-      per_slot = per_slot + tonumber(ARGV[9]) * (sample - per_slot)
+      per_slot = per_slot + drain_alpha * (sample - per_slot)
     end
-    redis.call('HSET', KEYS[6], 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1)
+    redis.call('HSET', capacity_k, 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1)
   end
 end
 

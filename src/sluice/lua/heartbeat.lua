@@ -9,17 +9,21 @@
 -- ARGV[4 ..] job id, lease token ('' when unknown) per job, in KEYS order
 -- Returns the ids to abort.
 
+local active_k = KEYS[1]
+local JOBS_AT = 2 -- KEYS[JOBS_AT ..]: the job hashes
 local now, lease_s, worker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local PAIRS_AT = 4 -- ARGV[PAIRS_AT ..]: job id, lease token per job
+
 local abort = {}
-for k = 2, #KEYS do
-  local id, token = ARGV[2 + 2 * (k - 1)], ARGV[3 + 2 * (k - 1)]
-  local f = redis.call('HMGET', KEYS[k], 'state', 'worker', 'lease')
-  local mine = redis.call('ZSCORE', KEYS[1], id) and f[2] == worker and (token == '' or f[3] == token)
+for j = 0, #KEYS - JOBS_AT do
+  local id, token = ARGV[PAIRS_AT + 2 * j], ARGV[PAIRS_AT + 2 * j + 1]
+  local f = redis.call('HMGET', KEYS[JOBS_AT + j], 'state', 'worker', 'lease')
+  local mine = redis.call('ZSCORE', active_k, id) and f[2] == worker and (token == '' or f[3] == token)
   if mine and f[1] == 'running' then
-    redis.call('ZADD', KEYS[1], 'XX', now + lease_s, id)
+    redis.call('ZADD', active_k, 'XX', now + lease_s, id)
   else
     abort[#abort + 1] = id
-    if mine then redis.call('ZREM', KEYS[1], id) end
+    if mine then redis.call('ZREM', active_k, id) end
   end
 end
 return abort

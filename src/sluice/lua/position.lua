@@ -11,14 +11,17 @@
 -- @include _keys.lua
 -- @include _state.lua
 
+local job_k = KEYS[1]
 local P, id = ARGV[1], ARGV[2]
-local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'priority', 'tenant')
+local CLASSES_AT = 3 -- ARGV[CLASSES_AT ..]: class names, highest first
+
+local f = redis.call('HMGET', job_k, 'state', 'model', 'priority', 'tenant')
 if f[1] ~= 'queued' then return -1 end
 local model, cls, tenant = f[2], f[3], f[4]
 local st = st_open(state_key(P, model), {})
 
 local above = 0
-for i = 3, #ARGV do
+for i = CLASSES_AT, #ARGV do
   if ARGV[i] == cls then break end
   above = above + st_num(st, f_jobs(ARGV[i]), 0)
 end

@@ -4,10 +4,13 @@
 -- ARGV[1] now   ARGV[2] event type   ARGV[3] data (JSON)   ARGV[4] events kept per stream
 -- Returns the event's id, or 0 when the job is not running (nothing is appended).
 
-if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
-if ARGV[2] == 'token' and redis.call('HEXISTS', KEYS[1], 'first_token_at') == 0 then
-  redis.call('HSET', KEYS[1], 'first_token_at', ARGV[1])
+local job_k, stream_k = KEYS[1], KEYS[2]
+local now_s, etype, data, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+
+if redis.call('HGET', job_k, 'state') ~= 'running' then return 0 end
+if etype == 'token' and redis.call('HEXISTS', job_k, 'first_token_at') == 0 then
+  redis.call('HSET', job_k, 'first_token_at', now_s)
 end
-local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '0-' .. seq, 't', ARGV[2], 'd', ARGV[3])
+local seq = redis.call('HINCRBY', job_k, 'seq', 1)
+redis.call('XADD', stream_k, 'MAXLEN', '~', maxlen, '0-' .. seq, 't', etype, 'd', data)
 return seq

@@ -7,18 +7,21 @@
 
 -- @include _keys.lua
 
+local dead_k, results_k = KEYS[1], KEYS[2]
 local P = ARGV[1]
+local IDS_AT = 2 -- ARGV[IDS_AT ..]: the job ids
+
 local ids = {}
-if #ARGV > 1 then
-  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
+if #ARGV >= IDS_AT then
+  for i = IDS_AT, #ARGV do ids[#ids + 1] = ARGV[i] end
 else
-  ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+  ids = redis.call('ZRANGE', dead_k, 0, -1)
 end
 local gone = 0
 for _, id in ipairs(ids) do
-  if redis.call('ZREM', KEYS[1], id) == 1 then
+  if redis.call('ZREM', dead_k, id) == 1 then
     redis.call('DEL', job_key(P, id), out_key(P, id))
-    redis.call('ZREM', KEYS[2], id)
+    redis.call('ZREM', results_k, id)
     gone = gone + 1
   end
 end

@@ -6,7 +6,8 @@
 -- KEYS[5] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most jobs of each kind in this call   ARGV[4] result TTL s
 -- ARGV[5] events kept per stream   ARGV[6] error JSON of an expired job
--- Returns {expired, dropped, 1 when a bound was reached (call again) else 0}.
+-- Returns {expired, dropped, 1 when a bound was reached (call again) else 0}
+-- (decoded by redis_codec.PurgeExpiredReply).
 -- Builds job, stream, tenant-list, tenant and state keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
@@ -15,29 +16,31 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 
+local deadline_k, results_k, dead_k, running_k, blocked_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running, J.blocked = KEYS[2], KEYS[4], KEYS[5]
+local result_ttl, maxlen, expired_error = tonumber(ARGV[4]), ARGV[5], ARGV[6]
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local late = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
+local late = redis.call('ZRANGEBYSCORE', deadline_k, '-inf', now_s, 'LIMIT', 0, limit)
 local expired = 0
 for _, id in ipairs(late) do
-  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', deadline_k, id)
   local f = job_read(job_key(P, id))
   if f.state == 'queued' then
     local st = st_open(state_key(P, f.model), {})
     fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
     st_flush(st)
-    settle(id, f, 'expired', { 'error', ARGV[6] })
+    settle(id, f, 'expired', { 'error', expired_error })
     expired = expired + 1
   end
 end
 
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_s, 'LIMIT', 0, limit)
+local old = redis.call('ZRANGEBYSCORE', results_k, '-inf', now_s, 'LIMIT', 0, limit)
 for _, id in ipairs(old) do
   redis.call('DEL', job_key(P, id), out_key(P, id))
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[3], id)
+  redis.call('ZREM', results_k, id)
+  redis.call('ZREM', dead_k, id)
 end
 
 local more = 0

@@ -6,9 +6,10 @@
 -- KEYS[1] active zset   KEYS[2] deadline zset   KEYS[3] results zset   KEYS[4] dead zset
 -- KEYS[5] running hash   KEYS[6] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] most leases to reap in this call   ARGV[4] result TTL s
--- ARGV[5] events kept per stream   ARGV[6] error JSON of an exhausted job, '{attempts}' standing
--- for the count
--- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}.
+-- ARGV[5] events kept per stream   ARGV[6] error JSON of an exhausted job, '{attempts}'
+-- (sluice.core.errors.WORKER_LOST_ATTEMPTS) standing for the count
+-- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}
+-- (decoded by redis_codec.ReapReply).
 -- Builds job, stream, tenant-list, tenant, state and marker keys from the prefix (same slot as KEYS).
 
 -- @include _keys.lua
@@ -17,17 +18,20 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 
+local active_k, deadline_k, results_k, dead_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local running_k, blocked_k = KEYS[5], KEYS[6]
 local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local result_ttl, maxlen, worker_lost_error = tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local now = tonumber(now_s)
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, tonumber(ARGV[4]), ARGV[5]
-J.results, J.running, J.blocked = KEYS[3], KEYS[5], KEYS[6]
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s, 'LIMIT', 0, limit)
+local ids = redis.call('ZRANGEBYSCORE', active_k, '-inf', now_s, 'LIMIT', 0, limit)
 -- In the order the leases were taken ('ls', from claim), as the memory broker walks its leases:
 -- two jobs of one tenant handed back in one round then keep the memory broker's order.
 local lost = {}
 for _, id in ipairs(ids) do
-  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', active_k, id)
   local f = job_read(job_key(P, id))
   f.id = id
   lost[#lost + 1] = f
@@ -39,19 +43,19 @@ for _, f in ipairs(lost) do
   if f.state == 'running' then
     local attempts = tonumber(f.attempts)
     if attempts >= tonumber(f.max_attempts) then
-      redis.call('ZADD', KEYS[4], now, id)
-      settle(id, f, 'failed', { 'error', (string.gsub(ARGV[6], '{attempts}', tostring(attempts))) })
+      redis.call('ZADD', dead_k, now, id)
+      settle(id, f, 'failed', { 'error', (string.gsub(worker_lost_error, '{attempts}', tostring(attempts))) })
       dead = dead + 1
     else
       local model, cls, tenant = f.model, f.priority, f.tenant
       local seq = tonumber(f.seq) + 1
-      redis.call('HINCRBY', KEYS[5], model, -1)
-      tenant_move(P, KEYS[6], tenant, 'running', 'queued')
+      redis.call('HINCRBY', running_k, model, -1)
+      tenant_move(P, blocked_k, tenant, 'running', 'queued')
       redis.call('HSET', jk, 'state', 'queued', 'seq', seq)
       local st = st_open(state_key(P, model), {})
       fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
       st_flush(st)
-      redis.call('ZADD', KEYS[2], f.deadline, id)
+      redis.call('ZADD', deadline_k, f.deadline, id)
       emit(out_key(P, id), seq, 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')
       redis.call('ZADD', marker_key(P, model), 0, 'w')
       requeued = requeued + 1

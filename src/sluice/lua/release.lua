@@ -15,21 +15,24 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 
-local P, id = ARGV[1], ARGV[2]
+local job_k, stream_k, active_k, deadline_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local running_k, blocked_k = KEYS[5], KEYS[6]
+local P, id, worker, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 J.maxlen = ARGV[5]
-local f = job_read(KEYS[1])
-if f.state ~= 'running' or f.worker ~= ARGV[3] or f.lease ~= ARGV[4] then return 0 end
-if redis.call('ZREM', KEYS[3], id) == 0 then return 0 end
+
+local f = job_read(job_k)
+if f.state ~= 'running' or f.worker ~= worker or f.lease ~= token then return 0 end
+if redis.call('ZREM', active_k, id) == 0 then return 0 end
 local model, cls, tenant = f.model, f.priority, f.tenant
 local attempts, seq = tonumber(f.attempts) - 1, tonumber(f.seq) + 1
-redis.call('HINCRBY', KEYS[5], model, -1)
-tenant_move(P, KEYS[6], tenant, 'running', 'queued')
-redis.call('HSET', KEYS[1], 'state', 'queued', 'attempts', attempts, 'seq', seq)
-redis.call('HDEL', KEYS[1], 'worker', 'lease')
+redis.call('HINCRBY', running_k, model, -1)
+tenant_move(P, blocked_k, tenant, 'running', 'queued')
+redis.call('HSET', job_k, 'state', 'queued', 'attempts', attempts, 'seq', seq)
+redis.call('HDEL', job_k, 'worker', 'lease')
 local st = st_open(state_key(P, model), {})
 fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
 st_flush(st)
-redis.call('ZADD', KEYS[4], f.deadline, id)
-emit(KEYS[2], seq, 'retry', '{"attempt":' .. (attempts + 1) .. ',"reason":"released unstarted"}')
+redis.call('ZADD', deadline_k, f.deadline, id)
+emit(stream_k, seq, 'retry', '{"attempt":' .. (attempts + 1) .. ',"reason":"released unstarted"}')
 redis.call('ZADD', marker_key(P, model), 0, 'w')
 return 1

@@ -7,18 +7,20 @@
 
 -- @include _workers.lua
 
-local now_s, op, worker = ARGV[1], ARGV[2], ARGV[3]
-local changed = workers_expire(KEYS[1], KEYS[2], now_s)
+local workers_k, wslots_k, capacity_k = KEYS[1], KEYS[2], KEYS[3]
+local now_s, op, worker, expires, slots = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+
+local changed = workers_expire(workers_k, wslots_k, now_s)
 if op == 'register' then
-  if redis.call('HGET', KEYS[2], worker) ~= ARGV[5] then
-    redis.call('HSET', KEYS[2], worker, ARGV[5])
+  if redis.call('HGET', wslots_k, worker) ~= slots then
+    redis.call('HSET', wslots_k, worker, slots)
     changed = true
   end
-  redis.call('ZADD', KEYS[1], ARGV[4], worker)
+  redis.call('ZADD', workers_k, expires, worker)
 elseif op == 'unregister' then
-  if redis.call('ZREM', KEYS[1], worker) == 1 then changed = true end
-  redis.call('HDEL', KEYS[2], worker)
+  if redis.call('ZREM', workers_k, worker) == 1 then changed = true end
+  redis.call('HDEL', wslots_k, worker)
 end
-if changed then workers_rebuild(KEYS[1], KEYS[2], KEYS[3]) end
-workers_mark(KEYS[1], KEYS[3])
-return redis.call('HGETALL', KEYS[3])
+if changed then workers_rebuild(workers_k, wslots_k, capacity_k) end
+workers_mark(workers_k, capacity_k)
+return redis.call('HGETALL', capacity_k)
