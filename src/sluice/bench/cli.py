@@ -32,17 +32,19 @@ import httpx
 from sluice import aio
 from sluice.bench.load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
 from sluice.bench.report import (
+    PLOTS_NEED,
     RESULT_VERSION,
     load_result,
     markdown,
     plot_compare,
     plot_run,
+    plots_available,
     resummarize,
     summarize,
     write_result,
 )
 
-__all__ = ["POLICY_ENTRIES", "configure_parser", "measure", "run"]
+__all__ = ["POLICY_ENTRIES", "configure_parser", "free_port", "measure", "run"]
 
 # What --policies may name: the engine alone, or a gateway with that --queue-policy in front of it.
 POLICY_ENTRIES = ("direct", "cap", "fifo", "deadline", "codel")
@@ -176,7 +178,8 @@ class Targets:
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child process to bind)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -212,7 +215,7 @@ async def _spawn_sim(preset_name: str, log: IO[bytes]) -> tuple[asyncio.subproce
 async def _spawn_sluice(
     backend: str, concurrency: int, extra: list[str], log: IO[bytes]
 ) -> tuple[asyncio.subprocess.Process, str]:
-    port = _free_port()
+    port = free_port()
     args = ["--backend", backend, "--max-concurrency", str(concurrency), "--port", str(port)]
     args += ["--log-level", "warning", *extra]
     proc = await asyncio.create_subprocess_exec(
@@ -482,10 +485,14 @@ async def measure(
 
 
 def _progress(total: int, label: str, *, disabled: bool) -> Any:
+    """A tqdm bar on stderr; without tqdm (the ``bench`` extra), one plain line and no bar."""
     if disabled:
         return None
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{label}: {total} requests", file=sys.stderr, flush=True)
+        return None
     return tqdm(total=total, desc=label, unit="req", mininterval=0.5, file=sys.stderr)
 
 
@@ -584,13 +591,22 @@ def _compare(args: argparse.Namespace) -> int:
         return 2
     out: Path = args.out or args.results[0].parent
     out.mkdir(parents=True, exist_ok=True)
-    written = _write(out, args.name, results, plot=True)
+    written = _write(out, args.name, results, not args.no_plot)
     print(markdown(results))
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
 
+def _plots_or_say_why(args: argparse.Namespace) -> None:
+    """Turn plots off, with one line saying why, when matplotlib (the ``bench`` extra) is missing;
+    checked before the run, so that a long run still writes its JSON and markdown."""
+    if not args.no_plot and not plots_available():
+        print(f"sluice bench: {PLOTS_NEED}", file=sys.stderr)
+        args.no_plot = True
+
+
 def run(args: argparse.Namespace) -> int:
+    _plots_or_say_why(args)
     if getattr(args, "bench_command", None) == "compare":
         return _compare(args)
     try:

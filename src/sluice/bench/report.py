@@ -16,6 +16,7 @@ from typing import Any
 from sluice.bench.load import QUEUE_GAUGES, Record
 
 __all__ = [
+    "PLOTS_NEED",
     "RESULT_VERSION",
     "bins",
     "goodput",
@@ -24,6 +25,7 @@ __all__ = [
     "percentile",
     "plot_compare",
     "plot_run",
+    "plots_available",
     "summarize",
     "write_result",
 ]
@@ -328,8 +330,24 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
 # -- plots ---------------------------------------------------------------------------------------
 
 
+# matplotlib is the ``bench`` extra, not a dependency of the gateway: imported only to draw.
+PLOTS_NEED = "plots need matplotlib: pip install 'sluice[bench]'"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (it then stays imported: the plots come next)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(PLOTS_NEED) from exc
 
     matplotlib.use("Agg")  # files only: no display on a server or in CI
     import matplotlib.pyplot as plt
