@@ -5,7 +5,7 @@ in front of it, each in its own process as in production, then sends streaming c
 one at a time, alternating direct and through Sluice, and compares the time to the first content
 chunk. Light load: never more than one request in flight.
 
-Usage: python bench/ttft_overhead.py [--requests 200] [--preset article]
+Usage: python -m sluice.bench.ttft_overhead [--requests 200] [--preset article]
 """
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.helpers import free_port  # noqa: E402
+from sluice.bench.cli import free_port
 
 BODY = {"model": "sim", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
 
@@ -54,26 +50,12 @@ def start(preset_name: str) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
     sim_port, gw_port = free_port(), free_port()
     sim, gateway = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{gw_port}"
     cli = [sys.executable, "-m", "sluice.cli"]
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    sim_args = ["sim", "--preset", preset_name, "--model", "sim", "--port", str(sim_port)]
+    gateway_args = ["serve", "--backend", sim, "--max-concurrency", "16", "--port", str(gw_port)]
+    gateway_args += ["--log-level", "warning"]
     procs = [
-        subprocess.Popen(
-            [*cli, "sim", "--preset", preset_name, "--model", "sim", "--port", str(sim_port)], **quiet
-        ),
-        subprocess.Popen(
-            [
-                *cli,
-                "serve",
-                "--backend",
-                sim,
-                "--max-concurrency",
-                "16",
-                "--port",
-                str(gw_port),
-                "--log-level",
-                "warning",
-            ],
-            **quiet,
-        ),
+        subprocess.Popen([*cli, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for args in (sim_args, gateway_args)
     ]
     return sim, gateway, procs
 
@@ -99,7 +81,9 @@ async def main(requests: int, sim: str, gateway: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m sluice.bench.ttft_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--preset", default="article")

@@ -6,8 +6,8 @@ same arrival schedules as ``sluice bench`` and by the real policy and drain-rate
 ``sluice.core``. It was used to choose the ``codel`` defaults, and answers "what would this policy do
 under that load" in a second.
 
-    .venv/bin/python bench/policy_model.py                      # every policy, steady and spike
-    .venv/bin/python bench/policy_model.py --policy codel --param target_s=0.3 --seeds 5
+    python -m sluice.bench.policy_model                      # every policy, steady and spike
+    python -m sluice.bench.policy_model --policy codel --param target_s=0.3 --seeds 5
 
 The engine: ``--slots`` sequences at once; every step advances each running sequence by one token
 and takes ``step0 + step1 * batch`` seconds (defaults fit the simulator's ``article`` preset: 2.1 s
@@ -24,12 +24,8 @@ import itertools
 import math
 import random
 import statistics
-import sys
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sluice.bench.load import Profile, arrivals
 from sluice.core.admission import Admitted, QueueLimits, QueueView, Refused
@@ -187,7 +183,7 @@ def run(
 
 
 # Engine shapes. article: the simulator's preset. llama-cpu: fitted to llama-server with SmolLM2-135M
-# on this project's 2-vCPU machines (bench/llm.sh): a 64-token answer takes ~0.55 s alone and 1.46 s
+# on this project's 2-vCPU machines (sluice.bench.llm): a 64-token answer takes ~0.55 s alone and 1.46 s
 # in a full batch of 4, 2.74 answers/s at capacity. A sequence that slows down this much as the batch
 # fills is what makes a per-slot rate measured at light load overestimate the drain rate.
 ENGINES: dict[str, dict[str, float]] = {
@@ -217,7 +213,11 @@ class _AdaptiveLifo(QueuePolicy):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m sluice.bench.policy_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable (all)")
     ap.add_argument("--param", action="append", default=[], help="NAME=VALUE for codel or fifo (repeatable)")
     ap.add_argument("--lifo", action="store_true", help="also each policy with adaptive LIFO")
@@ -239,7 +239,7 @@ def main() -> None:
             "steady 10": Profile("steady", 10.0, 60.0),
             "spike 3-30-3": Profile("spike", 3.0, 60.0, peak=30.0, spike_at=20.0, spike_for=10.0),
         }
-    else:  # the loads of bench/llm.sh: 1.8x capacity, and 0.5x -> 5x -> 0.5x
+    else:  # the loads of sluice.bench.llm: 1.8x capacity, and 0.5x -> 5x -> 0.5x
         profiles = {
             f"steady {1.8 * cap:.2f}": Profile("steady", round(1.8 * cap, 2), 60.0),
             "spike 0.5x-5x-0.5x": Profile(

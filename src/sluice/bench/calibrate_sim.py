@@ -8,7 +8,7 @@ then:
    after a warm-up, which is the engine's capacity when the concurrency exceeds its batch (the
    workers start spread over 3 s, so that completions do not come in whole batches).
 
-Usage: python bench/calibrate_sim.py [--preset article] [--seconds 30] [--concurrency 48] [--stream]
+Usage: python -m sluice.bench.calibrate_sim [--preset article] [--seconds 30] [--concurrency 48] [--stream]
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ async def saturate(
 
 async def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m sluice.bench.calibrate_sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", default="article", choices=list(PRESETS))
     parser.add_argument("--seconds", type=float, default=30.0)

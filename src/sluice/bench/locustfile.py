@@ -1,7 +1,7 @@
 """The article's load test for locust users, pointed at an engine or at Sluice's OpenAI API.
 
     pip install locust
-    locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 50 -r 10 -t 60s
+    locust -f src/sluice/bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 50 -r 10 -t 60s
 
 Environment: ``BENCH_CLIENT_TIMEOUT`` (seconds a user waits, 15), ``BENCH_MAX_TOKENS`` (128),
 ``BENCH_MODEL`` (omitted by default: Sluice and the simulator pick their only model).
@@ -13,13 +13,19 @@ meant to apply. The overload measures itself away (coordinated omission), and la
 leave out the requests that were never sent. ``sluice bench`` is open-loop (Poisson arrivals that do
 not wait for answers); use it for numbers you publish, and this file for a quick look.
 
-This file is not part of the package and nothing imports it; locust is not a dependency of Sluice.
+Nothing in the package imports this file, and locust is not a dependency of Sluice; run as a module
+(``python -m sluice.bench.locustfile``), it prints this text.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+
+if __name__ == "__main__":  # a locust file, not a program: say how to run it
+    print(__doc__)
+    sys.exit(0)
 
 from locust import HttpUser, constant_throughput, task
 

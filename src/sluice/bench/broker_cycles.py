@@ -11,33 +11,37 @@ Runs, one after another, on a ``redis-server`` this script starts itself on a fr
 
 Jobs are empty on the engine side: this measures the broker, not an engine.
 
-Usage: python bench/broker_cycles.py [--jobs 20000] [--admitters 1] [--claimers 2] [--concurrency 32]
+Needs ``redis-server`` on the PATH (or at ``$SLUICE_TEST_REDIS_SERVER``), and RQ for its rows
+(``pip install rq``, or ``--skip-rq``).
+
+Usage: python -m sluice.bench.broker_cycles [--jobs 20000] [--admitters 1] [--claimers 2] [--concurrency 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # for tests.redis_server, the one way this project starts a redis-server
+from sluice.bench.cli import free_port
+from sluice.broker.base import Broker, BrokerSettings
+from sluice.broker.redis import RedisBroker
+from sluice.core.admission import Bounds, QueueLimits
+from sluice.core.job import Endpoint, Job, JobState, new_job_id
+from sluice.core.policy import CoDelPolicy
 
-from tests.redis_server import RedisServer  # noqa: E402
-
-from sluice.broker.base import Broker, BrokerSettings  # noqa: E402
-from sluice.broker.redis import RedisBroker  # noqa: E402
-from sluice.core.admission import Bounds, QueueLimits  # noqa: E402
-from sluice.core.job import Endpoint, Job, JobState, new_job_id  # noqa: E402
-from sluice.core.policy import CoDelPolicy  # noqa: E402
-
+REDIS_SERVER = os.environ.get("SLUICE_TEST_REDIS_SERVER", "redis-server")
 MODEL = "bench-model"
 TENANTS = [f"tenant-{i}" for i in range(8)]
 
@@ -69,6 +73,50 @@ def make_job(i: int) -> Job:
         created_at=now,
         deadline=now + 600,
     )
+
+
+@contextlib.contextmanager
+def redis_server(*, aof: bool = False) -> Iterator[str]:
+    """A throw-away ``redis-server`` on a free port, its data in a temporary folder; yields its URL.
+
+    ``aof``: append-only file with ``appendfsync everysec``, the durable setup the docs quote.
+    """
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-redis-") as folder:
+        opts = {
+            "port": str(port),
+            "bind": "127.0.0.1",
+            "dir": folder,
+            "save": "",
+            "appendonly": "yes" if aof else "no",
+            "appendfsync": "everysec",
+            "maxmemory-policy": "noeviction",
+        }
+        args = [REDIS_SERVER, *(x for name, value in opts.items() for x in (f"--{name}", value))]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
+                with contextlib.suppress(RedisError):
+                    if Redis.from_url(url, socket_timeout=0.5).ping():
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not answer PING within 10 s")
+                time.sleep(0.01)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
 
 # --- the Sluice loops -----------------------------------------------------------------------------
@@ -292,7 +340,9 @@ def flush(url: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m sluice.bench.broker_cycles",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--jobs", type=int, default=20_000, help="cycles per Sluice run (default 20000)")
     parser.add_argument("--rq-jobs", type=int, default=3_000, help="jobs for the RQ run (default 3000)")
@@ -316,22 +366,22 @@ def main() -> int:
     for label, aof in (("no persistence", False), ("AOF everysec", True)):
         runs = []
         for _ in range(args.repeat):
-            with RedisServer(aof=aof, appendfsync="everysec") as server:
-                runs.append(run_redis(server.url, args.jobs, args.admitters, args.claimers, args.concurrency))
+            with redis_server(aof=aof) as url:
+                runs.append(run_redis(url, args.jobs, args.admitters, args.claimers, args.concurrency))
         runs.sort(key=lambda r: r.rate)
         mid = runs[len(runs) // 2]
         cpu = f"{mid.client_cpu_us:,.0f} + {mid.redis_cpu_us:,.0f} µs"
         show(Row(f"Sluice RedisBroker, Redis {label}", procs, f"{mid.rate:,.0f} cycles/s", cpu))
 
-    with RedisServer() as server:
+    with redis_server() as url:
         show(Row("Sluice, Redis memory per queued job", f"{args.memory_jobs:,} jobs",
-                 f"{memory_per_job_sluice(server.url, args.memory_jobs):,.0f} B"))  # fmt: skip
+                 f"{memory_per_job_sluice(url, args.memory_jobs):,.0f} B"))  # fmt: skip
         if not args.skip_rq:
-            flush(server.url)
+            flush(url)
             show(Row("RQ, Redis memory per queued job", f"{args.memory_jobs:,} jobs",
-                     f"{memory_per_job_rq(server.url, args.memory_jobs):,.0f} B"))  # fmt: skip
-            flush(server.url)
-            rate = run_rq(server.url, args.rq_jobs, args.claimers)
+                     f"{memory_per_job_rq(url, args.memory_jobs):,.0f} B"))  # fmt: skip
+            flush(url)
+            rate = run_rq(url, args.rq_jobs, args.claimers)
             show(Row("RQ (enqueue, then SimpleWorker bursts)", f"{args.claimers} worker processes",
                      f"{rate:,.0f} cycles/s"))  # fmt: skip
 

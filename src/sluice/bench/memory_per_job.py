@@ -4,7 +4,7 @@ Queues N jobs (default 100,000) whose bodies are shared, so that the measure is 
 bookkeeping: the job record, its queue entry, its deadline entry and its first event. Measured with
 tracemalloc (every Python allocation, not the process RSS).
 
-Usage: python bench/memory_per_job.py [--jobs 100000] [--tenants 100]
+Usage: python -m sluice.bench.memory_per_job [--jobs 100000] [--tenants 100]
 """
 
 from __future__ import annotations
@@ -12,12 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import sys
 import time
 import tracemalloc
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
@@ -59,7 +55,9 @@ async def main(jobs: int, tenants: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m sluice.bench.memory_per_job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--tenants", type=int, default=100)
