@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,13 @@ from sluice.sim.server import serve_in_background
 from tests.servers import run_gateway
 
 KEY = "sk-fuzz"
+
+
+@pytest.fixture(autouse=True)
+def outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schemathesis (.schemathesis/) and hypothesis (.hypothesis/) keep their files in the working
+    directory: run from a temporary one, so a test run leaves nothing behind in the checkout."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(scope="module")
