@@ -3,8 +3,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from redis.asyncio import Redis
 
+from tests.broker.brokers import empty_redis
 from tests.redis_server import RedisServer
 
 
@@ -19,11 +19,4 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 async def redis_url(redis_server: RedisServer) -> AsyncIterator[str]:
     """The server's URL, emptied before the test."""
-    if not redis_server.running:  # a test killed it
-        redis_server.start()
-    client = Redis.from_url(redis_server.url)
-    try:
-        await client.flushall()
-    finally:
-        await client.aclose()
-    yield redis_server.url
+    yield await empty_redis(redis_server)

@@ -1,6 +1,6 @@
-"""The Redis broker: the conformance suite, plus what only a real Redis can show (one cluster slot
-per queue, durability across a crash with AOF, fast errors while Redis is down, reconnection, and
-the same dispatch order as the memory broker)."""
+"""The Redis broker beyond the conformance suite (test_conformance.py): what only a real Redis can
+show (one cluster slot per queue, durability across a crash with AOF, fast errors while Redis is
+down, reconnection, and the same dispatch order as the memory broker)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,13 @@ from redis.exceptions import ResponseError
 from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
-from sluice.broker.redis_keys import QueueKeys
+from sluice.broker.redis_keys import QueueKeys, queued_jobs_field, queued_tokens_field
 from sluice.broker.redis_pipe import Batcher
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
 from sluice.views import job_view
-from tests.broker.conformance import (
-    BrokerConformance,
-    DispatchDeadlineConformance,
-    KeyStoreConformance,
-    make_settings,
-)
-from tests.broker.tenant_conformance import TenantLimitsConformance
+from tests.broker.brokers import make_settings
 from tests.helpers import FakeClock, make_job, wait_until
 from tests.redis_server import RedisServer
 
@@ -60,12 +54,6 @@ async def wait_blocked(redis_url: str, n: int) -> None:
 async def broker(clock: FakeClock, redis_url: str) -> AsyncIterator[RedisBroker]:
     async with RedisBroker(redis_url, make_settings(clock)) as b:
         yield b
-
-
-class TestRedisBroker(
-    BrokerConformance, TenantLimitsConformance, DispatchDeadlineConformance, KeyStoreConformance
-):
-    pass
 
 
 # --- one slot per queue ---------------------------------------------------------------------------
@@ -250,6 +238,15 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                     keys.callbacks,
                     keys.callbacks_marker,
                 ]
+
+
+async def test_lua_field_builders_match_redis_keys(redis_url: str) -> None:
+    folder = resources.files("sluice") / "lua"
+    lib = "".join((folder / f).read_text(encoding="utf-8") for f in ("_keys.lua", "_state.lua"))
+    async with Redis.from_url(redis_url, decode_responses=True) as r:
+        for cls in ("normal", "a:b", "50%"):
+            got = await r.eval(lib + "return {f_jobs(ARGV[1]), f_tokens(ARGV[1])}", 0, cls)
+            assert got == [queued_jobs_field(cls), queued_tokens_field(cls)]
 
 
 def test_escaped_names_never_collide() -> None:

@@ -1,0 +1,34 @@
+"""How the broker tests build brokers: the settings every suite runs with, and an emptied Redis."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from sluice.broker.base import BrokerSettings
+from sluice.core.admission import Bounds, QueueLimits
+from tests.helpers import FakeClock
+from tests.redis_server import RedisServer
+
+
+def make_settings(clock: FakeClock) -> BrokerSettings:
+    """A queue ``small`` of 3 jobs and 1000 tokens, roomy ones for other models, 5 s leases and
+    results kept 60 s, all on ``clock``."""
+    return BrokerSettings(
+        limits={"small": QueueLimits(model=Bounds(max_jobs=3, max_tokens=1000))},
+        default_limits=QueueLimits(model=Bounds(max_jobs=10_000)),
+        lease_s=5.0,
+        result_ttl_s=60.0,
+        clock=clock,
+    )
+
+
+async def empty_redis(server: RedisServer) -> str:
+    """The server's URL, the server started again if a test killed it and emptied."""
+    if not server.running:
+        server.start()
+    client = Redis.from_url(server.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    return server.url

@@ -1,0 +1,499 @@
+"""The Broker conformance suite: every test runs against every broker implementation (the
+``broker`` fixture is parametrized over them: ``-k memory`` or ``-k redis`` picks one)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from sluice.broker.base import Broker, EventType
+from sluice.broker.memory import MemoryBroker
+from sluice.broker.redis import RedisBroker
+from sluice.core.admission import Refused
+from sluice.core.job import JobError, JobState
+from sluice.core.ratelimit import TenantLimits
+from tests.broker.brokers import empty_redis, make_settings
+from tests.helpers import FakeClock, make_job
+from tests.redis_server import RedisServer
+
+W = "worker-1"
+
+#: Every broker implementation, by the name its tests carry.
+IMPLEMENTATIONS = ["memory", "redis"]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+async def broker(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Broker]:
+    """A started broker of each implementation, built with ``make_settings(clock)``; Redis is
+    started (and emptied) only for the Redis broker's runs."""
+    impl: Broker
+    if request.param == "memory":
+        impl = MemoryBroker(make_settings(clock))
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        impl = RedisBroker(await empty_redis(server), make_settings(clock))
+    async with impl:
+        yield impl
+
+
+async def drain_events(broker: Broker, job_id: str, after: int = 0) -> list[Any]:
+    return [e async for e in broker.events(job_id, after=after, timeout=2.0)]
+
+
+async def test_admit_claim_finish(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    adm = await broker.admit(job)
+    assert not adm.duplicate and adm.position == 0
+    assert (await broker.get(job.id)).state is JobState.QUEUED  # type: ignore[union-attr]
+    claimed = await broker.claim(W, ["m"], timeout=1.0)
+    assert claimed is not None and claimed.id == job.id
+    assert claimed.state is JobState.RUNNING and claimed.attempts == 1
+    await broker.publish(job.id, EventType.TOKEN, {"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    clock.advance(2.0)
+    done = await broker.finish(
+        job.id, W, JobState.SUCCEEDED, result={"object": "chat.completion"}, usage={"total_tokens": 3}
+    )
+    assert done is not None and done.state is JobState.SUCCEEDED
+    got = await broker.get(job.id)
+    assert got is not None and got.result == {"object": "chat.completion"}
+    assert got.first_token_at is not None and got.finished_at is not None
+    types = [e.type for e in await drain_events(broker, job.id)]
+    assert types == [EventType.QUEUED, EventType.STARTED, EventType.TOKEN, EventType.DONE]
+
+
+async def test_events_replay_and_resume(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    for i in range(3):
+        await broker.publish(job.id, EventType.TOKEN, {"i": i})
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+    events = await drain_events(broker, job.id)
+    assert [e.id for e in events] == [1, 2, 3, 4, 5, 6]
+    resumed = await drain_events(broker, job.id, after=3)
+    assert [e.id for e in resumed] == [4, 5, 6]
+    assert [e.data.get("i") for e in resumed[:2]] == [1, 2]
+    assert await drain_events(broker, job.id, after=6) == []
+
+
+async def test_events_follow_live_job(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+
+    async def produce() -> None:
+        await broker.claim(W, ["m"], timeout=1.0)
+        await broker.publish(job.id, EventType.TOKEN, {"i": 0})
+        await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+
+    reader = asyncio.create_task(drain_events(broker, job.id))
+    await asyncio.sleep(0)
+    await produce()
+    events = await asyncio.wait_for(reader, 5.0)
+    assert events[-1].type is EventType.DONE and len(events) == 4
+
+
+async def test_claim_waits_bounded(broker: Broker) -> None:
+    assert await broker.claim(W, ["m"], timeout=0.2) is None
+
+
+async def test_claim_wakes_on_admit(broker: Broker, clock: FakeClock) -> None:
+    waiter = asyncio.create_task(broker.claim(W, ["m"], timeout=5.0))
+    await asyncio.sleep(0.05)
+    job = make_job(clock)
+    await broker.admit(job)
+    claimed = await asyncio.wait_for(waiter, 5.0)
+    assert claimed is not None and claimed.id == job.id
+
+
+async def test_claim_only_requested_models(broker: Broker, clock: FakeClock) -> None:
+    await broker.admit(make_job(clock, model="other"))
+    assert await broker.claim(W, ["m"], timeout=0.1) is None
+    claimed = await broker.claim(W, ["m", "other"], timeout=1.0)
+    assert claimed is not None and claimed.model == "other"
+
+
+async def test_priority_order(broker: Broker, clock: FakeClock) -> None:
+    low = make_job(clock, priority="low")
+    normal = make_job(clock, priority="normal")
+    high = make_job(clock, priority="high")
+    for job in (low, normal, high):
+        await broker.admit(job)
+    order = [(await broker.claim(W, ["m"], timeout=1.0)).id for _ in range(3)]  # type: ignore[union-attr]
+    assert order == [high.id, normal.id, low.id]
+
+
+async def test_fair_between_tenants(broker: Broker, clock: FakeClock) -> None:
+    flood = [make_job(clock, tenant="flood") for _ in range(20)]
+    for job in flood:
+        await broker.admit(job)
+    first = await broker.claim(W, ["m"], timeout=1.0)
+    assert first is not None and first.tenant == "flood"
+    clock.advance(0.1)
+    polite = make_job(clock, tenant="polite")
+    await broker.admit(polite)
+    order = [(await broker.claim(W, ["m"], timeout=1.0)).tenant for _ in range(3)]  # type: ignore[union-attr]
+    # The flooder already holds the virtual clock for its next job: at most one more goes first.
+    assert "polite" in order[:2]
+
+
+async def test_queue_full(broker: Broker, clock: FakeClock) -> None:
+    for _ in range(3):
+        await broker.admit(make_job(clock, model="small"))
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock, model="small"))
+    assert info.value.status == 429 and info.value.code == "queue_full"
+    assert 0 < info.value.retry_after_s <= 120
+    assert (await broker.stats())["small"].queued_jobs == 3
+
+
+async def test_queue_full_by_tokens(broker: Broker, clock: FakeClock) -> None:
+    await broker.admit(make_job(clock, model="small", prompt_tokens=400, max_tokens=400))
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock, model="small", prompt_tokens=100, max_tokens=200))
+    assert info.value.code == "queue_full"
+
+
+async def test_idempotency(broker: Broker, clock: FakeClock) -> None:
+    first = make_job(clock, idempotency_key="k1")
+    await broker.admit(first)
+    again = await broker.admit(make_job(clock, idempotency_key="k1"))
+    assert again.duplicate and again.job.id == first.id
+    other_tenant = await broker.admit(make_job(clock, idempotency_key="k1", tenant="someone-else"))
+    assert not other_tenant.duplicate and other_tenant.job.id != first.id
+    assert (await broker.stats())["m"].queued_jobs == 2
+
+
+async def test_cancel_queued(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    cancelled = await broker.cancel(job.id)
+    assert cancelled is not None and cancelled.state is JobState.CANCELLED
+    assert await broker.claim(W, ["m"], timeout=0.1) is None
+    events = await drain_events(broker, job.id)
+    assert events[-1].type is EventType.ERROR and events[-1].data["status"] == "cancelled"
+
+
+async def test_cancel_running_reaches_worker(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    assert await broker.heartbeat(W, [job.id]) == set()
+    cancelled = await broker.cancel(job.id)
+    assert cancelled is not None and cancelled.state is JobState.CANCELLED
+    assert await broker.heartbeat(W, [job.id]) == {job.id}
+    # The worker's late answer does not resurrect the job.
+    assert await broker.finish(job.id, W, JobState.SUCCEEDED, result={}) is None
+    assert (await broker.get(job.id)).state is JobState.CANCELLED  # type: ignore[union-attr]
+
+
+async def test_cancel_terminal_is_unchanged(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+    after = await broker.cancel(job.id)
+    assert after is not None and after.state is JobState.SUCCEEDED
+    assert await broker.cancel("job_unknown") is None
+
+
+async def test_queued_job_expires(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock, timeout=10)
+    await broker.admit(job)
+    clock.advance(11)
+    await broker.maintain()
+    got = await broker.get(job.id)
+    assert got is not None and got.state is JobState.EXPIRED
+    assert await broker.claim(W, ["m"], timeout=0.1) is None
+
+
+async def test_expired_job_is_never_claimed(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock, timeout=10)
+    await broker.admit(job)
+    clock.advance(11)  # no maintenance round in between: claim itself must check
+    assert await broker.claim(W, ["m"], timeout=0.1) is None
+    assert (await broker.get(job.id)).state is JobState.EXPIRED  # type: ignore[union-attr]
+
+
+async def test_lease_expiry_redelivers(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock, max_attempts=2)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    clock.advance(6)
+    await broker.maintain()
+    assert (await broker.get(job.id)).state is JobState.QUEUED  # type: ignore[union-attr]
+    again = await broker.claim("worker-2", ["m"], timeout=1.0)
+    assert again is not None and again.id == job.id and again.attempts == 2
+    # The first worker's lease is gone: its late result is refused.
+    assert await broker.finish(job.id, W, JobState.SUCCEEDED, result={}) is None
+    clock.advance(6)
+    await broker.maintain()
+    dead = await broker.get(job.id)
+    assert dead is not None and dead.state is JobState.FAILED
+    assert dead.error is not None and dead.error.code == "attempts_exhausted"
+    types = [e.type for e in await drain_events(broker, job.id)]
+    assert types.count(EventType.RETRY) == 1 and types[-1] is EventType.ERROR
+
+
+async def test_requeued_job_past_its_deadline_expires(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock, timeout=8)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    clock.advance(10)  # its lease and its deadline both pass while it runs
+    await broker.maintain()
+    await broker.maintain()
+    got = await broker.get(job.id)
+    assert got is not None and got.state is JobState.EXPIRED
+
+
+async def test_heartbeat_keeps_lease(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    for _ in range(4):
+        clock.advance(3)
+        assert await broker.heartbeat(W, [job.id]) == set()
+        await broker.maintain()
+    got = await broker.get(job.id)
+    assert got is not None and got.state is JobState.RUNNING and got.attempts == 1
+    assert await broker.heartbeat("intruder", [job.id]) == {job.id}
+
+
+async def test_results_expire(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.finish(job.id, W, JobState.FAILED, error=JobError("boom", "server_error", "x"))
+    clock.advance(30)
+    await broker.maintain()
+    assert (await broker.get(job.id)) is not None
+    clock.advance(31)
+    await broker.maintain()
+    assert await broker.get(job.id) is None
+
+
+async def test_wait(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    pending = await broker.wait(job.id, timeout=0.1)
+    assert pending is not None and pending.state is JobState.QUEUED
+    waiter = asyncio.create_task(broker.wait(job.id, timeout=5.0))
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={"ok": True})
+    done = await asyncio.wait_for(waiter, 5.0)
+    assert done is not None and done.state is JobState.SUCCEEDED
+    assert await broker.wait("job_unknown", timeout=0.1) is None
+
+
+async def test_registry(broker: Broker, clock: FakeClock) -> None:
+    await broker.register("w1", {"m": 4})
+    await broker.register("w2", {"m": 2, "x": 1})
+    assert await broker.served_models() == {"m": 6, "x": 1}
+    await broker.unregister("w2")
+    assert await broker.served_models() == {"m": 4}
+    clock.advance(60)  # no heartbeat for longer than a lease: the worker is presumed dead
+    assert await broker.served_models() == {}
+
+
+async def test_position(broker: Broker, clock: FakeClock) -> None:
+    jobs = [make_job(clock, tenant="a") for _ in range(3)]
+    for job in jobs:
+        await broker.admit(job)
+    assert [await broker.position(j.id) for j in jobs] == [0, 1, 2]
+    await broker.claim(W, ["m"], timeout=1.0)
+    assert await broker.position(jobs[0].id) is None
+    assert await broker.position(jobs[2].id) == 1
+
+
+async def test_deadline_unmeetable_after_measuring(broker: Broker, clock: FakeClock) -> None:
+    await broker.register(W, {"m": 1})
+    # Teach the broker the drain rate: 100 cost units per second on one slot.
+    for _ in range(3):
+        job = make_job(clock, prompt_tokens=50, max_tokens=50)
+        await broker.admit(job)
+        await broker.claim(W, ["m"], timeout=1.0)
+        clock.advance(1.0)
+        await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+        await broker.register(W, {"m": 1})
+    for _ in range(10):
+        await broker.admit(make_job(clock, prompt_tokens=50, max_tokens=50, timeout=600))
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock, prompt_tokens=50, max_tokens=50, timeout=5))
+    assert info.value.status == 503 and info.value.code == "deadline_unmeetable"
+    # 10 queued seconds of work ahead, 5 s of budget, 1 s of own service: about 6 s until it fits.
+    assert 4 <= info.value.retry_after_s <= 8
+    with pytest.raises(Refused) as hopeless:
+        await broker.admit(make_job(clock, prompt_tokens=500, max_tokens=500, timeout=5))
+    assert hopeless.value.should_retry is False
+
+
+async def test_abort_signal_wakes_on_cancel(broker: Broker, clock: FakeClock) -> None:
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    waiter = asyncio.create_task(broker.wait_abort_signal(10.0))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    await broker.cancel(job.id)
+    await asyncio.wait_for(waiter, 2.0)  # well before its own timeout
+
+
+async def test_lost_job_goes_first_for_its_tenant(broker: Broker, clock: FakeClock) -> None:
+    first, second = make_job(clock, tenant="a"), make_job(clock, tenant="a")
+    await broker.admit(first)
+    await broker.admit(second)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == first.id  # type: ignore[union-attr]
+    clock.advance(6)
+    await broker.maintain()
+    assert await broker.position(first.id) == 0 and await broker.position(second.id) == 1
+    again = await broker.claim("worker-2", ["m"], timeout=1.0)
+    assert again is not None and again.id == first.id and again.attempts == 2
+
+
+async def test_cancel_and_expiry_free_room(broker: Broker, clock: FakeClock) -> None:
+    jobs = [make_job(clock, model="small", timeout=10 + 10 * i) for i in range(3)]
+    for job in jobs:
+        await broker.admit(job)
+    await broker.cancel(jobs[0].id)
+    await broker.admit(make_job(clock, model="small"))
+    clock.advance(25)  # jobs[1] expires
+    await broker.maintain()
+    stats = (await broker.stats())["small"]
+    assert (stats.queued_jobs, stats.queued_tokens) == (2, 60), stats
+    # Room for a third job again. It is a high one: nothing of its class waits ahead of it, so
+    # the queue policy (codel would hold a queue that stood still for 25 s to its target) has no
+    # say, while the model's bound counts every class.
+    await broker.admit(make_job(clock, model="small", priority="high"))
+    with pytest.raises(Refused) as full:
+        await broker.admit(make_job(clock, model="small", priority="high"))
+    assert full.value.code == "queue_full" and "model's queue is full" in full.value.message
+
+
+async def test_weighted_tenant_gets_its_share(broker: Broker, clock: FakeClock) -> None:
+    for _ in range(12):
+        for tenant, weight in (("heavy", 2.0), ("light", 1.0)):
+            job = make_job(clock, tenant=tenant)
+            job.weight = weight
+            await broker.admit(job)
+    order = [(await broker.claim(W, ["m"], timeout=1.0)).tenant for _ in range(9)]  # type: ignore[union-attr]
+    assert order.count("heavy") == 6 and order.count("light") == 3
+
+
+# --- per-tenant limits, enforced atomically with admission ------------------------------
+
+
+async def test_requests_per_minute(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", rpm=2)
+    first = await broker.admit(make_job(clock), policy)
+    assert first.rate is not None and first.rate.remaining_requests == 1
+    await broker.admit(make_job(clock), policy)
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock), policy)
+    assert info.value.status == 429 and info.value.code == "rate_limit_exceeded"
+    assert info.value.retry_after_s == pytest.approx(30, abs=1)  # two a minute: one every 30 s
+    assert info.value.rate is not None
+    headers = info.value.rate.headers()
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+    other = await broker.admit(make_job(clock, tenant="other"), TenantLimits("other", rpm=2))
+    assert not other.duplicate  # limits are per tenant
+    # The three queued jobs start (a queue that stood still for 30 s would be refused as
+    # standing, which is the queue policy's business, not this test's).
+    for _ in range(3):
+        assert await broker.claim(W, ["m"], timeout=1.0) is not None
+    clock.advance(30)
+    await broker.admit(make_job(clock), policy)
+
+
+async def test_tokens_per_minute_settled_with_real_usage(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", tpm=100)
+    job = make_job(clock, prompt_tokens=10, max_tokens=50)
+    await broker.admit(job, policy)
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=50), policy)
+    assert info.value.code == "rate_limit_exceeded" and "tokens" in info.value.message
+    await broker.claim(W, ["m"], timeout=1.0)
+    # It used 20 of the 60 tokens charged: the other 40 come back.
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={}, usage={"total_tokens": 20})
+    await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=50), policy)
+    with pytest.raises(Refused) as hopeless:
+        await broker.admit(make_job(clock, prompt_tokens=100, max_tokens=100), policy)
+    assert hopeless.value.should_retry is False  # larger than a whole minute's allowance
+
+
+async def test_max_queued(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", max_queued=2)
+    for _ in range(2):
+        await broker.admit(make_job(clock), policy)
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock), policy)
+    assert info.value.status == 429 and info.value.code == "too_many_queued"
+    assert 0 < info.value.retry_after_s <= 120
+    await broker.claim(W, ["m"], timeout=1.0)  # one starts: room for one more
+    await broker.admit(make_job(clock), policy)
+
+
+async def test_max_concurrent(broker: Broker, clock: FakeClock) -> None:
+    capped = TenantLimits("capped", max_concurrent=1)
+    a1, a2 = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
+    b = make_job(clock, tenant="free")
+    for job, policy in ((a1, capped), (a2, capped), (b, TenantLimits("free"))):
+        await broker.admit(job, policy)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == a1.id  # type: ignore[union-attr]
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == b.id  # type: ignore[union-attr]
+    assert await broker.claim(W, ["m"], timeout=0.2) is None  # a2 waits for a1
+    await broker.finish(a1.id, W, JobState.SUCCEEDED, result={})
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
+
+
+async def test_refused_requests_are_not_charged(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", rpm=5, max_queued=1)
+    await broker.admit(make_job(clock), policy)
+    for _ in range(3):
+        with pytest.raises(Refused):
+            await broker.admit(make_job(clock), policy)
+    ok = await broker.claim(W, ["m"], timeout=1.0)
+    assert ok is not None
+    adm = await broker.admit(make_job(clock), policy)
+    assert adm.rate is not None and adm.rate.remaining_requests == 3
+
+
+# --- jobs that cannot finish in time are not dispatched ------------------------------
+
+
+async def test_job_that_cannot_finish_is_not_dispatched(broker: Broker, clock: FakeClock) -> None:
+    await broker.register(W, {"m": 1})
+    # Measure: 100 cost units take 1 s on a slot.
+    warm = make_job(clock, prompt_tokens=50, max_tokens=50)
+    await broker.admit(warm)
+    await broker.claim(W, ["m"], timeout=1.0)
+    clock.advance(1.0)
+    await broker.finish(warm.id, W, JobState.SUCCEEDED, result={})
+    short = make_job(clock, prompt_tokens=50, max_tokens=250, timeout=10)  # needs ~3 s
+    fine = make_job(clock, prompt_tokens=50, max_tokens=50, timeout=60)
+    await broker.admit(short)
+    await broker.admit(fine)
+    clock.advance(8)  # 2 s left: not enough for 3 s of generation
+    claimed = await broker.claim(W, ["m"], timeout=1.0)
+    assert claimed is not None and claimed.id == fine.id
+    dropped = await broker.get(short.id)
+    assert dropped is not None and dropped.state is JobState.EXPIRED and dropped.started_at is None
+
+
+# --- API keys stored by an administrator ----------------------------------------
+
+
+async def test_key_store(broker: Broker) -> None:
+    assert await broker.get_key("h1") is None
+    await broker.put_key("h1", {"tenant": "acme", "rpm": 5})
+    await broker.put_key("h2", {"tenant": "beta"})
+    assert await broker.get_key("h1") == {"tenant": "acme", "rpm": 5}
+    assert set(await broker.list_keys()) == {"h1", "h2"}
+    assert await broker.delete_key("h1") and not await broker.delete_key("h1")
+    assert await broker.get_key("h1") is None and list(await broker.list_keys()) == ["h2"]
