@@ -8,18 +8,14 @@ __all__ = ["Broker", "BrokerSettings", "BrokerUnavailable", "Event", "EventType"
 
 
 def create_broker(url: str, settings: BrokerSettings) -> Broker:
-    """``memory`` for the embedded broker, ``redis://…`` for the durable one."""
+    """``memory`` for the embedded broker, ``redis://…`` (``rediss://``, ``unix://``) for the durable one."""
+    # Each broker's module is imported only when it is used: the embedded one needs no Redis client.
     if url in ("", "memory", "memory://"):
         from sluice.broker.memory import MemoryBroker
 
         return MemoryBroker(settings)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        import importlib
+        from sluice.broker.redis import RedisBroker
 
-        try:
-            module = importlib.import_module("sluice.broker.redis")
-        except ModuleNotFoundError as exc:  # pragma: no cover - until the Redis broker lands
-            raise ValueError("the Redis broker is not available in this build") from exc
-        broker: Broker = module.RedisBroker(url, settings)
-        return broker
+        return RedisBroker(url, settings)
     raise ValueError(f"unknown broker {url!r}: use 'memory' or a redis:// URL")
