@@ -158,7 +158,7 @@ def test_the_body_priority_wins_over_the_header() -> None:
 def test_an_unknown_priority_is_refused() -> None:
     for asked in (chat(priority="vip"), chat(priority_header="vip")):
         r = rejected(asked)
-        assert (r.status, r.code, r.param) == (400, None, "priority")
+        assert (r.status, r.code, r.param) == (400, "invalid_value", "priority")
         assert r.message == "Unknown priority 'vip'; use one of high, normal, low."
 
 

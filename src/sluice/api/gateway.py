@@ -32,6 +32,11 @@ SERVED_CACHE_S = 1.0
 OWN_FIELDS = ("priority", "timeout", "callback_url")
 
 
+def _names(served: dict[str, int]) -> str:
+    """The served models, for an error that must say which exist."""
+    return ", ".join(sorted(served)) or "none right now"
+
+
 def gateway(request: Request) -> Gateway:
     """The app's :class:`Gateway`, for the routes."""
     gw: Gateway = request.app.state.gateway
@@ -107,8 +112,12 @@ class Gateway:
         if requested is None:
             if len(served) == 1:
                 return next(iter(served))
+            # Several models served, or none: say which exist, so the next try can name one.
             raise APIError(
-                400, "Missing required parameter: 'model'.", "missing_required_parameter", param="model"
+                400,
+                f"Missing required parameter: 'model' (models served: {_names(served)}).",
+                "missing_required_parameter",
+                param="model",
             )
         if requested in served:
             return requested
@@ -119,7 +128,12 @@ class Gateway:
                 "no_backend",
                 retry_after_s=5.0,
             )
-        raise APIError(404, f"The model '{requested}' does not exist.", "model_not_found", param="model")
+        raise APIError(
+            404,
+            f"The model '{requested}' does not exist (models served: {_names(served)}).",
+            "model_not_found",
+            param="model",
+        )
 
     async def hold(self, caller: Caller) -> contextlib.AsyncExitStack:
         """Take a connection slot that outlives this call (a stream); ``aclose()`` gives it back."""

@@ -77,12 +77,15 @@ async def get_job(
 
 
 def _after(request: Request) -> int:
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    """The last event the client has seen: the Last-Event-ID header, else the ``after`` query
+    parameter; an error names whichever of the two it came from."""
+    header = request.headers.get("last-event-id")
+    name, raw = ("Last-Event-ID", header) if header else ("after", request.query_params.get("after") or "0")
     try:
         return max(int(raw), 0)
     except ValueError:
         raise APIError(
-            400, "Last-Event-ID must be an event id (an integer).", param="Last-Event-ID"
+            400, f"{name} must be an event id (an integer), not '{raw}'.", "invalid_value", param=name
         ) from None
 
 

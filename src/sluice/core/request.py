@@ -222,7 +222,10 @@ def priority(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits) -
     value = asked.priority or asked.priority_header or default
     if value not in names:
         raise RequestRejected(
-            400, f"Unknown priority '{value}'; use one of {', '.join(names)}.", param="priority"
+            400,
+            f"Unknown priority '{value}'; use one of {', '.join(names)}.",
+            "invalid_value",
+            param="priority",
         )
     if ceiling is not None and names.index(value) < names.index(ceiling):
         raise RequestRejected(
