@@ -31,60 +31,115 @@ class _Strict(BaseModel):
 
 
 class BackendConfig(_Strict):
-    """An OpenAI-compatible engine."""
+    """An OpenAI-compatible engine (``[[backends]]``); each field's ``description`` says what it is."""
 
-    url: str
-    name: str | None = None
-    #: models it serves; empty: ask the engine's /v1/models
-    models: list[str] = Field(default_factory=list)
-    #: sequences it runs at once (vLLM --max-num-seqs, llama-server -np); None: the global default
-    max_concurrency: int | None = Field(default=None, ge=1)
-    #: optional budget of in-flight tokens (prompt + max_tokens), e.g. the KV cache size
-    max_inflight_tokens: int | None = Field(default=None, ge=1)
-    api_key: str | None = None
+    url: str = Field(description="the engine's base URL (with or without `/v1`)")
+    name: str | None = Field(
+        default=None, description="a name for logs, metrics and `/admin`; unset: the URL"
+    )
+    models: list[str] = Field(
+        default_factory=list, description="models it serves; empty: ask the engine's `/v1/models`"
+    )
+    max_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        description="sequences it runs at once (vLLM `--max-num-seqs`, llama-server `-np`); "
+        "unset: the top-level `max_concurrency`",
+    )
+    max_inflight_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="optional budget of in-flight tokens (prompt + max_tokens), e.g. its KV cache size; "
+        "unset: no budget",
+    )
+    api_key: str | None = Field(
+        default=None, description="bearer token Sluice sends to the engine, if it needs one"
+    )
 
 
 class ClassConfig(_Strict):
-    """A priority class; the list order is the priority order, highest first."""
+    """A priority class (``[[classes]]``); the list order is the priority order, highest first."""
 
-    name: str
-    #: fraction of dispatches it keeps while higher classes compete (0 = strict priority only)
-    min_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    max_queued_jobs: int | None = Field(default=None, ge=1)
-    max_queued_tokens: int | None = Field(default=None, ge=1)
+    name: str = Field(description="the class's name, as requests give it in `priority` or `X-Priority`")
+    min_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of dispatches it keeps while higher classes compete (0 = strict priority only)",
+    )
+    max_queued_jobs: int | None = Field(
+        default=None,
+        ge=1,
+        description="queued jobs of this class per model before `429 queue_full`; unset: only the "
+        "model's bound",
+    )
+    max_queued_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="queued cost (prompt + max_tokens) of this class per model before `429 queue_full`; "
+        "unset: only the model's bound",
+    )
 
 
 class KeyGrant(_Strict):
     """What the holder of an API key may do (the key itself is never stored)."""
 
-    tenant: str = Field(min_length=1, max_length=128)
-    #: highest priority class the key may use; None: any
-    max_priority: str | None = None
-    #: fair-share weight between tenants inside a class
-    weight: float = Field(default=1.0, gt=0, le=1000)
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrent: int | None = Field(default=None, ge=1)
-    max_queued: int | None = Field(default=None, ge=1)
-    #: open connections (streams, long polls, websockets) at once
-    max_connections: int | None = Field(default=None, ge=1)
-    #: secret that signs this key's webhooks; None: webhooks are not signed
-    webhook_secret: str | None = Field(default=None, max_length=256)
-    #: may call /admin endpoints
-    admin: bool = False
+    tenant: str = Field(
+        min_length=1,
+        max_length=128,
+        description="who the key belongs to; fair sharing and limits are per tenant",
+    )
+    max_priority: str | None = Field(
+        default=None, description="highest priority class the key may use; unset: any"
+    )
+    weight: float = Field(
+        default=1.0, gt=0, le=1000, description="fair-share weight between tenants inside a class"
+    )
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute; unset: unlimited")
+    tpm: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens (prompt + max_tokens, settled with real usage) per minute; unset: unlimited",
+    )
+    max_concurrent: int | None = Field(
+        default=None, ge=1, description="jobs of this key running at once; unset: unlimited"
+    )
+    max_queued: int | None = Field(
+        default=None, ge=1, description="jobs of this key waiting at once; unset: unlimited"
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="open connections (streams, long polls, websockets) at once; unset: the top-level "
+        "`max_connections_per_key`",
+    )
+    webhook_secret: str | None = Field(
+        default=None,
+        max_length=256,
+        description="secret that signs this key's webhooks; unset: webhooks are not signed",
+    )
+    admin: bool = Field(default=False, description="may call `/admin` endpoints")
 
 
 class KeyConfig(KeyGrant):
-    """An API key, stored as its SHA-256 (``sluice keys new`` makes one), and its policy."""
+    """An API key (``[[keys]]``), stored as its SHA-256 (``sluice keys new`` makes one), and its grant."""
 
-    key_sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    key_sha256: str = Field(
+        pattern="^[0-9a-f]{64}$", description="SHA-256 (hex) of the key; `sluice keys new` makes one"
+    )
 
 
 class ModelConfig(_Strict):
-    """Queue bounds of one model; unset fields take the global defaults."""
+    """Queue bounds of one model (``[models.NAME]``); unset fields take the top-level values."""
 
-    max_queued_jobs: int | None = Field(default=None, ge=1)
-    max_queued_tokens: int | None = Field(default=None, ge=1)
+    max_queued_jobs: int | None = Field(
+        default=None, ge=1, description="this model's bound on queued jobs; unset: the top-level value"
+    )
+    max_queued_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="this model's bound on queued cost (prompt + max_tokens); unset: the top-level value",
+    )
 
 
 # Every default that feeds the core or the broker is read from their own defaults, never written
@@ -104,71 +159,191 @@ _JOB_MAX_ATTEMPTS = cast(int, next(f.default for f in dataclasses.fields(Job) if
 
 
 class Settings(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    #: "memory" (embedded) or a redis:// URL
-    broker: str = "memory"
-    backends: list[BackendConfig] = Field(default_factory=list)
-    #: concurrency of a backend that does not set its own
-    max_concurrency: int = Field(default=8, ge=1)
-    classes: list[ClassConfig] = Field(default_factory=lambda: list(DEFAULT_CLASSES))
-    default_priority: str = "normal"
-    models: dict[str, ModelConfig] = Field(default_factory=dict)
-    #: the queue policy (docs/configuration.md, "Queue policy"): cap, fifo, deadline or codel
-    queue_policy: Literal["cap", "fifo", "deadline", "codel"] = "codel"
-    #: codel: the queueing delay a standing queue is driven down to (seconds)
-    queue_target_s: float = Field(default=_CODEL.target_s, ge=0)
-    #: codel: the longest a queue may stay above the target, growing, before it counts as standing
-    queue_interval_s: float = Field(default=_CODEL.interval_s, ge=0)
-    #: codel: after this long above the target, a slowly rising queue counts as standing already
-    queue_early_s: float = Field(default=_CODEL.early_s, ge=0)
-    #: codel: seconds of delay gained per second above the target that mark a burst, not an overload
-    queue_burst_rise: float = Field(default=_CODEL.burst_rise, ge=0)
-    #: codel: half-life of the delay limit a burst's queue keeps, on its way down to the target (seconds)
-    queue_half_life_s: float = Field(default=_CODEL.half_life_s, gt=0)
-    #: fifo: jobs the buffer holds
-    fifo_max_queued: int = Field(default=FifoPolicy.max_queued, ge=1)
-    #: per-model bounds for models not listed in ``models``
-    max_queued_jobs: int | None = Field(default=_QUEUE_LIMITS.model.max_jobs, ge=1)
-    max_queued_tokens: int | None = Field(default=_QUEUE_LIMITS.model.max_tokens, ge=1)
-    #: deadline of a request that sets none (seconds)
-    default_timeout_s: float = Field(default=120.0, gt=0)
-    max_timeout_s: float = Field(default=600.0, gt=0)
-    #: max_tokens of a request that sets none
-    default_max_tokens: int = Field(default=512, ge=1)
-    max_tokens_cap: int = Field(default=4096, ge=1)
-    max_n: int = Field(default=4, ge=1)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    max_attempts: int = Field(default=_JOB_MAX_ATTEMPTS, ge=1)
-    result_ttl_s: float = Field(default=_BROKER.result_ttl_s, gt=0)
-    lease_s: float = Field(default=_BROKER.lease_s, gt=0)
-    #: longest ?wait= a poll may hold the connection (seconds)
-    max_poll_wait_s: float = Field(default=60.0, gt=0)
-    #: the per-slot service rate (tokens/s) assumed before any job has finished
-    drain_prior_per_slot: float = Field(default=_BROKER.drain_prior_per_slot, gt=0)
-    #: API keys; none configured means open mode, allowed only on a loopback address
-    keys: list[KeyConfig] = Field(default_factory=list)
-    #: also accept API keys stored in the broker by an administrator (POST /admin/keys); with it the
-    #: gateway is never in open mode, even with no keys in this file
-    key_store: bool = False
-    #: serve open mode (no keys) on a non-loopback address anyway
-    insecure_open: bool = False
-    #: limits on what a client controls
-    max_messages: int = Field(default=256, ge=1)
-    max_prompt_tokens: int = Field(default=32768, ge=1)
-    max_stream_s: float = Field(default=900.0, gt=0)
-    #: open connections per key (streams, long polls, websockets) when the key sets none
-    max_connections_per_key: int = Field(default=64, ge=1)
-    #: webhooks may target loopback, private and link-local addresses (for local development only)
-    webhooks_allow_private: bool = False
-    log_level: str = "info"
-    log_format: str = Field(default="json", pattern="^(json|text)$")
-    #: the local engine (``sluice serve`` with no backend): the port llama-server listens on (None: a
-    #: free one), the sequences it runs at once, and each sequence's context in tokens (prompt +
-    #: answer; llama-server's "context size exceeded ... try increasing it" means this one)
-    engine_port: int | None = Field(default=None, ge=1, le=65535)
-    engine_slots: int = Field(default=LOCAL_ENGINE_SLOTS, ge=1, le=256)
-    engine_ctx_per_slot: int = Field(default=LOCAL_ENGINE_CTX_PER_SLOT, ge=128)
+    """Everything Sluice reads (the top level of the TOML file); each field's ``description`` says what
+    it is, and docs/configuration.md is generated from them (``python -m sluice.config_doc``)."""
+
+    host: str = Field(
+        default="127.0.0.1",
+        description="address to listen on; open mode (no keys) only on loopback unless `insecure_open`",
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    broker: str = Field(
+        default="memory",
+        description="where the queue lives: `memory` (in the process, lost with it) or a `redis://` URL",
+    )
+    backends: list[BackendConfig] = Field(
+        default_factory=list,
+        description="the engines (see `[[backends]]`); none: `sluice serve` builds and starts a local "
+        "llama-server",
+    )
+    max_concurrency: int = Field(
+        default=8, ge=1, description="sequences a backend runs at once when it does not set its own"
+    )
+    classes: list[ClassConfig] = Field(
+        default_factory=lambda: list(DEFAULT_CLASSES),
+        description="the priority classes, highest first (see `[[classes]]`)",
+    )
+    default_priority: str = Field(default="normal", description="class of a request that names none")
+    models: dict[str, ModelConfig] = Field(
+        default_factory=dict, description="per-model queue bounds (see `[models.NAME]`)"
+    )
+    queue_policy: Literal["cap", "fifo", "deadline", "codel"] = Field(
+        default="codel",
+        description="which jobs a model's queue takes: `cap`, `fifo`, `deadline` or `codel` "
+        '(see "Queue policy")',
+    )
+    queue_target_s: float = Field(
+        default=_CODEL.target_s,
+        ge=0,
+        description="codel: the queueing delay a standing queue is driven down to (seconds)",
+    )
+    queue_interval_s: float = Field(
+        default=_CODEL.interval_s,
+        ge=0,
+        description="codel: the longest a steeply rising queue may grow before it counts as standing "
+        "(seconds)",
+    )
+    queue_early_s: float = Field(
+        default=_CODEL.early_s,
+        ge=0,
+        description="codel: after this long above the target, a slowly rising queue counts as standing "
+        "(seconds)",
+    )
+    queue_burst_rise: float = Field(
+        default=_CODEL.burst_rise,
+        ge=0,
+        description="codel: seconds of delay gained per second above the target that mark a burst, not "
+        "an overload; `sluice serve` in front of the local engine it starts uses a lower value unless "
+        'this is set (see "Queue policy")',
+    )
+    queue_half_life_s: float = Field(
+        default=_CODEL.half_life_s,
+        gt=0,
+        description="codel: half-life of the delay limit a burst's queue keeps, on its way down to the "
+        "target (seconds); also how long without refusals before a standing queue is good again",
+    )
+    fifo_max_queued: int = Field(
+        default=FifoPolicy.max_queued, ge=1, description="fifo: jobs the buffer holds"
+    )
+    max_queued_jobs: int | None = Field(
+        default=_QUEUE_LIMITS.model.max_jobs,
+        ge=1,
+        description="queued jobs per model before `429 queue_full`, for models not listed in `models`",
+    )
+    max_queued_tokens: int | None = Field(
+        default=_QUEUE_LIMITS.model.max_tokens,
+        ge=1,
+        description="queued cost (prompt + max_tokens) per model before `429 queue_full`, for models not "
+        "listed in `models`; unset: unbounded",
+    )
+    default_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="deadline of a request that sets none (seconds); follows a lower `max_timeout_s` "
+        "unless set",
+    )
+    max_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest deadline a request may ask for (seconds); longer ones are capped",
+    )
+    default_max_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="max_tokens of a request that sets none; follows a lower `max_tokens_cap` unless set",
+    )
+    max_tokens_cap: int = Field(
+        default=4096, ge=1, description="the most max_tokens a request may ask for; more is a 400"
+    )
+    max_n: int = Field(
+        default=4, ge=1, description="the most choices (`n`) a request may ask for; more is a 400"
+    )
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="request bodies above this many bytes get 413"
+    )
+    max_attempts: int = Field(
+        default=_JOB_MAX_ATTEMPTS,
+        ge=1,
+        description="attempts on backends (retries and lost workers included) before a job fails",
+    )
+    result_ttl_s: float = Field(
+        default=_BROKER.result_ttl_s,
+        gt=0,
+        description="how long finished jobs, their results and events are kept (seconds)",
+    )
+    lease_s: float = Field(
+        default=_BROKER.lease_s,
+        gt=0,
+        description="how long a claimed job stays with a worker without a heartbeat (seconds); also the "
+        "worker registry's expiry",
+    )
+    max_poll_wait_s: float = Field(
+        default=60.0, gt=0, description="the longest `?wait=` a poll may hold the connection (seconds)"
+    )
+    drain_prior_per_slot: float = Field(
+        default=_BROKER.drain_prior_per_slot,
+        gt=0,
+        description="the per-slot service rate (tokens/s) assumed before any job has finished",
+    )
+    keys: list[KeyConfig] = Field(
+        default_factory=list,
+        description="API keys (see `[[keys]]`); none configured means open mode, allowed only on a "
+        "loopback address",
+    )
+    key_store: bool = Field(
+        default=False,
+        description="also accept API keys stored in the broker by an administrator (`POST /admin/keys`); "
+        "with it the gateway is never in open mode, even with no keys in this file",
+    )
+    insecure_open: bool = Field(
+        default=False, description="serve open mode (no keys) on a non-loopback address anyway"
+    )
+    max_messages: int = Field(
+        default=256, ge=1, description="the most messages a chat request may carry; more is a 400"
+    )
+    max_prompt_tokens: int = Field(
+        default=32768,
+        ge=1,
+        description="the longest prompt (estimated tokens) a request may send; more is a 400",
+    )
+    max_stream_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="the longest an SSE or WebSocket stream stays open (seconds)",
+    )
+    max_connections_per_key: int = Field(
+        default=64,
+        ge=1,
+        description="open connections per key (streams, long polls, websockets) when the key sets none",
+    )
+    webhooks_allow_private: bool = Field(
+        default=False,
+        description="webhooks may target loopback, private and link-local addresses (for local "
+        "development only)",
+    )
+    log_level: str = Field(default="info", description="`debug`, `info`, `warning` or `error`")
+    log_format: str = Field(
+        default="json", pattern="^(json|text)$", description="`json` (one object per line) or `text`"
+    )
+    engine_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="the local engine (`sluice serve` with no backend): the port llama-server listens "
+        "on; unset: a free one",
+    )
+    engine_slots: int = Field(
+        default=LOCAL_ENGINE_SLOTS,
+        ge=1,
+        le=256,
+        description="the local engine: the sequences llama-server runs at once",
+    )
+    engine_ctx_per_slot: int = Field(
+        default=LOCAL_ENGINE_CTX_PER_SLOT,
+        ge=128,
+        description="the local engine: each sequence's context in tokens (prompt + answer); "
+        'llama-server\'s "context size exceeded ... try increasing it" means this one',
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
