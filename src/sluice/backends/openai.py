@@ -19,9 +19,13 @@ MAX_ERROR_BODY = 4096
 class OpenAIBackend(Backend):
     """An OpenAI-compatible engine at ``url`` (with or without a trailing ``/v1``).
 
-    Every job is sent with ``stream: true`` and ``stream_options.include_usage``, whatever the
-    client asked for: streaming gives the time of the first token, relays tokens as they come, and
-    lets an abort close the connection, which vLLM and llama-server treat as "stop generating".
+    A job whose tokens someone reads as they come (``job.stream_tokens``) is sent with
+    ``stream: true`` and ``stream_options.include_usage``, whatever stream options the client gave:
+    streaming gives the time of the first token and relays tokens as they come. Any other job (a
+    synchronous request that does not stream) is sent with ``stream: false``, and :meth:`stream`
+    yields its whole answer as one chunk in the shape of a stream chunk. Either way an abort
+    (closing the stream, or cancelling the task that waits on it) closes the connection, which vLLM
+    and llama-server treat as "stop generating".
     """
 
     def __init__(
