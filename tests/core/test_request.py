@@ -217,7 +217,7 @@ def test_the_first_rule_broken_is_the_one_reported() -> None:
         (("max_tokens", "invalid_value"), {"max_tokens": 0}, {"max_tokens": None}),
         (("messages", None), {"messages": long * 4}, {"messages": long}),
         (("messages", "context_length_exceeded"), {}, {"messages": MSG}),
-        (("priority", None), {"priority": "vip"}, {"priority": None}),
+        (("priority", "invalid_value"), {"priority": "vip"}, {"priority": None}),
         (("X-Request-Timeout", None), {"timeout_header": "soon"}, {"timeout_header": None}),
     ]
     asked = chat(**{k: v for _, fault, _ in faults for k, v in fault.items()})
