@@ -6,12 +6,12 @@ import httpx
 import pytest
 from hypothesis import settings
 
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
+
 # No example database: a test run leaves no .hypothesis/ folder in the checkout.
 settings.register_profile("sluice", database=None)
 settings.load_profile("sluice")
-
-from sluice.sim.model import preset
-from sluice.sim.server import serve_in_background
 
 
 @pytest.fixture
