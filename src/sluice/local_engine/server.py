@@ -484,7 +484,7 @@ class LocalEngine:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="engine_command", metavar="ACTION")
     build = sub.add_parser("build", help="build llama-server (or report the cached build) and print its path")
-    build.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    build.add_argument("--force", action="store_true", help="rebuild from scratch, even if cached")
     build.add_argument(
         "--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)"
     )
