@@ -67,6 +67,6 @@ def test_help_shows_the_defaults_the_settings_have(capsys: pytest.CaptureFixture
 
     out = " ".join(help_of("serve", capsys).split())
     defaults = Settings()
-    assert f"kept (default: {defaults.result_ttl_s})" in out
+    assert f"kept (seconds) (default: {defaults.result_ttl_s})" in out
     assert f"(default: {defaults.max_queued_jobs})" in out
-    assert "queue_full (default: unbounded)" in out
+    assert "429 queue_full, for models not listed in models; unset: unbounded" in out

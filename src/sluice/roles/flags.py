@@ -22,15 +22,18 @@ class Flag:
         name: the flag, e.g. ``--port``.
         field: the setting it overrides.
         kind: the type its value is parsed as.
-        help: what it does; the help adds the setting's default, read from :class:`Settings`.
     """
 
     name: str
     field: str
     kind: type
-    help: str
-    #: what the default means when it is None
-    unset: str = "none"
+
+    @property
+    def help(self) -> str:
+        """The setting's description (one source for the flag's help and the docs), and its default."""
+        field = Settings.model_fields[self.field]
+        text = (field.description or "").replace("`", "").replace("%", "%%")
+        return text if field.default is None else f"{text} (default: {field.default})"
 
     @property
     def dest(self) -> str:
@@ -39,115 +42,46 @@ class Flag:
 
 #: what every role reads: where the queue is, how it logs, how long results stay
 COMMON = (
-    Flag("--broker", "broker", str, "'memory' (embedded) or a redis:// URL (durable)"),
-    Flag(
-        "--result-ttl",
-        "result_ttl_s",
-        float,
-        "seconds finished jobs, their results and events are kept",
-    ),
-    Flag("--log-level", "log_level", str, "debug, info, warning or error"),
-    Flag("--log-format", "log_format", str, "json (one object per line) or text"),
+    Flag("--broker", "broker", str),
+    Flag("--result-ttl", "result_ttl_s", float),
+    Flag("--log-level", "log_level", str),
+    Flag("--log-format", "log_format", str),
 )
 
 #: what a process that serves HTTP reads
 HTTP = (
-    Flag("--host", "host", str, "address to listen on"),
-    Flag("--port", "port", int, "port to listen on"),
-    Flag("--max-body-bytes", "max_body_bytes", int, "request bodies above this many bytes get 413"),
+    Flag("--host", "host", str),
+    Flag("--port", "port", int),
+    Flag("--max-body-bytes", "max_body_bytes", int),
 )
 
 #: what admission reads: deadlines, request caps, queue bounds and the queue policy
 ADMISSION = (
-    Flag(
-        "--default-timeout",
-        "default_timeout_s",
-        float,
-        "deadline in seconds of a request that sets none",
-    ),
-    Flag(
-        "--max-timeout",
-        "max_timeout_s",
-        float,
-        "the longest deadline a request may ask for, in seconds",
-    ),
-    Flag(
-        "--queue-policy",
-        "queue_policy",
-        str,
-        "cap, fifo, deadline or codel (see docs/configuration.md, Queue policy)",
-    ),
-    Flag(
-        "--queue-target",
-        "queue_target_s",
-        float,
-        "codel: queueing delay a standing queue is held to, in seconds",
-    ),
-    Flag(
-        "--queue-interval",
-        "queue_interval_s",
-        float,
-        "codel: seconds a steeply rising queue may grow before it counts as standing",
-    ),
-    Flag(
-        "--queue-early",
-        "queue_early_s",
-        float,
-        "codel: seconds after which a slowly rising queue counts as standing",
-    ),
-    Flag(
-        "--queue-burst-rise",
-        "queue_burst_rise",
-        float,
-        "codel: seconds of delay per second of rise that mark a burst",
-    ),
-    Flag(
-        "--queue-half-life",
-        "queue_half_life_s",
-        float,
-        "codel: half-life of the delay limit after a burst, in seconds",
-    ),
-    Flag("--fifo-max-queued", "fifo_max_queued", int, "fifo: jobs the buffer holds"),
-    Flag("--max-queued-jobs", "max_queued_jobs", int, "queued jobs per model before 429 queue_full"),
-    Flag(
-        "--max-queued-tokens",
-        "max_queued_tokens",
-        int,
-        "queued tokens per model before 429 queue_full",
-        unset="unbounded",
-    ),
-    Flag("--default-max-tokens", "default_max_tokens", int, "max_tokens of a request that sets none"),
-    Flag(
-        "--max-tokens-cap",
-        "max_tokens_cap",
-        int,
-        "the most max_tokens a request may ask for; more is a 400",
-    ),
-    Flag("--max-attempts", "max_attempts", int, "attempts on backends before a job fails"),
+    Flag("--default-timeout", "default_timeout_s", float),
+    Flag("--max-timeout", "max_timeout_s", float),
+    Flag("--queue-policy", "queue_policy", str),
+    Flag("--queue-target", "queue_target_s", float),
+    Flag("--queue-interval", "queue_interval_s", float),
+    Flag("--queue-early", "queue_early_s", float),
+    Flag("--queue-burst-rise", "queue_burst_rise", float),
+    Flag("--queue-half-life", "queue_half_life_s", float),
+    Flag("--fifo-max-queued", "fifo_max_queued", int),
+    Flag("--max-queued-jobs", "max_queued_jobs", int),
+    Flag("--max-queued-tokens", "max_queued_tokens", int),
+    Flag("--default-max-tokens", "default_max_tokens", int),
+    Flag("--max-tokens-cap", "max_tokens_cap", int),
+    Flag("--max-attempts", "max_attempts", int),
 )
 
 #: what a dispatcher reads: the engines and how much each takes at once
-DISPATCH = (
-    Flag(
-        "--max-concurrency",
-        "max_concurrency",
-        int,
-        "requests each backend runs at once: the engine's batch size, e.g. vLLM's --max-num-seqs or "
-        "llama-server's -np",
-    ),
-)
+DISPATCH = (Flag("--max-concurrency", "max_concurrency", int),)
 
 
 #: the local engine that ``sluice serve`` runs when no backend is given
 LOCAL_ENGINE = (
-    Flag("--engine-port", "engine_port", int, "port of the local llama-server", unset="a free one"),
-    Flag("--engine-slots", "engine_slots", int, "sequences the local llama-server runs at once"),
-    Flag(
-        "--engine-ctx",
-        "engine_ctx_per_slot",
-        int,
-        "context of each of the local llama-server's sequences, in tokens: prompt + answer",
-    ),
+    Flag("--engine-port", "engine_port", int),
+    Flag("--engine-slots", "engine_slots", int),
+    Flag("--engine-ctx", "engine_ctx_per_slot", int),
 )
 
 
@@ -157,19 +91,13 @@ def add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def default_text(flag: Flag) -> str:
-    """The setting's default, as the help shows it."""
-    default = Settings.model_fields[flag.field].default
-    return flag.unset if default is None else str(default)
-
-
 def add_flags(parser: argparse.ArgumentParser, *groups: tuple[Flag, ...]) -> None:
     for group in groups:
         for flag in group:
             parser.add_argument(
                 flag.name,
                 type=flag.kind,
-                help=f"{flag.help} (default: {default_text(flag)})",
+                help=flag.help,
                 metavar=flag.name.lstrip("-").split("-")[-1].upper(),
             )
 
