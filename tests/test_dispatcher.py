@@ -102,3 +102,124 @@ async def test_finished_jobs_feed_the_drain_rate() -> None:
 
 async def _measured(broker: MemoryBroker) -> bool:
     return (await broker.stats())["m"].measured
+
+
+# --- a claimed job waiting for room in a token budget -------------------------------------------
+
+
+class GatedBackend(FakeBackend):
+    """A FakeBackend whose answers wait for ``gate``, and which records every job it starts."""
+
+    def __init__(self, name: str, *, tokens: int | None, models: list[str]) -> None:
+        super().__init__(name, 8, tokens=tokens, delay=0)
+        self.models = list(models)
+        self.gate = asyncio.Event()
+        self.started: list[str] = []
+
+    async def discover_models(self) -> list[str]:
+        return list(self.models)
+
+    async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        self.started.append(job.id)
+        await self.gate.wait()
+        async for chunk in super().stream(job):
+            yield chunk
+
+
+async def _state(broker: MemoryBroker, job: Job) -> JobState | None:
+    found = await broker.get(job.id)
+    return found.state if found is not None else None
+
+
+async def _claimed(broker: MemoryBroker, job: Job) -> bool:
+    return await _state(broker, job) is JobState.RUNNING
+
+
+async def test_a_job_waiting_for_budget_past_its_lease_runs_once() -> None:
+    """The waiting job is leased like any running one: its lease is renewed while it waits, so the
+    broker never queues it again and it reaches the engine exactly once."""
+    backend = GatedBackend("a", tokens=100, models=["m"])
+    broker = MemoryBroker(BrokerSettings(lease_s=0.3))
+    await broker.start()
+    dispatcher = Dispatcher(broker, [backend])
+    await dispatcher.start()
+    try:
+        first, second = (make_job(prompt_tokens=10, max_tokens=70) for _ in range(2))
+        await broker.admit(first)
+        await wait_until(lambda: backend.started == [first.id])
+        await broker.admit(second)
+        await wait_until(lambda: _claimed(broker, second))  # claimed, waiting for room
+        await asyncio.sleep(1.0)  # three leases: long enough for an unrenewed lease to lapse
+        backend.gate.set()
+        for job in (first, second):
+            done = await broker.wait(job.id, 10)
+            assert done is not None and done.state is JobState.SUCCEEDED and done.attempts == 1
+        await asyncio.sleep(0.3)  # a second copy, if the broker had queued one, would start now
+        assert backend.started == [first.id, second.id]
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+
+
+async def test_a_full_budget_on_one_model_does_not_stall_another() -> None:
+    full = GatedBackend("a", tokens=100, models=["a"])
+    other = GatedBackend("b", tokens=None, models=["b"])
+    other.gate.set()
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, [full, other])
+    await dispatcher.start()
+    try:
+        a1, a2 = (make_job(model="a", prompt_tokens=10, max_tokens=70) for _ in range(2))
+        await broker.admit(a1)
+        await wait_until(lambda: full.started == [a1.id])
+        await broker.admit(a2)
+        await wait_until(lambda: _claimed(broker, a2))  # claimed, waiting for room
+        b1 = make_job(model="b")
+        await broker.admit(b1)
+        done = await broker.wait(b1.id, 5)
+        assert done is not None and done.state is JobState.SUCCEEDED
+        assert full.started == [a1.id] and await _state(broker, a1) is JobState.RUNNING
+        full.gate.set()
+        for job in (a1, a2):
+            finished = await broker.wait(job.id, 10)
+            assert finished is not None and finished.state is JobState.SUCCEEDED
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+
+
+async def test_a_waiting_job_expires_at_its_deadline_and_can_be_cancelled() -> None:
+    backend = GatedBackend("a", tokens=100, models=["m"])
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, [backend])
+    await dispatcher.start()
+    try:
+        blocker = make_job(prompt_tokens=10, max_tokens=70)
+        await broker.admit(blocker)
+        await wait_until(lambda: backend.started == [blocker.id])
+
+        late = make_job(prompt_tokens=10, max_tokens=70, timeout=0.5)
+        await broker.admit(late)
+        expired = await broker.wait(late.id, 5)
+        assert expired is not None and expired.state is JobState.EXPIRED
+        assert expired.error is not None and expired.error.code == "deadline_exceeded"
+        await wait_until(lambda: late.id not in dispatcher.running)
+
+        cancelled = make_job(prompt_tokens=10, max_tokens=70)
+        await broker.admit(cancelled)
+        await wait_until(lambda: _claimed(broker, cancelled))
+        await broker.cancel(cancelled.id)
+        await wait_until(lambda: cancelled.id not in dispatcher.running, timeout=5)
+        assert await _state(broker, cancelled) is JobState.CANCELLED
+
+        backend.gate.set()
+        after = make_job(prompt_tokens=10, max_tokens=70)
+        await broker.admit(after)
+        done = await broker.wait(after.id, 10)
+        assert done is not None and done.state is JobState.SUCCEEDED
+        assert backend.started == [blocker.id, after.id]  # neither waiting job reached the engine
+    finally:
+        await dispatcher.stop()
+        await broker.close()

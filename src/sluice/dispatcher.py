@@ -4,19 +4,26 @@ One dispatcher per process. It keeps every backend's in-flight requests below it
 in-flight cost below its token budget), so the engine's own waiting queue stays empty and the
 scheduling decisions stay in the broker. One heartbeat loop renews all leases, re-registers the
 capacity, and aborts the jobs the broker says were cancelled or lost.
+
+A claimed job is in ``running`` from the moment it is claimed, also while it waits for room in a
+token budget: its lease is renewed, its deadline watched and a cancel reaches it, so the broker
+never hands it out a second time. A job that waits holds back new claims only for the backends it
+could run on, so that it is next in when room frees; models served elsewhere are claimed as before.
+Claims are made only for models with a backend that has room.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from sluice.backends.base import Backend, BackendError
+from sluice.backends.base import Backend, BackendError, public_name
 from sluice.broker.base import Broker, EventType
 from sluice.core.errors import deadline_error
 from sluice.core.job import Job, JobError, JobState
@@ -34,6 +41,8 @@ CLAIM_WAIT_S = 1.0
 @dataclass
 class _Slots:
     backend: Backend
+    #: what clients may be told of the backend (its name, or "backend N" when the name is a URL)
+    label: str = ""
     inflight: int = 0
     inflight_tokens: int = 0
     cooldown_until: float = 0.0
@@ -45,6 +54,11 @@ class _Slots:
         return (
             self.inflight < self.backend.max_concurrency and now >= self.cooldown_until and not self.draining
         )
+
+    def has_room(self) -> bool:
+        """Whether the token budget has any room left (a claim is worth making for it)."""
+        budget = self.backend.max_inflight_tokens
+        return budget is None or self.inflight == 0 or self.inflight_tokens < budget
 
     def fits(self, cost: int) -> bool:
         budget = self.backend.max_inflight_tokens
@@ -78,13 +92,15 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
-        self.slots = [_Slots(b) for b in backends]
+        self.slots = [_Slots(b, public_name(b.name, i)) for i, b in enumerate(backends)]
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:12]}"
         self.heartbeat_s = heartbeat_s or max(min(broker.settings.lease_s / 3, 5.0), 0.05)
         self.retry_backoff_s = retry_backoff_s
         self.metrics = metrics
         self.clock = clock
         self.running: dict[str, asyncio.Task[None]] = {}
+        #: claimed jobs waiting for a slot with room, in the order they began to wait
+        self._waiting: dict[str, Job] = {}
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -96,7 +112,7 @@ class Dispatcher:
                 try:
                     s.backend.models = await s.backend.discover_models()
                 except BackendError as exc:
-                    log.warning("backend %s: %s; will retry", s.backend.name, exc.message)
+                    log.warning("backend %s: %s; will retry", s.backend.name, exc.detail)
         await self.broker.register(self.worker_id, self.capacity())
         self._tasks = [
             asyncio.create_task(self._dispatch_forever(), name="dispatch"),
@@ -145,13 +161,37 @@ class Dispatcher:
 
     # --- dispatch -----------------------------------------------------------------------------
 
+    def _ahead(self, job: Job | None) -> set[str]:
+        """The models of the jobs that began to wait for a slot before ``job`` (all, for None)."""
+        models: set[str] = set()
+        for job_id, waiting in self._waiting.items():
+            if job is not None and job_id == job.id:
+                break
+            models.add(waiting.model)
+        return models
+
     def _free_models(self) -> list[str]:
+        """The models worth claiming: served by a slot that is available, has room in its budget
+        and that no waiting job is next in line for."""
         now = time.monotonic()
-        return sorted({m for s in self.slots if s.available(now) for m in s.backend.models})
+        ahead = self._ahead(None)
+        return sorted(
+            {
+                m
+                for s in self.slots
+                if s.available(now) and s.has_room() and ahead.isdisjoint(s.backend.models)
+                for m in s.backend.models
+            }
+        )
 
     def _pick(self, job: Job, exclude: Collection[str] = ()) -> _Slots | None:
         now = time.monotonic()
-        candidates = [s for s in self.slots if job.model in s.backend.models and s.available(now)]
+        ahead = self._ahead(job)  # a slot a job waits for goes to it first
+        candidates = [
+            s
+            for s in self.slots
+            if job.model in s.backend.models and s.available(now) and ahead.isdisjoint(s.backend.models)
+        ]
         preferred = [s for s in candidates if s.backend.name not in exclude] or candidates
         fitting = [s for s in preferred if s.fits(job.cost)]
         if not fitting:
@@ -180,12 +220,35 @@ class Dispatcher:
                 continue
             if job is None:
                 continue
-            slot = self._pick(job)
-            while slot is None:  # the token budget is full: hold the claimed job until room frees
-                await self._wait_capacity(0.5)
-                slot = self._pick(job)
-            self._reserve(slot, job)
-            self.running[job.id] = asyncio.create_task(self._run(job, slot), name=f"job-{job.id}")
+            # Running (leased, deadline-checked, cancellable) from now on, before it has a slot; it
+            # counts as waiting until its task takes one, so no claim overtakes it meanwhile.
+            self._waiting[job.id] = job
+            task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
+            self.running[job.id] = task
+            task.add_done_callback(functools.partial(self._forget, job.id))
+
+    def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
+        # Here, not in the task: a task cancelled before its first step runs none of its own code.
+        # Only this task's entries: the job may have been claimed again since (its lease lost).
+        if self.running.get(job_id) is task:
+            del self.running[job_id]
+            if self._waiting.pop(job_id, None) is not None:
+                self._capacity.set()
+
+    async def _acquire(self, job: Job, exclude: Collection[str] = ()) -> _Slots | None:
+        """Wait for a slot with room for the job and reserve it; None once its deadline passes."""
+        self._waiting.setdefault(job.id, job)
+        try:
+            while self.clock() < job.deadline:
+                slot = self._pick(job, exclude)
+                if slot is not None:
+                    self._reserve(slot, job)
+                    return slot
+                await self._wait_capacity(min(0.5, max(job.deadline - self.clock(), 0.01)))
+            return None
+        finally:
+            self._waiting.pop(job.id, None)
+            self._capacity.set()  # claims held back behind this job may go on
 
     def _reserve(self, slot: _Slots, job: Job) -> None:
         slot.inflight += 1
@@ -198,13 +261,14 @@ class Dispatcher:
 
     # --- one job ------------------------------------------------------------------------------
 
-    async def _run(self, job: Job, slot: _Slots) -> None:
+    async def _run(self, job: Job) -> None:
         attempts = job.attempts
         tried: set[str] = set()
-        held: _Slots | None = slot
+        held: _Slots | None = None
+        backend: Backend | None = None
         try:
-            while True:
-                assert held is not None
+            held = await self._acquire(job)
+            while held is not None:
                 backend = held.backend
                 try:
                     remaining = job.deadline - self.clock()
@@ -213,6 +277,7 @@ class Dispatcher:
                 except BackendError as exc:
                     self._note_failure(held, exc)
                     tried.add(backend.name)
+                    label = held.label
                     self._release(held, job)
                     held = None
                     if not exc.retryable or attempts >= job.max_attempts:
@@ -221,17 +286,14 @@ class Dispatcher:
                     await self.broker.publish(
                         job.id,
                         EventType.RETRY,
-                        {"attempt": attempts, "reason": exc.message, "backend": backend.name},
+                        {"attempt": attempts, "reason": exc.message, "backend": label},
                     )
                     held = await self._reacquire(job, tried, attempts)
-                    if held is None:
-                        await self._finish(job, JobState.EXPIRED, attempts, backend, error=deadline_error())
-                        return
-                    attempts += 1
+                    if held is not None:
+                        attempts += 1
                     continue
                 except TimeoutError:
-                    await self._finish(job, JobState.EXPIRED, attempts, backend, error=deadline_error())
-                    return
+                    break
                 held.failures = 0
                 await self._finish(
                     job,
@@ -242,6 +304,7 @@ class Dispatcher:
                     usage=assembler.final_usage(),
                 )
                 return
+            await self._finish(job, JobState.EXPIRED, attempts, backend, error=deadline_error())
         except asyncio.CancelledError:
             # Cancelled by the client, or the lease was lost: the broker already knows the outcome.
             # Leaving here closes the engine stream, which aborts the generation.
@@ -251,17 +314,10 @@ class Dispatcher:
         finally:
             if held is not None:
                 self._release(held, job)
-            self.running.pop(job.id, None)
 
     async def _reacquire(self, job: Job, tried: set[str], attempts: int) -> _Slots | None:
         await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempts - 1), 2.0))
-        while self.clock() < job.deadline:
-            slot = self._pick(job, exclude=tried)
-            if slot is not None:
-                self._reserve(slot, job)
-                return slot
-            await self._wait_capacity(min(0.5, max(job.deadline - self.clock(), 0.01)))
-        return None
+        return await self._acquire(job, exclude=tried)
 
     async def _generate(self, job: Job, backend: Backend) -> Assembler:
         assembler = Assembler(job)
@@ -281,14 +337,14 @@ class Dispatcher:
             slot.cooldown_until = time.monotonic() + min(
                 COOLDOWN_S * 2 ** (slot.failures - 1), MAX_COOLDOWN_S
             )
-            log.warning("backend %s failed: %s", slot.backend.name, exc.message)
+            log.warning("backend %s failed: %s", slot.backend.name, exc.detail)
 
     async def _finish(
         self,
         job: Job,
         state: JobState,
         attempts: int,
-        backend: Backend,
+        backend: Backend | None,
         *,
         result: dict[str, object] | None = None,
         usage: dict[str, object] | None = None,
@@ -304,7 +360,7 @@ class Dispatcher:
                 usage=usage,
                 error=error,
                 attempts=attempts,
-                backend=backend.name,
+                backend=backend.name if backend is not None else None,
             )
         )
         if done is not None:
