@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,13 +11,27 @@ from typing import Any
 from sluice.core.job import Job
 
 
+def public_name(name: str, index: int) -> str:
+    """What clients may be told of a backend: its name, unless the name gives away where the engine
+    is (a URL, the default name, or a host and port), then ``backend <index + 1>``."""
+    looks_like_address = "/" in name or ":" in name or "@" in name
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(name)
+        looks_like_address = True
+    return f"backend {index + 1}" if looks_like_address or not name else name
+
+
 class BackendError(Exception):
     """An engine failed a request.
 
     Args:
+        message: what the client is told (the job's error, the ``retry`` event's reason): never
+            where the engine is (its URL, host or port).
         retryable: another attempt (on this or another backend) may succeed: connection errors, 5xx,
             429. False when the engine rejected the request itself (4xx): retrying cannot help.
         status: the engine's HTTP status, when it answered.
+        detail: what the operator's log is told, which may name the engine's address; unset: the
+            message.
     """
 
     def __init__(
@@ -26,9 +42,11 @@ class BackendError(Exception):
         status: int | None = None,
         type: str = "server_error",
         code: str | None = "engine_error",
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.detail = detail if detail is not None else message
         self.retryable = retryable
         self.status = status
         self.type = type

@@ -62,7 +62,9 @@ class OpenAIBackend(Backend):
             r.raise_for_status()
             data = r.json().get("data", [])
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            raise BackendError(f"cannot list models of {self.name}: {exc}", retryable=True) from exc
+            raise BackendError(
+                "cannot list the engine's models", retryable=True, detail=f"cannot list models: {exc}"
+            ) from exc
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     async def healthy(self) -> bool:
@@ -105,7 +107,7 @@ class OpenAIBackend(Backend):
                     if isinstance(data, dict):
                         yield data
         except httpx.HTTPError as exc:
-            raise BackendError(f"{type(exc).__name__} talking to {self.name}: {exc}", retryable=True) from exc
+            raise _transport_error(exc) from exc
 
     async def _whole(self, job: Job) -> dict[str, Any]:
         """One request for the whole answer, returned as a single chunk holding all of it.
@@ -117,7 +119,7 @@ class OpenAIBackend(Backend):
         try:
             response = await self._client.post(job.endpoint.path, json=body)
         except httpx.HTTPError as exc:
-            raise BackendError(f"{type(exc).__name__} talking to {self.name}: {exc}", retryable=True) from exc
+            raise _transport_error(exc) from exc
         if response.status_code != 200:
             raise _status_error(response.status_code, response.content[:MAX_ERROR_BODY])
         try:
@@ -129,6 +131,15 @@ class OpenAIBackend(Backend):
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _transport_error(exc: httpx.HTTPError) -> BackendError:
+    # httpx's own text may carry the URL or the address it tried: only the operator's log gets it.
+    return BackendError(
+        f"the engine did not answer ({type(exc).__name__})",
+        retryable=True,
+        detail=f"{type(exc).__name__}: {exc}".rstrip(": "),
+    )
 
 
 def _as_delta(choice: dict[str, Any]) -> dict[str, Any]:
