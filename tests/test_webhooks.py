@@ -384,20 +384,19 @@ async def test_localhost_names_are_loopback_whatever_the_resolver_says() -> None
             await check_callback_url(url, resolver=lying)
 
 
-RESOLVER = static_resolver(
-    {
-        "hooks.example": [PUBLIC_V4, PUBLIC_V6],
-        "evil.example": ["10.0.0.5"],
-        "metadata.example": ["169.254.169.254"],
-        "cgnat.example": ["100.64.1.1"],
-        "mapped.example": ["::ffff:10.0.0.1"],
-        "ula.example": ["fd12:3456::1"],
-        "mixed.example": [PUBLIC_V4, "192.168.0.10"],
-        "mixed6.example": [PUBLIC_V6, "::1"],
-        "empty.example": [],
-        "garbage.example": ["not-an-address"],
-    }
-)
+RESOLVER_TABLE = {
+    "hooks.example": [PUBLIC_V4, PUBLIC_V6],
+    "evil.example": ["10.0.0.5"],
+    "metadata.example": ["169.254.169.254"],
+    "cgnat.example": ["100.64.1.1"],
+    "mapped.example": ["::ffff:10.0.0.1"],
+    "ula.example": ["fd12:3456::1"],
+    "mixed.example": [PUBLIC_V4, "192.168.0.10"],
+    "mixed6.example": [PUBLIC_V6, "::1"],
+    "empty.example": [],
+    "garbage.example": ["not-an-address"],
+}
+RESOLVER = static_resolver(RESOLVER_TABLE)
 
 
 async def test_a_public_name_is_accepted_and_its_addresses_returned() -> None:
@@ -408,12 +407,12 @@ async def test_a_public_name_is_accepted_and_its_addresses_returned() -> None:
 @pytest.mark.parametrize(
     ("host", "reason"),
     [
-        ("evil.example", "10.0.0.5, a private address"),
+        ("evil.example", "resolves to a private address$"),
         ("metadata.example", "metadata"),
         ("cgnat.example", "carrier-grade"),
-        ("mapped.example", "private address \\(embedded in ::ffff:a00:1\\)"),
+        ("mapped.example", "resolves to a private address$"),
         ("ula.example", "private"),
-        ("mixed.example", "192.168.0.10"),
+        ("mixed.example", "resolves to a private address$"),
         ("mixed6.example", "loopback"),
         ("unknown.example", "does not resolve"),
         ("empty.example", "does not resolve"),
@@ -424,6 +423,19 @@ async def test_names_resolving_to_any_non_public_address_are_refused(host: str, 
     with pytest.raises(CallbackRefused, match=reason) as info:
         await check_callback_url(f"https://{host}/hook", resolver=RESOLVER)
     assert "callback" in str(info.value)
+
+
+@pytest.mark.parametrize("host", [h for h in RESOLVER_TABLE if h != "hooks.example"] + ["unknown.example"])
+async def test_a_refusal_never_names_what_a_name_resolves_to(host: str) -> None:
+    """No DNS oracle: whoever submits a callback URL learns that it is refused and the kind of
+    address (private, loopback...), never the address itself nor the resolver's answer."""
+    with pytest.raises(CallbackRefused) as info:
+        await check_callback_url(f"https://{host}/hook", resolver=RESOLVER)
+    message = str(info.value)
+    for answer in RESOLVER_TABLE.get(host, []):
+        assert answer not in message
+    for form in ("10.0.0.1", "a00:1", "embedded"):  # mapped.example's address, in any form
+        assert form not in message
 
 
 async def test_allow_private_still_refuses_what_does_not_resolve() -> None:
@@ -473,7 +485,7 @@ def test_any_address_in_a_non_public_network_is_refused(address: str, also_publi
     with pytest.raises(CallbackRefused, match="resolves to"):
         asyncio.run(check_callback_url("https://target.example/", resolver=resolver))
     literal = f"[{address}]" if ":" in address else address
-    with pytest.raises(CallbackRefused, match="resolves to"):
+    with pytest.raises(CallbackRefused, match=" is "):
         asyncio.run(check_callback_url(f"https://{literal}/", resolver=must_not_resolve))
 
 
@@ -698,10 +710,7 @@ async def test_dns_rebinding_between_check_and_delivery_is_refused() -> None:
         async with make_sender(allow_private=False, resolver=resolver) as sender:
             attempts = await sender.deliver(finished_view(), url, SECRET)
     assert [a.status for a in attempts] == [None]
-    assert (
-        attempts[0].error
-        == "refused: the callback host 'rebind.example' resolves to 127.0.0.1, a loopback address"
-    )
+    assert attempts[0].error == "refused: the callback host 'rebind.example' resolves to a loopback address"
     assert rec.requests == [] and resolver.calls == 2
 
 

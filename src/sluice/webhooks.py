@@ -148,11 +148,16 @@ def _parse_url(url: str) -> tuple[httpx.URL, str, int]:
     return parsed, host, port
 
 
-async def _resolve(host: str, port: int, resolver: Resolver) -> list[IPAddress]:
+def _literal(host: str) -> IPAddress | None:
+    """The address a numeric host spells, or None for a name."""
     with contextlib.suppress(ValueError):
-        return [ip_address(host)]
-    if (loose := _ipv4_loose(host)) is not None:
-        return [loose]
+        return ip_address(host)
+    return _ipv4_loose(host)
+
+
+async def _resolve(host: str, port: int, resolver: Resolver) -> list[IPAddress]:
+    if (literal := _literal(host)) is not None:
+        return [literal]
     name = host.removesuffix(".")
     if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         raise CallbackRefused(f"{host!r} is not a valid host name")
@@ -165,8 +170,8 @@ async def _resolve(host: str, port: int, resolver: Resolver) -> list[IPAddress]:
         raise CallbackUnresolvable(f"the callback host {host!r} does not resolve: {exc}") from None
     try:
         addresses = [ip_address(a) for a in answers]
-    except ValueError as exc:
-        raise CallbackUnresolvable(f"the callback host {host!r} resolved to a non-address: {exc}") from None
+    except ValueError:
+        raise CallbackUnresolvable(f"the callback host {host!r} resolved to a non-address") from None
     if not addresses:
         raise CallbackUnresolvable(f"the callback host {host!r} does not resolve")
     return addresses
@@ -180,8 +185,14 @@ async def _check(
     if not allow_private:
         for ip in addresses:
             reason = blocked_reason(ip)
-            if reason:
-                raise CallbackRefused(f"the callback host {host!r} resolves to {ip}, {reason}")
+            if reason is None:
+                continue
+            if _literal(host) is not None:  # the client wrote the address: naming it tells nothing
+                raise CallbackRefused(f"the callback host {host!r} is {reason}")
+            # A name's addresses are never named, nor the form they came in: the answer would be a
+            # DNS oracle into the networks Sluice can see.
+            kind = reason.split(" (embedded in ")[0]
+            raise CallbackRefused(f"the callback host {host!r} resolves to {kind}")
     return parsed, addresses
 
 
