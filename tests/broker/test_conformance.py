@@ -171,6 +171,65 @@ async def test_idempotency(broker: Broker, clock: FakeClock) -> None:
     assert (await broker.stats())["m"].queued_jobs == 2
 
 
+@pytest.mark.parametrize(
+    ("theirs", "mine"),
+    [
+        (("acme:eu", "order-1"), ("acme", "eu:order-1")),
+        (("acme", "eu:order-1"), ("acme:eu", "order-1")),
+        (("a%3Ab", "k"), ("a:b", "k")),  # an escaped spelling is not the separator either
+    ],
+)
+async def test_idempotency_keys_of_two_tenants_never_collide(
+    broker: Broker, clock: FakeClock, theirs: tuple[str, str], mine: tuple[str, str]
+) -> None:
+    """(tenant, key) is a pair: no tenant reaches another's job by folding part of a tenant name
+    into its key."""
+    first = make_job(clock, tenant=theirs[0], idempotency_key=theirs[1])
+    await broker.admit(first)
+    other = await broker.admit(make_job(clock, tenant=mine[0], idempotency_key=mine[1]))
+    assert not other.duplicate and other.job.id != first.id and other.job.tenant == mine[0]
+    repeat = await broker.admit(make_job(clock, tenant=theirs[0], idempotency_key=theirs[1]))
+    assert repeat.duplicate and repeat.job.id == first.id
+
+
+async def _idempotency_key_ttl_s(broker: Broker, tenant: str, key: str) -> float | None:
+    """How much longer the broker stores this idempotency key (None: it stores none); the Redis
+    key's own TTL is in real time, the memory broker's entry lives until its job's record goes."""
+    if isinstance(broker, MemoryBroker):
+        stored = broker._idempotency.get((tenant, key))
+        return None if stored is None else float("inf")
+    assert isinstance(broker, RedisBroker)
+    ms = await broker._redis.pttl(broker.keys.idem(tenant, key))
+    return None if ms < 0 else ms / 1000
+
+
+async def test_an_idempotency_key_lives_exactly_as_long_as_its_job(broker: Broker, clock: FakeClock) -> None:
+    """A repeat gets the first job while its record is kept (queued, running, and result_ttl_s after
+    it ends); once the record is gone the key is gone with it, and a repeat is a new request."""
+    first = make_job(clock, idempotency_key="k", timeout=100.0)
+    await broker.admit(first)
+    ttl = await _idempotency_key_ttl_s(broker, "t", "k")
+    # Never a day against a 60 s result: at most the job's time to run, its result's TTL, a lease
+    # (a lost worker's job is reaped after it) and the minute the record itself is given.
+    s = broker.settings
+    assert (ttl is not None and ttl <= 100.0 + s.result_ttl_s + s.lease_s + 60.0) or ttl == float("inf")
+    assert await broker.claim(W, ["m"], timeout=1.0) is not None
+    await broker.finish(first.id, W, JobState.SUCCEEDED, result={"choices": []})
+    clock.advance(s.result_ttl_s - 1)
+    await broker.maintain()
+    again = await broker.admit(make_job(clock, idempotency_key="k"))
+    assert again.duplicate and again.job.id == first.id and again.job.state is JobState.SUCCEEDED
+    clock.advance(2)
+    await broker.maintain()
+    assert await broker.get(first.id) is None
+    if isinstance(broker, MemoryBroker):
+        assert await _idempotency_key_ttl_s(broker, "t", "k") is None
+    later = await broker.admit(make_job(clock, idempotency_key="k"))
+    assert not later.duplicate and later.job.id != first.id
+    # The key now names the new job, for that job's life.
+    assert (await broker.admit(make_job(clock, idempotency_key="k"))).job.id == later.job.id
+
+
 async def test_cancel_queued(broker: Broker, clock: FakeClock) -> None:
     job = make_job(clock)
     await broker.admit(job)
@@ -425,6 +484,38 @@ async def test_tokens_per_minute_settled_with_real_usage(broker: Broker, clock: 
     with pytest.raises(Refused) as hopeless:
         await broker.admit(make_job(clock, prompt_tokens=100, max_tokens=100), policy)
     assert hopeless.value.should_retry is False  # larger than a whole minute's allowance
+
+
+async def test_usage_above_the_charge_is_taken_after_the_fact(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", tpm=1000)
+    job = make_job(clock, prompt_tokens=10, max_tokens=50)
+    first = await broker.admit(job, policy)
+    assert first.rate is not None and first.rate.remaining_tokens == 940
+    await broker.claim(W, ["m"], timeout=1.0)
+    # The estimate was short: the engine read and wrote 260 tokens, 200 more than charged.
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={}, usage={"total_tokens": 260})
+    after = await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=50), policy)
+    assert after.rate is not None and after.rate.remaining_tokens == 940 - 200 - 60
+
+
+async def test_a_debt_makes_the_next_requests_wait(broker: Broker, clock: FakeClock) -> None:
+    policy = TenantLimits("t", tpm=120)  # two a second
+    job = make_job(clock, prompt_tokens=10, max_tokens=50)
+    await broker.admit(job, policy)
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={}, usage={"total_tokens": 300})
+    # 60 left, 240 over the charge: the bucket stands at -180, below zero.
+    with pytest.raises(Refused) as info:
+        await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=20), policy)
+    assert info.value.code == "rate_limit_exceeded" and info.value.should_retry
+    assert info.value.retry_after_s == pytest.approx((180 + 30) / 2, abs=1)
+    assert info.value.rate is not None and info.value.rate.remaining_tokens == -180
+    assert info.value.rate.headers()["x-ratelimit-remaining-tokens"] == "0"
+    clock.advance(100)  # 200 refilled: 20 in the bucket, not yet 30
+    with pytest.raises(Refused):
+        await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=20), policy)
+    clock.advance(6)
+    await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=20), policy)
 
 
 async def test_max_queued(broker: Broker, clock: FakeClock) -> None:

@@ -64,7 +64,6 @@ class BrokerSettings:
         limits: the queue bounds of each model; ``default_limits`` for models not named.
         lease_s: how long a claimed job stays with its worker without a heartbeat.
         result_ttl_s: how long finished jobs, their results and events are kept.
-        idempotency_ttl_s: how long an ``Idempotency-Key`` maps to its first job.
         drain_prior_per_slot: the service rate assumed for a model before any job finished there.
         policy: the queue policy: which jobs a model's queue takes (sluice.core.policy).
         clock: wall-clock time in seconds; injected so tests can move time.
@@ -75,7 +74,6 @@ class BrokerSettings:
     default_limits: QueueLimits = field(default_factory=QueueLimits)
     lease_s: float = 30.0
     result_ttl_s: float = 600.0
-    idempotency_ttl_s: float = 86400.0
     drain_prior_per_slot: float = DrainRate.prior_per_slot
     policy: QueuePolicy = field(default_factory=CoDelPolicy)
     clock: Callable[[], float] = time.time

@@ -75,7 +75,8 @@ class MemoryBroker(Broker):
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
         self._tenants: dict[str, _Tenant] = {}
-        self._idempotency: dict[str, tuple[str, float]] = {}
+        #: (tenant, Idempotency-Key) → the job it names, for as long as that job's record is kept
+        self._idempotency: dict[tuple[str, str], str] = {}
         self._workers: dict[str, tuple[dict[str, int], float]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._ttl: list[tuple[float, str]] = []
@@ -185,11 +186,11 @@ class MemoryBroker(Broker):
 
     async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
         now = self.now()
-        idem = f"{job.tenant}:{job.idempotency_key}" if job.idempotency_key else None
+        idem = (job.tenant, job.idempotency_key) if job.idempotency_key else None
         if idem is not None:
             hit = self._idempotency.get(idem)
-            if hit is not None and hit[1] > now and hit[0] in self._records:
-                first = self._records[hit[0]].job
+            if hit is not None and hit in self._records:
+                first = self._records[hit].job
                 pos = await self.position(first.id)
                 return Admission(first, True, pos or 0, 0.0)
         tenant = self._tenant(job.tenant, limits)
@@ -221,7 +222,7 @@ class MemoryBroker(Broker):
         q.push(job.priority, self._entry(job))
         heapq.heappush(self._deadlines, (job.deadline, job.id))
         if idem is not None:
-            self._idempotency[idem] = (job.id, now + self.settings.idempotency_ttl_s)
+            self._idempotency[idem] = job.id
         self._emit(
             rec, EventType.QUEUED, {"position": ok.position, "estimated_start_s": ok.estimated_start_s}
         )
@@ -421,7 +422,7 @@ class MemoryBroker(Broker):
         gone = [i for i in (ids if ids is not None else list(self._dead)) if i in self._dead]
         for job_id in gone:
             del self._dead[job_id]
-            self._records.pop(job_id, None)
+            self._drop_record(job_id)
         return len(gone)
 
     async def set_draining(self, backend: str, draining: bool) -> None:
@@ -490,8 +491,13 @@ class MemoryBroker(Broker):
             self._work.notify()
         while self._ttl and self._ttl[0][0] <= now:
             _, job_id = heapq.heappop(self._ttl)
-            self._records.pop(job_id, None)
+            self._drop_record(job_id)
             self._dead.pop(job_id, None)
-        for key, (_, expires) in list(self._idempotency.items()):
-            if expires <= now:
-                del self._idempotency[key]
+
+    def _drop_record(self, job_id: str) -> None:
+        """Forget a job, and the idempotency key that names it: a key lives as long as its job."""
+        rec = self._records.pop(job_id, None)
+        if rec is not None and rec.job.idempotency_key:
+            idem = (rec.job.tenant, rec.job.idempotency_key)
+            if self._idempotency.get(idem) == job_id:
+                del self._idempotency[idem]

@@ -92,6 +92,8 @@ STREAM_MAXLEN = 10_000
 UPKEEP_BATCH = 500
 #: Jobs found expired per claim call before the call returns to be repeated.
 EXPIRED_PER_CLAIM = 64
+#: What a finished record's Redis TTL adds to the result TTL (lua/_job.lua, ``settle``).
+RECORD_GRACE_S = 60.0
 #: How long a worker may take to deliver a webhook before it is handed to another worker.
 CALLBACK_LEASE_S = 600.0
 #: Webhooks handed to one worker at a time.
@@ -312,7 +314,7 @@ class RedisBroker(Broker):
             bound(cls_bounds.max_jobs),
             bound(cls_bounds.max_tokens),
             repr(float(self.settings.drain_prior_per_slot)),
-            repr(float(self.settings.idempotency_ttl_s)) if job.idempotency_key else 0,
+            repr(self._idempotency_ttl_s(job, now)) if job.idempotency_key else 0,
             *tenant_limit_args(limits),
             *self._policy_args,
             len(self._class_names),
@@ -345,6 +347,14 @@ class RedisBroker(Broker):
 
     async def _record(self, job_id: str) -> dict[str, str]:
         return pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))
+
+    def _idempotency_ttl_s(self, job: Job, now: float) -> float:
+        """How long an idempotency key is stored: no longer than its job's record can live (its
+        deadline, a lease for a lost worker's job to be reaped, the result TTL and the record's own
+        grace). admit.lua honours the key only while that record exists, so a repeat gets the first
+        job exactly as long as the job is kept."""
+        s = self.settings
+        return max(job.deadline - now, 0.0) + s.lease_s + s.result_ttl_s + RECORD_GRACE_S
 
     async def get(self, job_id: str) -> Job | None:
         data = await self._record(job_id)

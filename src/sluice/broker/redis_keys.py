@@ -53,7 +53,9 @@ class QueueKeys:
         return f"{self.prefix}out:{job_id}"
 
     def idem(self, tenant: str, key: str) -> str:
-        """String: ``<job id> <expires_at>`` for a tenant's ``Idempotency-Key``."""
+        """String: ``<job id> <expires_at>`` for a tenant's ``Idempotency-Key``; tenant and key are
+        escaped apart, so no (tenant, key) pair names another's. Stored no longer than its job's
+        record lives (RedisBroker._idempotency_ttl_s)."""
         return f"{self.prefix}idem:{part(tenant)}:{part(key)}"
 
     # --- queues: per model, per class, per tenant --------------------------------------------------
