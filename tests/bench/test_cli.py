@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sluice.bench import cli as bench
-from sluice.bench.load import Record, is_retrier, parse_prometheus
+from sluice.bench.load import PROMPT, Record, is_retrier, parse_prometheus
 from sluice.bench.report import PLOTS_NEED, load_result
 from sluice.cli import build_parser
-from sluice.sim.model import preset
+from sluice.sim.model import capacity_rps, estimate_chat_tokens, preset
 from sluice.sim.server import serve_in_background
 from tests.servers import run_gateway
 
@@ -187,6 +190,115 @@ async def test_retriers_against_a_spawned_gateway_with_no_queue(tmp_path: Path) 
     assert "| retried once after Retry-After | " in (tmp_path / "retries.md").read_text()
 
 
+# -- runs too short to show what they measure ------------------------------------------------------
+
+
+# Two slots and 5 ms steps: a 20-token answer in 0.1 s, 20 answers/s; offered 40 req/s, clients
+# that give up at 2 s. The queue that times out is 20 * (2 - 0.1) = 38 requests, filled at 20 a
+# second: the rule wants at least 2 * 38 / 20 = 3.8 s of arrivals.
+_SLOW = {"max_num_seqs": 2, "base_step_s": 0.005, "per_seq_s": 0.0, "prefill_s_per_token": 0.0}
+_SLOW_TOKENS = 20
+
+
+async def _overloaded_run(tmp_path: Path, duration: str, label: str) -> dict[str, object]:
+    params = preset("article", model="sim", **_SLOW)
+    capacity = capacity_rps(params, _SLOW_TOKENS, estimate_chat_tokens([PROMPT]))
+    assert capacity == pytest.approx(20.0)
+    async with serve_in_background(params) as url:
+        args = _args(
+            tmp_path,
+            "--target", url, "--capacity", str(capacity), "--max-tokens", str(_SLOW_TOKENS),
+            "--client-timeout", "2", "--rate", "40", "--duration", duration, "--label", label, "--no-plot",
+        )  # fmt: skip
+        assert await bench._main(args) == 0
+    return load_result(tmp_path / f"{label}.json")
+
+
+async def test_a_short_overload_warns_that_it_cannot_show_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = await _overloaded_run(tmp_path, "0.5", "short")
+    summary = result["summary"]
+    assert isinstance(summary, dict)
+    # What misleads: at twice the capacity, the engine alone answered every request.
+    assert summary["outcomes"]["timeout"] == 0 and summary["outcomes"]["ok"] == summary["offered"]
+    overload = [w for w in summary["warnings"] if w.startswith("too short to show overload")]
+    # 2 * 20 * (2 - T) / 20 s for the shortest answer T, 0.1 s on an idle machine
+    assert len(overload) == 1 and re.search(r"run at least [34] s \(--duration\)$", overload[0])
+    # In the printed report and in the saved table, under the run's name.
+    printed = capsys.readouterr().out
+    for table in (printed, (tmp_path / "short.md").read_text()):
+        assert "\nWarnings:\n" in table and "- **short**: too short to show overload" in table
+
+
+async def test_a_long_enough_overload_shows_and_does_not_warn(tmp_path: Path) -> None:
+    result = await _overloaded_run(tmp_path, "5", "long")
+    summary = result["summary"]
+    assert isinstance(summary, dict)
+    assert summary["outcomes"]["timeout"] > 0  # clients gave up: the overload shows
+    assert not [w for w in summary["warnings"] if w.startswith("too short to show overload")]
+
+
+async def test_a_goodput_above_the_capacity_given_says_why(fast_sim: str, tmp_path: Path) -> None:
+    # 20 req/s answered by an engine told to be a 5 req/s one: the capacity came from elsewhere.
+    args = _args(tmp_path, "--target", fast_sim, "--capacity", "5", "--label", "above", "--no-plot")
+    assert await bench._main(args) == 0
+    summary = load_result(tmp_path / "above.json")["summary"]
+    assert summary["goodput_rps"] > 5 and summary["goodput_steady_rps"] > 5
+    assert set(summary["above_capacity"]) == {"goodput_rps", "goodput_steady_rps"}
+    assert any(w.startswith("goodput ") and "measured on another run" in w for w in summary["warnings"])
+    table = (tmp_path / "above.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| goodput |"))
+    assert row.endswith("% of 5.00; above capacity: capacity measured on another run) |")
+
+
+# -- ports ---------------------------------------------------------------------------------------
+
+
+def _two_free_ports() -> tuple[int, int]:
+    first = bench.free_port()
+    second = bench.free_port()
+    while second == first:
+        second = bench.free_port()
+    return first, second
+
+
+async def test_spawned_servers_listen_on_the_ports_chosen(tmp_path: Path) -> None:
+    sim_port, sluice_port = _two_free_ports()
+    args = _args(
+        tmp_path,
+        "--spawn-sim", "fast", "--sim-port", str(sim_port),
+        "--spawn-sluice", "--sluice-port", str(sluice_port), "--rate", "5", "--duration", "0.5",
+    )  # fmt: skip
+    async with bench.targets(args, tmp_path) as found:
+        assert found.target == f"http://127.0.0.1:{sluice_port}"
+        assert found.engine_metrics == f"http://127.0.0.1:{sim_port}/metrics"
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            assert (await http.get(f"http://127.0.0.1:{sim_port}/v1/models")).status_code == 200
+            assert (await http.get(f"http://127.0.0.1:{sluice_port}/readyz")).status_code == 200
+        result = await bench.measure(args, found, bench._profile(args))
+    assert result["summary"]["outcomes"]["ok"] > 0
+
+
+def test_a_port_taken_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flags in (("--sim-port", port), ("--spawn-sluice", "--sluice-port", port)):
+            assert bench.run(_args(tmp_path, "--spawn-sim", "fast", *flags)) == 2
+            assert f"port {port} on 127.0.0.1 is taken" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.log"))
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "http"])
+def test_a_port_is_a_number_from_1_to_65535(value: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser("bench").parse_args(["bench", "--spawn-sim", "fast", "--sim-port", value])
+
+
 # -- --policies ----------------------------------------------------------------------------------
 
 
@@ -222,6 +334,10 @@ async def test_policies_run_on_the_same_arrivals(tmp_path: Path) -> None:
         ("--spawn-sim", "fast", "--retriers", "1.5"),
         ("--target", "http://127.0.0.1:9", "--spawn-sluice"),  # a gateway in front needs --slots
         ("--target", "http://127.0.0.1:9", "--policies", "direct,cap"),
+        ("--target", "http://127.0.0.1:9", "--sim-port", "8100"),  # no simulator to put there
+        ("--spawn-sim", "fast", "--sluice-port", "8000"),  # no gateway either
+        ("--spawn-sim", "fast", "--policies", "direct", "--sluice-port", "8000"),
+        ("--spawn-sim", "fast", "--spawn-sluice", "--sim-port", "8100", "--sluice-port", "8100"),
     ],
 )
 def test_bad_command_lines_are_refused_before_anything_starts(tmp_path: Path, extra: tuple[str, ...]) -> None:

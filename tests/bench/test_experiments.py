@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sluice.bench import article, experiment, llm
+from sluice.bench import article, cli, experiment, llm
 
 
 def _recorder(monkeypatch: pytest.MonkeyPatch, capacity: float) -> list[str]:
@@ -76,7 +76,8 @@ def test_llm_runs_the_shell_scripts_commands(checkout: Path, monkeypatch: pytest
     commands = _recorder(monkeypatch, capacity=2.7)
 
     @contextlib.contextmanager
-    def engine(out: Path) -> Iterator[str]:
+    def engine(out: Path, port: int | None = None) -> Iterator[str]:
+        assert port is None  # a free one
         yield "http://127.0.0.1:9999"
 
     monkeypatch.setattr(llm, "engine", engine)
@@ -104,6 +105,72 @@ def test_llm_runs_the_shell_scripts_commands(checkout: Path, monkeypatch: pytest
     ]  # fmt: skip
     copied = sorted(p.name for p in (checkout / "docs" / "img").iterdir())
     assert copied == ["llm-spike.png", "llm-steady.png"]
+
+
+def test_article_puts_every_run_on_the_ports_chosen(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _recorder(monkeypatch, capacity=5.5)
+    out = Path(".bench-out/article")
+    out.mkdir(parents=True)
+    article.experiment(out, sim_port=8100, sluice_port=8000)
+    runs = [c for c in commands if not c.startswith("bench compare")]
+    assert len(runs) == 7
+    for command in runs:
+        assert "--spawn-sim article --sim-port 8100 " in command
+        # the gateway's port only where a gateway is spawned
+        assert ("--sluice-port 8000" in command) == ("--spawn-sluice" in command)
+    assert sum("--sluice-port 8000" in c for c in runs) == 4
+
+
+def test_llm_puts_the_engine_and_the_gateways_on_the_ports_chosen(
+    checkout: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands = _recorder(monkeypatch, capacity=2.7)
+    engine_ports: list[int | None] = []
+
+    @contextlib.contextmanager
+    def engine(out: Path, port: int | None = None) -> Iterator[str]:
+        engine_ports.append(port)
+        yield f"http://127.0.0.1:{port}"
+
+    monkeypatch.setattr(llm, "engine", engine)
+    out = Path(".bench-out/llm")
+    out.mkdir(parents=True)
+    llm.experiment(out, "direct,codel", engine_port=8080, sluice_port=8000)
+    assert engine_ports == [8080]
+    runs = [c for c in commands if not c.startswith("bench compare")]
+    assert all("--target http://127.0.0.1:8080 " in c for c in runs)
+    assert "--sluice-port" not in runs[0]  # the capacity run: the engine alone
+    assert all("--spawn-sluice --slots 4 --policies" in c and "--sluice-port 8000" in c for c in runs[1:])
+
+
+def test_the_llm_engine_starts_on_the_port_chosen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[list[str]] = []
+
+    class Engine:
+        def __init__(self, command: list[str], **kwargs: Any) -> None:
+            started.append(command)
+
+        def poll(self) -> None:
+            return None
+
+        def terminate(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    class Healthy:
+        status_code = 200
+
+    monkeypatch.setattr(llm.subprocess, "Popen", Engine)
+    monkeypatch.setattr(llm.httpx, "get", lambda url, **kwargs: Healthy())
+    port = cli.free_port()
+    with llm.engine(tmp_path, port) as url:
+        assert url == f"http://127.0.0.1:{port}"
+    (command,) = started
+    assert command[command.index("--port") + 1] == str(port)
+    with llm.engine(tmp_path) as url:  # no port chosen: a free one
+        assert started[1][started[1].index("--port") + 1] == url.rsplit(":", 1)[1]
 
 
 def test_a_missing_plot_is_said_not_copied(checkout: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,7 @@
 """The article's experiment on the simulator, end to end: the engine's measured capacity, then the
 engine alone and Sluice in front of it, under a steady 10 req/s and under a 3 → 30 → 3 req/s
-spike. Every run starts its own simulator (and gateway) on free ports and stops it afterwards.
+spike. Every run starts its own simulator (and gateway) and stops it afterwards, on free ports
+unless --sim-port and --sluice-port choose them.
 
     python -m sluice.bench.article          # about 10 minutes; tables on stdout, files in .bench-out/article
 
@@ -18,14 +19,23 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sluice.bench.cli import port_number
 from sluice.bench.experiment import DOCS_IMG, bench, checkout_root, copy_plot, measured_capacity, sluice
 
 __all__ = ["main"]
 
 
-def experiment(out: Path) -> None:
+def _ports(sim_port: int | None, sluice_port: int | None, args: Sequence[str]) -> list[str]:
+    """The port flags of one run: the simulator's if chosen, and the gateway's if chosen and spawned."""
+    flags = [] if sim_port is None else ["--sim-port", str(sim_port)]
+    if sluice_port is not None and "--spawn-sluice" in args:
+        flags += ["--sluice-port", str(sluice_port)]
+    return flags
+
+
+def experiment(out: Path, sim_port: int | None = None, sluice_port: int | None = None) -> None:
     def run(*args: str) -> None:
-        bench(out, "--spawn-sim", "article", *args)
+        bench(out, "--spawn-sim", "article", *_ports(sim_port, sluice_port, args), *args)
 
     # Capacity: the engine alone, saturated (8 req/s against ~5.5), clients that never give up. The
     # measure is "goodput after the first answer": answers per second while the batch is full.
@@ -64,12 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Path(os.environ.get("OUT", ".bench-out/article")),
         help="output folder, from the checkout's root ($OUT, else .bench-out/article)",
     )
+    parser.add_argument(
+        "--sim-port", type=port_number, metavar="PORT", help="the simulators' port (default: a free one)"
+    )
+    parser.add_argument(
+        "--sluice-port", type=port_number, metavar="PORT", help="the gateways' port (default: a free one)"
+    )
     args = parser.parse_args(argv)
     os.chdir(checkout_root())
     args.out.mkdir(parents=True, exist_ok=True)
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     try:
-        experiment(args.out)
+        experiment(args.out, args.sim_port, args.sluice_port)
     except subprocess.CalledProcessError as exc:
         return exc.returncode or 1
     except KeyboardInterrupt:

@@ -4,7 +4,8 @@ Simulated clients arrive as a Poisson process (``steady``, ``spike`` or ``ramp``
 task, and give up after ``--client-timeout`` seconds by closing their connection. The target is an
 engine (``--mode direct``), or a Sluice gateway through its OpenAI API (``sync``) or its jobs API
 (``async``). ``--spawn-sim`` and ``--spawn-sluice`` start the simulator and a gateway in front of it
-as child processes, so that one command reproduces a documented number.
+as child processes, so that one command reproduces a documented number; they listen on free ports
+unless ``--sim-port`` and ``--sluice-port`` choose them.
 
 Writes ``LABEL.json`` (every request and the summary), ``LABEL.md`` and ``LABEL.png`` to ``--out``;
 ``sluice bench compare A.json B.json ...`` merges saved runs into one table and overlaid plots.
@@ -44,7 +45,7 @@ from sluice.bench.report import (
     write_result,
 )
 
-__all__ = ["POLICY_ENTRIES", "configure_parser", "free_port", "measure", "run"]
+__all__ = ["POLICY_ENTRIES", "choose_port", "configure_parser", "free_port", "measure", "port_number", "run"]
 
 # What --policies may name: the engine alone, or a gateway with that --queue-policy in front of it.
 POLICY_ENTRIES = ("direct", "cap", "fifo", "deadline", "codel")
@@ -62,6 +63,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "  sluice bench --spawn-sim article --rate 10 --duration 60             # engine alone\n"
         "  sluice bench --spawn-sim article --spawn-sluice --rate 10            # Sluice in front\n"
         "  sluice bench --spawn-sim article --profile spike --rate 3 --peak 30  # 3 → 30 → 3 req/s\n"
+        "  sluice bench --spawn-sim article --sim-port 8100 --spawn-sluice --sluice-port 8000\n"
         "  sluice bench --target http://127.0.0.1:8000 --mode async --profile ramp --rate 1 --to 20\n"
         "  sluice bench --spawn-sim article --policies direct,cap,fifo,codel --retriers 0.1\n"
         "  sluice bench --target http://127.0.0.1:8080 --spawn-sluice --slots 4 --policies direct,codel\n"
@@ -87,6 +89,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--spawn-sluice",
         action="store_true",
         help="start `sluice serve` in front of the spawned simulator, or of the engine at --target",
+    )
+    target.add_argument(
+        "--sim-port",
+        type=port_number,
+        metavar="PORT",
+        help="the port of the simulator that --spawn-sim starts (default: a free one)",
+    )
+    target.add_argument(
+        "--sluice-port",
+        type=port_number,
+        metavar="PORT",
+        help="the port of the gateway that --spawn-sluice or --policies starts (default: a free one)",
     )
     target.add_argument(
         "--slots",
@@ -185,6 +199,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_number(text: str) -> int:
+    """A port number from the command line, 1 to 65535 (argparse ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, not {value}")
+    return value
+
+
+def choose_port(requested: int | None) -> int:
+    """``requested`` if nothing listens on it on 127.0.0.1, else ValueError; a free one if None.
+
+    Checked before a child is started on it: a server already there would answer the readiness
+    probe in the child's place, and the run would measure the wrong server. SO_REUSEADDR, as the
+    servers bind, so that the connections a previous run's server left in TIME_WAIT do not count.
+    """
+    if requested is None:
+        return free_port()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", requested))
+        except OSError as exc:
+            raise ValueError(f"port {requested} on 127.0.0.1 is taken ({exc.strerror or exc})") from None
+    return requested
+
+
 async def _stop(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is not None:
         return
@@ -196,9 +239,13 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def _spawn_sim(preset_name: str, log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
+async def _spawn_sim(
+    preset_name: str, log: IO[bytes], port: int | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
+    # Without a chosen port the simulator binds port 0 itself: no window for another to take it.
+    listen = "0" if port is None else str(choose_port(port))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sluice.cli", "sim", "--preset", preset_name, "--port", "0",
+        sys.executable, "-m", "sluice.cli", "sim", "--preset", preset_name, "--port", listen,
         stdout=asyncio.subprocess.PIPE, stderr=log,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -213,9 +260,9 @@ async def _spawn_sim(preset_name: str, log: IO[bytes]) -> tuple[asyncio.subproce
 
 
 async def _spawn_sluice(
-    backend: str, concurrency: int, extra: list[str], log: IO[bytes]
+    backend: str, concurrency: int, extra: list[str], log: IO[bytes], port: int | None = None
 ) -> tuple[asyncio.subprocess.Process, str]:
-    port = free_port()
+    port = choose_port(port)
     args = ["--backend", backend, "--max-concurrency", str(concurrency), "--port", str(port)]
     args += ["--log-level", "warning", *extra]
     proc = await asyncio.create_subprocess_exec(
@@ -257,6 +304,18 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     gateway = any(e != "direct" for e in entries) if entries else args.spawn_sluice
     if gateway and not args.spawn_sim and args.slots is None:
         raise ValueError("a gateway in front of --target needs --slots N (the engine's batch size)")
+    if args.sim_port is not None and not args.spawn_sim:
+        raise ValueError("--sim-port is the port of the simulator --spawn-sim starts: add --spawn-sim")
+    if args.sluice_port is not None and not gateway:
+        raise ValueError(
+            "--sluice-port is the port of a spawned gateway: add --spawn-sluice (or a --policies entry "
+            "other than direct)"
+        )
+    if args.sluice_port is not None and args.sluice_port == args.sim_port:
+        raise ValueError("--sim-port and --sluice-port must differ")
+    for chosen in (args.sim_port, args.sluice_port):
+        if chosen is not None:
+            choose_port(chosen)  # taken: say so now, not after the first entries have run
     return entries
 
 
@@ -292,7 +351,7 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
                     found.capacity_source = f"simulator formula (preset {args.spawn_sim})"
                 slots = args.slots or params.max_num_seqs
                 sim_log = logs.enter_context(_log_file(out / f"sim{suffix}.log"))
-                proc, engine_url = await _spawn_sim(args.spawn_sim, sim_log)
+                proc, engine_url = await _spawn_sim(args.spawn_sim, sim_log, args.sim_port)
                 found.processes.append(proc)
                 found.engine_metrics = f"{engine_url}/metrics"
             else:
@@ -304,7 +363,7 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
                 gw_log = logs.enter_context(_log_file(out / f"sluice{suffix}.log"))
                 # Flags given later win, so the entry's policy overrides one in --sluice-args.
                 extra = shlex.split(args.sluice_args) + (["--queue-policy", policy] if policy else [])
-                proc, gw_url = await _spawn_sluice(engine_url, slots, extra, gw_log)
+                proc, gw_url = await _spawn_sluice(engine_url, slots, extra, gw_log, args.sluice_port)
                 found.processes.append(proc)
                 found.target, found.gateway_metrics = gw_url, f"{gw_url}/metrics"
             elif mode != "direct":
@@ -438,7 +497,15 @@ async def measure(
         ),
         "stuck": stuck,
     }
-    summary = summarize(records, duration=profile.duration, capacity=found.capacity, counters=counters)
+    summary = summarize(
+        records,
+        duration=profile.duration,
+        capacity=found.capacity,
+        counters=counters,
+        capacity_source=found.capacity_source,
+        profile=profile,
+        client_timeout=timeout,
+    )
     summary["idle_rtt_s"] = rtt
     argv = sys.argv[1:]
     config = {

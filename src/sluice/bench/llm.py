@@ -2,7 +2,8 @@
 alone and behind Sluice with each queue policy (cap, fifo, deadline, codel), under a steady
 overload and a spike. Same clients as ``python -m sluice.bench.article``: open loop, Poisson
 arrivals, give up after 15 s; 10 % of them retry once after a refusal's Retry-After. About 30
-minutes; needs ``sluice engine build`` first.
+minutes; needs ``sluice engine build`` first. The engine and the gateways listen on free ports
+unless --engine-port and --sluice-port choose them.
 
     python -m sluice.bench.llm              # tables on stdout, files in .bench-out/llm
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from sluice.bench.cli import free_port
+from sluice.bench.cli import choose_port, port_number
 from sluice.bench.experiment import DOCS_IMG, bench, checkout_root, copy_plot, measured_capacity, sluice
 
 __all__ = ["main"]
@@ -34,10 +35,10 @@ ENGINE_START_S = 120.0
 
 
 @contextlib.contextmanager
-def engine(out: Path) -> Iterator[str]:
-    """``sluice engine start --slots 4`` on a free port, its log in ``out``; yields its URL, and stops
-    it on the way out whatever happened."""
-    port = free_port()
+def engine(out: Path, port: int | None = None) -> Iterator[str]:
+    """``sluice engine start --slots 4`` on ``port`` (a free one if None), its log in ``out``; yields
+    its URL, and stops it on the way out whatever happened."""
+    port = choose_port(port)
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "sluice.cli", "engine", "start", "--slots", "4", "--port", str(port)]
     with open(out / "engine.log", "wb") as log:
@@ -61,8 +62,10 @@ def engine(out: Path) -> Iterator[str]:
                 proc.wait(10)
 
 
-def experiment(out: Path, policies: str) -> None:
-    with engine(out) as url:
+def experiment(
+    out: Path, policies: str, engine_port: int | None = None, sluice_port: int | None = None
+) -> None:
+    with engine(out, engine_port) as url:
 
         def run(*args: str) -> None:
             bench(out, "--max-tokens", "64", "--stream", *args)
@@ -80,6 +83,8 @@ def experiment(out: Path, policies: str) -> None:
         # --max-concurrency 4 and that --queue-policy in front of the same engine.
         def each_policy(names: str, *args: str) -> None:
             gateways = ["--target", url, "--spawn-sluice", "--slots", "4", "--policies", names]
+            if sluice_port is not None:
+                gateways += ["--sluice-port", str(sluice_port)]
             clients = ["--capacity", str(cap), "--users", "50", "--retriers", "0.1"]
             run(*gateways, *clients, *args)
 
@@ -119,15 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get("POLICIES", POLICIES),
         help=f"the --policies of the runs, comma-separated ($POLICIES, else {POLICIES})",
     )
+    parser.add_argument(
+        "--engine-port", type=port_number, metavar="PORT", help="llama-server's port (default: a free one)"
+    )
+    parser.add_argument(
+        "--sluice-port", type=port_number, metavar="PORT", help="the gateways' port (default: a free one)"
+    )
     args = parser.parse_args(argv)
     os.chdir(checkout_root())
     args.out.mkdir(parents=True, exist_ok=True)
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     try:
-        experiment(args.out, args.policies)
+        experiment(args.out, args.policies, args.engine_port, args.sluice_port)
     except subprocess.CalledProcessError as exc:
         return exc.returncode or 1
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"python -m sluice.bench.llm: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -13,13 +13,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.load import QUEUE_GAUGES, Record
+from sluice.bench.load import QUEUE_GAUGES, Profile, Record
+from sluice.bench.validity import above_capacity, run_warnings
 
 __all__ = [
     "PLOTS_NEED",
     "RESULT_VERSION",
     "bins",
     "goodput",
+    "goodput_after_first_answer",
     "load_result",
     "markdown",
     "percentile",
@@ -71,6 +73,22 @@ def goodput(records: Sequence[Record], start: float, end: float) -> float:
     return done / (end - start)
 
 
+def goodput_after_first_answer(records: Sequence[Record], end: float) -> float:
+    """Answers after the first one, until ``end``, per second since the first one (0 if none by then).
+
+    The first answer opens the window, so it is not counted in it: n answers span n - 1 intervals,
+    and counting the one that opens the window would add one answer to every run (0.5 % of a 40 s
+    capacity run). From the first answer on because an idle engine cannot answer before one
+    generation's time, whatever sits in front of it; see :mod:`sluice.bench.validity` for why a
+    short window still reads high.
+    """
+    first = min(answered_at(records), default=end)
+    if first >= end:
+        return 0.0
+    after = sum(1 for t in answered_at(records) if first <= t <= end) - 1
+    return after / (end - first)
+
+
 def bins(times: Iterable[float], width: float = 1.0, until: float | None = None) -> list[int]:
     """Counts of ``times`` in consecutive bins of ``width`` seconds from 0."""
     clean = [t for t in times if not math.isnan(t) and t >= 0]
@@ -91,12 +109,19 @@ def summarize(
     duration: float,
     capacity: float | None = None,
     counters: dict[str, Any] | None = None,
+    capacity_source: str | None = None,
+    profile: Profile | None = None,
+    client_timeout: float | None = None,
 ) -> dict[str, Any]:
     """The run's headline numbers from its records and the counters read from the targets.
 
     ``counters`` may hold ``engine_generated_tokens`` and ``engine_wasted_tokens`` (deltas over the
     run), ``server_admitted`` (jobs the gateway says it admitted), and ``stuck`` (jobs still queued or
-    running at the target once every client had its outcome).
+    running at the target once every client had its outcome). ``capacity_source`` says where the
+    capacity came from, ``profile`` is the offered load and ``client_timeout`` when clients give up
+    (None: never); with them, ``warnings`` lists why the run may not show what its table says (see
+    :mod:`sluice.bench.validity`), and ``above_capacity`` the reasons, in a few words, for each goodput
+    above capacity.
     """
     counters = counters or {}
     n = len(records)
@@ -112,7 +137,7 @@ def summarize(
     retry = [r.retry_after_s for r in refused if r.retry_after_s is not None]
     lags = [r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)]
     ends = [r.ended_s for r in records if not math.isnan(r.ended_s)]
-    first_ok = min(answered_at(records), default=duration)
+    first_ok = min(answered_at(records), default=None)
 
     summary: dict[str, Any] = {
         "offered": n,
@@ -123,9 +148,7 @@ def summarize(
         "accepted": len(accepted),
         "accepted_ok_rate": len(ok) / len(accepted) if accepted else None,
         "goodput_rps": goodput(records, 0.0, duration),
-        # From the first answer on: an idle engine cannot answer before one generation's time,
-        # whatever sits in front of it.
-        "goodput_steady_rps": goodput(records, first_ok, duration) if first_ok < duration else 0.0,
+        "goodput_steady_rps": goodput_after_first_answer(records, duration),
         "makespan_s": max(ends, default=0.0),
         "latency_ok_s": _dist([r.latency_s for r in ok]),
         "ttft_ok_s": _dist([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -164,6 +187,19 @@ def summarize(
         summary["wasted_source"] = "client side: streamed tokens of requests given up (lower bound)"
     summary["nothing_lost"] = len(lost) == 0 and not counters.get("stuck")
     summary["retries"] = _retries(records)
+    goodputs = {k: summary[k] for k in ("goodput_rps", "goodput_steady_rps")}
+    reasons = above_capacity(summary["goodput_rps"], summary["goodput_steady_rps"], capacity, capacity_source)
+    summary["above_capacity"] = {k: ", ".join(r.short for r in why) for k, why in reasons.items()}
+    summary["warnings"] = run_warnings(
+        profile=profile,
+        capacity=capacity,
+        capacity_source=capacity_source,
+        client_timeout=client_timeout,
+        first_answer_s=first_ok,
+        shortest_answer_s=min((r.latency_s for r in ok), default=None),
+        goodputs=goodputs,
+        reasons=reasons,
+    )
     return summary
 
 
@@ -209,12 +245,16 @@ def resummarize(result: dict[str, Any]) -> dict[str, Any]:
     """The result with its summary computed again from its records by the current definitions (a
     saved run keeps every record, so a comparison never mixes old and new ways of counting)."""
     old = result["summary"]
+    config = result["config"]
     counters = {name: old.get(name) for name in COUNTERS}  # summarize() keeps them under their names
     summary = summarize(
         records_of(result),
-        duration=float(result["config"]["duration"]),
+        duration=float(config["duration"]),
         capacity=old.get("capacity_rps"),
         counters=counters,
+        capacity_source=config.get("capacity_source"),
+        profile=Profile(**config["profile"]) if config.get("profile") else None,
+        client_timeout=config.get("client_timeout"),
     )
     summary["idle_rtt_s"] = old.get("idle_rtt_s")
     return {**result, "summary": summary}
@@ -235,6 +275,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
+def _above(reasons: dict[str, str], key: str) -> str:
+    """The note that follows a percentage of capacity above 100: why it can be."""
+    return f"; above capacity: {reasons[key]}" if key in reasons else ""
+
+
 def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     out = s["outcomes"]
     codes = s["by_code"]
@@ -242,12 +287,15 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         f"{k.split()[1]} {k.split()[2]}: {v}" for k, v in codes.items() if k.startswith("refused")
     )
     gave_up = sum(v for k, v in codes.items() if k.endswith("client_gave_up"))
+    above = s.get("above_capacity") or {}
     goodput = _num(s["goodput_rps"], "{:.2f}", " req/s")
     if s.get("goodput_pct_capacity") is not None:
-        goodput += f" ({s['goodput_pct_capacity']:.1f} % of {s['capacity_rps']:.2f})"
+        goodput += (
+            f" ({s['goodput_pct_capacity']:.1f} % of {s['capacity_rps']:.2f}{_above(above, 'goodput_rps')})"
+        )
     steady = _num(s["goodput_steady_rps"], "{:.2f}", " req/s")
     if s.get("goodput_steady_pct_capacity") is not None:
-        steady += f" ({s['goodput_steady_pct_capacity']:.1f} %)"
+        steady += f" ({s['goodput_steady_pct_capacity']:.1f} %{_above(above, 'goodput_steady_rps')})"
     lat, ref, ra = s["latency_ok_s"], s["refuse_s"], s["retry_after_s"]
     wasted = _pct(s["wasted_share"])
     if s.get("engine_wasted_tokens") is not None:
@@ -324,6 +372,14 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
             )
             + (f"; `{c['command']}`" if c.get("command") else "")
         )
+    warned = [
+        (label, w)
+        for label, r in zip(labels, results, strict=True)
+        for w in r["summary"].get("warnings") or []
+    ]
+    if warned:
+        lines += ["", "Warnings:", ""]
+        lines += [f"- **{label}**: {warning}" for label, warning in warned]
     return "\n".join(lines) + "\n"
 
 
