@@ -24,7 +24,9 @@ class PortUnavailable(ConfigError):
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    """Whether only this machine can reach ``host``. The empty host is not: the socket layer binds
+    it to every interface, as it does 0.0.0.0."""
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
