@@ -70,8 +70,9 @@ def build_backends(settings: Settings) -> list[Backend]:
 
 
 def webhook_secrets(settings: Settings) -> dict[str, str]:
-    """Each tenant's webhook secret, from the configured keys."""
-    return {k.tenant: k.webhook_secret for k in settings.keys if k.webhook_secret}
+    """The configured keys' webhook secrets, by the key's SHA-256 (a job is signed with the secret
+    of the key that submitted it)."""
+    return {k.key_sha256: k.webhook_secret for k in settings.keys if k.webhook_secret}
 
 
 class Worker:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from sluice.broker.base import Broker
+from sluice.core.job import Job
 from sluice.views import job_view
 from sluice.webhooks import DeliveryAttempt, WebhookSender
 
@@ -30,8 +31,10 @@ class WebhookDelivery:
     Args:
         broker: where ended callbacks are queued and attempts recorded.
         worker_id: the id the broker knows this process by (a delivery in progress is held by it).
-        secrets: each tenant's webhook secret from the configuration; a tenant missing here is
-            looked up among the keys stored in the broker (``POST /admin/keys``).
+        secrets: the configured keys' webhook secrets, by the key's SHA-256; a key missing here is
+            looked up among the keys stored in the broker (``POST /admin/keys``). A job is signed
+            with the secret of the key that submitted it (``Job.key_sha256``), never with another
+            key's of its tenant.
         allow_private: deliver to private and loopback addresses too (tests, closed networks).
         clock: wall-clock seconds, for the attempts' timestamps.
     """
@@ -80,16 +83,18 @@ class WebhookDelivery:
                 self._deliveries.add(task)
                 task.add_done_callback(self._deliveries.discard)
 
-    async def _secret(self, tenant: str) -> str | None:
-        secret = self.secrets.get(tenant)
+    async def _secret(self, job: Job) -> str | None:
+        """The secret of the key that submitted ``job``; None (the webhook goes out unsigned) in open
+        mode, when that key has no secret, or when it was revoked since."""
+        if job.key_sha256 is None:
+            return None
+        secret = self.secrets.get(job.key_sha256)
         if secret is not None:
             return secret
         # A key made with POST /admin/keys keeps its secret in the broker.
-        stored = (await self.broker.list_keys()).values()
-        return next(
-            (r["webhook_secret"] for r in stored if r.get("tenant") == tenant and r.get("webhook_secret")),
-            None,
-        )
+        stored = await self.broker.get_key(job.key_sha256)
+        found = stored.get("webhook_secret") if stored else None
+        return found if isinstance(found, str) and found else None
 
     async def deliver(self, job_id: str) -> None:
         """Deliver one ended job's webhook (all its attempts), then acknowledge it."""
@@ -101,7 +106,7 @@ class WebhookDelivery:
         async def record(attempt: DeliveryAttempt) -> None:
             await self.broker.add_delivery(job_id, attempt.to_dict())
 
-        secret = await self._secret(job.tenant)
+        secret = await self._secret(job)
         try:
             attempts = await self._sender.deliver(job_view(job), job.callback_url, secret, on_attempt=record)
         except Exception as exc:  # a refused URL (its address changed since admission) or a bug

@@ -26,6 +26,9 @@ class Caller:
     max_connections: int | None = None
     #: False in open mode: with no keys there is nobody to hold to a per-key connection cap
     keyed: bool = True
+    #: SHA-256 of the key that authenticated the call (None in open mode); its jobs carry it, so
+    #: that their webhooks are signed with this key's secret and no other
+    key_sha256: str | None = None
 
     @property
     def tenant(self) -> str:
@@ -89,7 +92,9 @@ class KeyRing:
             max_concurrent=key.max_concurrent,
             max_queued=key.max_queued,
         )
-        return Caller(limits, key.admin, key.webhook_secret, key.max_connections)
+        return Caller(
+            limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256
+        )
 
     async def authenticate(self, request: HTTPConnection) -> Caller:
         token = bearer(request)

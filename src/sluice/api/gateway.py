@@ -190,6 +190,7 @@ class Gateway:
             idempotency_key=request.headers.get("idempotency-key") or None,
             weight=caller.limits.weight,
             callback_url=await self.callback_url(body.get("callback_url")),
+            key_sha256=caller.key_sha256,
         )
 
     async def callback_url(self, url: Any) -> str | None:

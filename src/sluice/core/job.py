@@ -76,6 +76,8 @@ class Job:
         idempotency_key: the client's ``Idempotency-Key``; a repeat with the same key returns this job.
         weight: the tenant's fair-share weight inside its class.
         callback_url: where to POST the result when the job ends (a webhook), if anywhere.
+        key_sha256: SHA-256 of the API key that submitted the job (None in open mode): its webhook
+            is signed with that key's secret, never with another key's of the same tenant.
         stream_tokens: whether anyone can read the job's tokens as they come. False for a
             synchronous request that does not stream: the engine is then asked for the whole answer
             at once, which spares the gateway the relaying of every token.
@@ -106,6 +108,7 @@ class Job:
     idempotency_key: str | None = None
     weight: float = 1.0
     callback_url: str | None = None
+    key_sha256: str | None = None
     stream_tokens: bool = True
     state: JobState = JobState.QUEUED
     started_at: float | None = None
