@@ -53,6 +53,7 @@ def _full_job() -> Any:
     job.error = JobError("boom", "server_error", "engine_error")
     job.weight = 2.5
     job.callback_url = "https://example.com/hook"
+    job.key_sha256 = "0f" * 32
     job.stream_tokens = False
     job.extra = {"deliveries": [{"attempt": 1, "status": 500}]}
     return job
@@ -128,10 +129,18 @@ def test_limiter_from_state_without_limits_or_levels() -> None:
     limiter = limiter_from_state("t", ["", "", "", "", "0", "", "", "", ""])
     assert limiter.limits == TenantLimits("t")
     assert limiter.requests is None and limiter.tokens is None
-    # Limits without levels yet: the buckets stay full (level -1, never used).
+    # Limits without levels yet: the buckets are full (never used).
     fresh = limiter_from_state("t", ["10", "100", "", "", "1", "", "", "", ""])
-    assert fresh.requests is not None and fresh.requests.level == -1.0
-    assert fresh.tokens is not None and fresh.tokens.level == -1.0
+    assert fresh.requests is not None and fresh.requests.refill(1800000000.0) == 10
+    assert fresh.tokens is not None and fresh.tokens.refill(1800000000.0) == 100
+
+
+def test_limiter_from_state_keeps_a_debt() -> None:
+    # A level below zero is a debt (a job used more than it was charged), not a bucket never used.
+    limiter = limiter_from_state("t", ["", "100", "", "", "0", "", "", "-50", "1800000000"])
+    assert limiter.tokens is not None and limiter.tokens.refill(1800000000.0) == -50
+    wait, which = limiter.check(10, 1800000000.0)
+    assert which == "tokens" and wait == pytest.approx(60 * 60 / 100)
 
 
 # --- script replies -----------------------------------------------------------------------------------

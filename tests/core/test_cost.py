@@ -1,6 +1,16 @@
 from __future__ import annotations
 
-from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
+import time
+
+from sluice.core.cost import (
+    TOKENS_PER_TOOL_CALL,
+    estimate_chat_tokens,
+    estimate_definitions_tokens,
+    estimate_json_tokens,
+    estimate_message_tokens,
+    estimate_prompt_tokens,
+    prompt_count,
+)
 from sluice.core.job import Endpoint, Job, JobError, JobState
 
 
@@ -37,3 +47,62 @@ def test_job_round_trip_and_cost() -> None:
     assert job.cost == 16 and job.terminal
     assert Job.from_dict(job.to_dict()) == job
     assert Endpoint.COMPLETIONS.path == "/v1/completions"
+
+
+# --- everything the engine reads counts -----------------------------------------------------------
+
+TEXT = "a" * 400  # 100 tokens
+
+
+def test_every_message_field_the_engine_reads_counts() -> None:
+    bare = estimate_message_tokens({"role": "assistant", "content": None})
+    assert estimate_message_tokens({"role": "user", "content": TEXT}) == bare + 100
+    assert estimate_message_tokens({"role": "user", "content": "hi", "name": TEXT}) == bare + 1 + 100
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": TEXT}}
+    with_call = estimate_message_tokens({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert with_call == bare + TOKENS_PER_TOOL_CALL + 1 + 100
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "get", "arguments": TEXT}}
+    assert estimate_message_tokens(legacy) == bare + 1 + 100
+    tool = estimate_message_tokens({"role": "tool", "tool_call_id": "c1", "content": TEXT})
+    assert tool == bare + 1 + 100
+    # An odd shape is counted as its JSON text, never skipped.
+    assert estimate_message_tokens({"role": "assistant", "tool_calls": TEXT}) >= bare + 100
+    assert estimate_message_tokens({"role": "assistant", "tool_calls": [{"x": TEXT}]}) > bare + 100
+
+
+def test_definitions_count_as_their_json() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "description": TEXT, "parameters": {}}}]
+    assert estimate_definitions_tokens(tools=tools) == estimate_json_tokens(tools) > 100
+    assert estimate_definitions_tokens(functions=tools[0]["function"]) > 100
+    schema = {"name": "s", "schema": {"type": "object", "description": TEXT}}
+    assert estimate_definitions_tokens(response_format={"type": "json_schema", "json_schema": schema}) > 100
+    assert estimate_definitions_tokens(response_format={"type": "json_object"}) == 0
+    assert estimate_definitions_tokens() == 0
+
+
+def test_a_megabyte_of_tool_description_is_about_a_quarter_million_tokens_and_quick() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 1_000_000}}]
+    # The engine counted 270,000 tokens for such a body; the old estimate said 18.
+    assert 250_000 <= estimate_json_tokens(tools) <= 270_000
+    many = [{"type": "function", "function": {"name": "f", "description": "d" * 100}}] * 8000
+    started = time.perf_counter()
+    estimate_json_tokens(many)  # about 1 MB in 8000 definitions
+    estimate_json_tokens(tools)
+    # It runs on every request: milliseconds (about 10 measured); the bound only catches a blunder.
+    assert time.perf_counter() - started < 1.0
+
+
+def test_a_structure_too_deep_for_the_encoder_is_still_measured() -> None:
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"p": deep}}
+    # Each level is 39 characters of JSON, about 10 tokens.
+    assert 5000 * 9 < estimate_json_tokens(deep) < 5000 * 11
+
+
+def test_completions_prompt_lists_count_every_prompt() -> None:
+    assert estimate_prompt_tokens([TEXT, TEXT, "abcd"]) == 201
+    assert estimate_prompt_tokens([[1, 2, 3], [4, 5]]) == 5
+    assert (prompt_count("x"), prompt_count([1, 2, 3]), prompt_count(["a", "b"])) == (1, 1, 2)
+    assert prompt_count([[1, 2], [3], [4]]) == 3
+    assert prompt_count([]) == 1

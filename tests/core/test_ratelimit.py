@@ -35,6 +35,17 @@ def test_settle_gives_back_unused_tokens() -> None:
     assert status.remaining_tokens == 900
 
 
+def test_settle_charges_usage_above_the_estimate_as_a_debt() -> None:
+    lim = TenantLimiter(TenantLimits("t", tpm=600))  # ten a second
+    lim.take(500, 0.0)
+    lim.settle(charged=500, used=1300, now=0.0)  # 800 more than charged: 100 - 800
+    assert lim.status(0.0).remaining_tokens == -700
+    assert lim.status(0.0).headers()["x-ratelimit-remaining-tokens"] == "0"
+    wait, which = lim.check(10, 0.0)
+    assert which == "tokens" and wait == pytest.approx(71.0)  # the debt is paid off first
+    assert lim.check(10, 71.0) == (0.0, None)
+
+
 def test_headers_in_openai_format() -> None:
     lim = TenantLimiter(TenantLimits("t", rpm=60, tpm=6000))
     lim.take(3000, 0.0)

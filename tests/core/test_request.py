@@ -54,6 +54,7 @@ def test_a_request_that_asks_nothing_gets_the_defaults() -> None:
         max_tokens=512,
         prompt_tokens=estimate_chat_tokens(MSG),
         deadline=NOW + 120.0,
+        sequences=1,
     )
     assert p.cost == p.prompt_tokens + 512
 
@@ -64,7 +65,9 @@ def test_a_request_that_asks_nothing_gets_the_defaults() -> None:
 @pytest.mark.parametrize("n", [1, 4])
 def test_n_up_to_max_n_multiplies_the_reserved_tokens(n: int) -> None:
     p = plan(chat(n=n, max_tokens=10))
-    assert (p.engine_max_tokens, p.max_tokens) == (10, 10 * n)
+    assert (p.engine_max_tokens, p.max_tokens, p.sequences) == (10, 10 * n, n)
+    # Each of the n sequences reads the prompt.
+    assert p.prompt_tokens == estimate_chat_tokens(MSG) * n
     assert p.cost == p.prompt_tokens + 10 * n
 
 
@@ -77,6 +80,53 @@ def test_n_above_max_n_is_refused() -> None:
 def test_n_below_one_is_refused() -> None:
     r = rejected(chat(n=0))
     assert (r.status, r.code, r.param) == (400, "invalid_value", "n")
+
+
+# --- best_of and prompt lists: what the engine runs ---------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "best_of", "width"), [(None, 3, 3), (2, 4, 4), (3, 1, 3), (2, None, 2)])
+def test_best_of_generates_that_many_and_is_charged_for_them(
+    n: int | None, best_of: int | None, width: int
+) -> None:
+    p = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=prompt_of(10), n=n, best_of=best_of, max_tokens=7))
+    assert (p.sequences, p.prompt_tokens, p.max_tokens) == (width, 10 * width, 7 * width)
+
+
+@pytest.mark.parametrize(
+    ("value", "status", "code", "message"),
+    [
+        (5, 400, None, "'best_of' must be at most 4 on this server."),
+        (0, 400, "invalid_value", "'best_of' must be at least 1."),
+        ("3", 400, "invalid_type", "'best_of' must be an integer."),
+        (2.5, 400, "invalid_type", "'best_of' must be an integer."),
+        (True, 400, "invalid_type", "'best_of' must be an integer."),
+    ],
+)
+def test_a_bad_best_of_is_refused(value: object, status: int, code: str | None, message: str) -> None:
+    r = rejected(RequestedJob(Endpoint.COMPLETIONS, prompt="hi", best_of=value))
+    assert (r.status, r.code, r.param, r.message) == (status, code, "best_of", message)
+
+
+def test_a_prompt_list_runs_one_sequence_per_prompt_and_choice() -> None:
+    # The issue's probe: 200 prompts charged as one generation, run as 200 sequences.
+    limits = replace(LIMITS, max_prompt_tokens=10_000)
+    prompts = [prompt_of(10)] * 200
+    p = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=prompts, max_tokens=2048), limits)
+    assert (p.sequences, p.prompt_tokens, p.max_tokens) == (200, 2000, 409_600)
+    p = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=prompts[:3], n=2, best_of=4, max_tokens=5), limits)
+    assert (p.sequences, p.prompt_tokens, p.max_tokens) == (12, 30 * 4, 5 * 12)
+    ids = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=[[1, 2, 3], [4, 5]], n=2, max_tokens=5))
+    assert (ids.sequences, ids.prompt_tokens, ids.max_tokens) == (4, 5 * 2, 5 * 4)
+    one = plan(RequestedJob(Endpoint.COMPLETIONS, prompt=[1, 2, 3], n=2, max_tokens=5))
+    assert (one.sequences, one.prompt_tokens) == (2, 6)  # token ids are one prompt
+
+
+def test_a_prompt_list_is_measured_whole_against_max_prompt_tokens() -> None:
+    r = rejected(RequestedJob(Endpoint.COMPLETIONS, prompt=[prompt_of(50), prompt_of(51)]))
+    assert (r.code, r.param) == ("context_length_exceeded", "prompt")
+    fits = RequestedJob(Endpoint.COMPLETIONS, prompt=[prompt_of(50), prompt_of(50)])
+    assert plan(fits).prompt_tokens == 100
 
 
 # --- max_tokens ---------------------------------------------------------------------------------
@@ -140,6 +190,42 @@ def test_a_prompt_over_max_prompt_tokens_is_refused(endpoint: Endpoint, param: s
     tokens = estimate_chat_tokens(asked.messages or []) if endpoint is Endpoint.CHAT else 101
     assert (r.status, r.code, r.param) == (400, "context_length_exceeded", param)
     assert r.message == f"The prompt is about {tokens} tokens; the most this server takes is 100."
+
+
+def test_tools_functions_and_schemas_count_toward_max_prompt_tokens() -> None:
+    description = prompt_of(101)
+    tools = [{"type": "function", "function": {"name": "f", "description": description}}]
+    for fields in (
+        {"tools": tools},
+        {"functions": tools[0]["function"]},
+        {"response_format": {"type": "json_schema", "json_schema": {"description": description}}},
+    ):
+        r = rejected(chat(**fields))
+        assert (r.status, r.code, r.param) == (400, "context_length_exceeded", "messages"), fields
+        assert "of them tool definitions and schemas" in r.message
+    # Within the limit, they are charged.
+    short = [{"type": "function", "function": {"name": "f", "description": prompt_of(20)}}]
+    assert plan(chat(tools=short)).prompt_tokens >= estimate_chat_tokens(MSG) + 20
+    # A completions prompt's schema counts too; tools do not (the completions API has none).
+    schema = {"type": "json_schema", "json_schema": {"description": description}}
+    assert rejected(RequestedJob(Endpoint.COMPLETIONS, prompt="hi", response_format=schema)).param == "prompt"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "hi", "name": "n" * 404},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "a" * 404}}],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": "a" * 404},
+    ],
+)
+def test_every_message_field_counts_toward_max_prompt_tokens(message: dict[str, Any]) -> None:
+    r = rejected(chat(messages=[message]))
+    assert (r.code, r.param) == ("context_length_exceeded", "messages")
 
 
 def test_token_ids_count_one_each() -> None:
@@ -214,6 +300,7 @@ def test_the_first_rule_broken_is_the_one_reported() -> None:
     # Each fault, in the order the rules check them: its (param, code), what makes it, what mends it.
     faults: list[tuple[tuple[str, str | None], dict[str, Any], dict[str, Any]]] = [
         (("n", None), {"n": 5}, {"n": None}),
+        (("best_of", None), {"best_of": 5}, {"best_of": None}),
         (("max_tokens", "invalid_value"), {"max_tokens": 0}, {"max_tokens": None}),
         (("messages", None), {"messages": long * 4}, {"messages": long}),
         (("messages", "context_length_exceeded"), {}, {"messages": MSG}),

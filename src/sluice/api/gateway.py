@@ -160,12 +160,16 @@ class Gateway:
             messages=body.get("messages") if endpoint is Endpoint.CHAT else None,
             prompt=body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None,
             n=opts.n,
+            best_of=body.get("best_of"),
             max_tokens=opts.max_tokens,
             max_completion_tokens=opts.max_completion_tokens,
             priority=opts.priority,
             priority_header=request.headers.get("x-priority"),
             timeout_s=opts.timeout,
             timeout_header=request.headers.get("x-request-timeout"),
+            tools=body.get("tools"),
+            functions=body.get("functions"),
+            response_format=body.get("response_format"),
         )
         now = time.time()
         try:
@@ -184,6 +188,7 @@ class Gateway:
             priority=plan.priority,
             prompt_tokens=plan.prompt_tokens,
             max_tokens=plan.max_tokens,
+            sequences=plan.sequences,
             created_at=now,
             deadline=plan.deadline,
             max_attempts=s.max_attempts,

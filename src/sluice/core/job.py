@@ -67,8 +67,10 @@ class Job:
         body: the OpenAI request body to send to the engine, without Sluice's own options.
         tenant: who pays for the job; fair sharing is between tenants.
         priority: the priority class (``high``, ``normal``, ``low`` by default).
-        prompt_tokens: estimated prompt length in tokens (the engine reports the real count later).
-        max_tokens: the most tokens the engine may generate (request value, or the configured default).
+        prompt_tokens: estimated prompt tokens the engine reads, over all the job's sequences (the
+            engine reports the real count later).
+        max_tokens: the most tokens the engine may generate, over all the job's sequences (the
+            request's value per sequence, or the configured default, times ``sequences``).
         created_at: admission time (seconds since the epoch, from the injected clock).
         deadline: the time after which nobody waits for the answer: never dispatched after it, aborted
             if still running.
@@ -81,6 +83,9 @@ class Job:
         stream_tokens: whether anyone can read the job's tokens as they come. False for a
             synchronous request that does not stream: the engine is then asked for the whole answer
             at once, which spares the gateway the relaying of every token.
+        sequences: how many sequences the engine runs at once for the job: its prompts (a
+            completions prompt list's length, else one) times ``max(n, best_of)``. A dispatcher
+            gives it that many of a backend's slots, at most all of them.
 
     Set by the broker and the dispatcher:
         state: see :class:`JobState`.
@@ -110,6 +115,7 @@ class Job:
     callback_url: str | None = None
     key_sha256: str | None = None
     stream_tokens: bool = True
+    sequences: int = 1
     state: JobState = JobState.QUEUED
     started_at: float | None = None
     first_token_at: float | None = None

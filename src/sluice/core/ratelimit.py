@@ -2,7 +2,8 @@
 
 A bucket holds up to a minute's allowance and refills continuously, so a tenant may burst up to its
 per-minute limit and then proceeds at the steady rate. Token use is charged at admission as the
-job's cost (prompt estimate + ``max_tokens``) and settled with the engine's real usage at the end.
+job's cost (prompt estimate + ``max_tokens``) and settled with the engine's real usage at the end:
+what it did not use comes back, and what it used beyond its charge is taken then.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ class TenantLimits:
 
 @dataclass
 class Bucket:
-    """A token bucket of ``capacity`` that refills fully in ``period`` seconds."""
+    """A token bucket of ``capacity`` that refills fully in ``period`` seconds.
+
+    Its level may fall below zero: a job that used more than it was charged leaves a debt, which
+    the refill pays off before anything fits again.
+    """
 
     capacity: float
     period: float = 60.0
-    level: float = -1.0  # -1: not used yet, full
+    level: float = math.inf  # not used yet: full (refill cuts it to the capacity)
     stamp: float = 0.0
 
     @property
@@ -46,10 +51,7 @@ class Bucket:
         return self.capacity / self.period
 
     def refill(self, now: float) -> float:
-        if self.level < 0:
-            self.level = self.capacity
-        else:
-            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
         return self.level
 
@@ -141,9 +143,15 @@ class TenantLimiter:
             self.tokens.take(cost, now)
 
     def settle(self, charged: int, used: int, now: float) -> None:
-        """Give back what a job was charged and did not use."""
-        if self.tokens is not None and used < charged:
+        """Settle a job's charge with the tokens it really used: give back what it did not use,
+        take what it used beyond the charge. The bucket may go below zero (a debt: the estimate
+        was short), and the tenant's next requests wait until the refill has paid it off."""
+        if self.tokens is None or used == charged:
+            return
+        if used < charged:
             self.tokens.give_back(charged - used, now)
+        else:
+            self.tokens.take(used - charged, now)
 
     def status(self, now: float) -> RateStatus:
         r, t = self.requests, self.tokens

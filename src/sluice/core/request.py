@@ -13,7 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
+from sluice.core.cost import (
+    estimate_chat_tokens,
+    estimate_definitions_tokens,
+    estimate_prompt_tokens,
+    prompt_count,
+)
 from sluice.core.job import Endpoint
 from sluice.core.ratelimit import TenantLimits
 
@@ -22,11 +27,13 @@ __all__ = [
     "RequestLimits",
     "RequestRejected",
     "RequestedJob",
+    "best_of",
     "choices",
     "max_tokens",
     "plan_job",
     "priority",
     "prompt_tokens",
+    "sequences_per_prompt",
     "timeout_s",
 ]
 
@@ -40,6 +47,8 @@ class RequestedJob:
         messages: the chat messages (chat only); an absent list counts as empty.
         prompt: the completions prompt: text, texts, token ids or lists of them (completions only).
         n: how many choices to generate; None: one.
+        best_of: the body's ``best_of`` as sent (any JSON value: it is checked here): how many
+            sequences the engine generates per prompt to return the best ``n`` of them.
         max_tokens: the body's ``max_tokens``.
         max_completion_tokens: the body's ``max_completion_tokens``, read only when ``max_tokens``
             is absent (OpenAI's newer name for the same limit).
@@ -47,18 +56,25 @@ class RequestedJob:
         priority_header: the ``X-Priority`` header.
         timeout_s: the body's ``timeout`` (seconds); it wins over the header.
         timeout_header: the ``X-Request-Timeout`` header, unparsed: its text is checked here.
+        tools: the body's ``tools`` (chat), as sent: their definitions are prompt text too.
+        functions: the body's ``functions`` (chat; the older name for tools), as sent.
+        response_format: the body's ``response_format``, as sent: its ``json_schema`` counts.
     """
 
     endpoint: Endpoint
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[Any] | None = None
     n: int | None = None
+    best_of: object = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     priority: str | None = None
     priority_header: str | None = None
     timeout_s: float | None = None
     timeout_header: str | None = None
+    tools: Any = None
+    functions: Any = None
+    response_format: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +84,13 @@ class RequestLimits:
     Attributes:
         classes: the priority class names, highest first.
         default_priority: the class of a request that names none (a key's ceiling may lower it).
-        max_n: the most choices one request may ask for.
+        max_n: the most choices (``n``) one request may ask for, and the most sequences
+            (``best_of``) it may have generated per prompt.
         default_max_tokens: ``max_tokens`` of a request that sets none.
         max_tokens_cap: the most ``max_tokens`` (per choice) a request may ask for.
         max_messages: the most chat messages one request may carry.
-        max_prompt_tokens: the longest prompt taken, in estimated tokens.
+        max_prompt_tokens: the longest prompt taken, in estimated tokens: everything the engine
+            reads (a completions prompt list's prompts together), counted once.
         default_timeout_s: the deadline of a request that sets none (seconds from now).
         max_timeout_s: the longest deadline a request may ask for; longer ones are cut to it.
     """
@@ -94,11 +112,15 @@ class JobPlan:
 
     Attributes:
         priority: the job's priority class.
-        engine_max_tokens: the ``max_tokens`` the engine is asked for, per choice.
-        max_tokens: the most tokens the job may generate in all: ``engine_max_tokens`` times ``n``
-            (the job's ``max_tokens``, what admission reserves).
-        prompt_tokens: the prompt's estimated length in tokens.
+        engine_max_tokens: the ``max_tokens`` the engine is asked for, per sequence.
+        max_tokens: the most tokens the job may generate in all: ``engine_max_tokens`` times
+            ``sequences`` (the job's ``max_tokens``, what admission reserves).
+        prompt_tokens: the prompt tokens the engine reads for the job: every prompt's estimate
+            times the sequences generated from it (each sequence reads its prompt).
         deadline: when nobody waits for the answer any more (seconds since the epoch).
+        sequences: how many sequences the engine runs for the job: the prompts (one, or a
+            completions prompt list's length) times ``max(n, best_of)``; the dispatch slots it
+            takes.
     """
 
     priority: str
@@ -106,6 +128,7 @@ class JobPlan:
     max_tokens: int
     prompt_tokens: int
     deadline: float
+    sequences: int = 1
 
     @property
     def cost(self) -> int:
@@ -138,19 +161,31 @@ def plan_job(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits, n
     """The job ``asked`` makes, under ``limits`` and the caller's ``tenant`` limits, created at ``now``.
 
     The checks run in a fixed order, so that a request with several faults always hears of the same
-    one first: ``n``, ``max_tokens``, the messages' count, the prompt's length, the priority, the
-    time-out. Raises :class:`RequestRejected` at the first fault.
+    one first: ``n``, ``best_of``, ``max_tokens``, the messages' count, the prompt's length, the
+    priority, the time-out. Raises :class:`RequestRejected` at the first fault.
+
+    A job runs ``sequences`` sequences (prompts times ``max(n, best_of)``), and its cost counts
+    them all: each reads its prompt and may generate ``max_tokens``.
     """
-    n = choices(asked, limits)
+    width = sequences_per_prompt(asked, limits)
     engine_max_tokens = max_tokens(asked, limits)
     prompt = prompt_tokens(asked, limits)
+    sequences = width * (prompt_count(asked.prompt) if asked.endpoint is Endpoint.COMPLETIONS else 1)
     return JobPlan(
         priority=priority(asked, limits, tenant),
         engine_max_tokens=engine_max_tokens,
-        max_tokens=engine_max_tokens * n,
-        prompt_tokens=prompt,
+        max_tokens=engine_max_tokens * sequences,
+        prompt_tokens=prompt * width,
         deadline=now + timeout_s(asked, limits),
+        sequences=sequences,
     )
+
+
+def sequences_per_prompt(asked: RequestedJob, limits: RequestLimits) -> int:
+    """How many sequences the engine generates from each prompt: ``n``, or ``best_of`` when it
+    asks for more (the engine generates ``best_of`` and returns the best ``n``)."""
+    n = choices(asked, limits)
+    return max(n, best_of(asked, limits) or n)
 
 
 def choices(asked: RequestedJob, limits: RequestLimits) -> int:
@@ -161,6 +196,22 @@ def choices(asked: RequestedJob, limits: RequestLimits) -> int:
     if n > limits.max_n:
         raise RequestRejected(400, f"'n' must be at most {limits.max_n} on this server.", param="n")
     return n
+
+
+def best_of(asked: RequestedJob, limits: RequestLimits) -> int | None:
+    """The request's ``best_of``, an integer within 1 and ``max_n``; None when it sets none."""
+    value = asked.best_of
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestRejected(400, "'best_of' must be an integer.", "invalid_type", param="best_of")
+    if value < 1:
+        raise RequestRejected(400, "'best_of' must be at least 1.", "invalid_value", param="best_of")
+    if value > limits.max_n:
+        raise RequestRejected(
+            400, f"'best_of' must be at most {limits.max_n} on this server.", param="best_of"
+        )
+    return value
 
 
 def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
@@ -187,20 +238,29 @@ def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
 
 def prompt_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
     """The prompt's estimated length in tokens, once the messages' count and that length are within
-    ``max_messages`` and ``max_prompt_tokens``."""
+    ``max_messages`` and ``max_prompt_tokens``.
+
+    The prompt is everything the engine reads (:mod:`sluice.core.cost`): the messages whole, tool
+    and function definitions, the response format's schema; a completions prompt list's prompts
+    together."""
+    definitions = estimate_definitions_tokens(response_format=asked.response_format)
     if asked.endpoint is Endpoint.CHAT:
         messages = asked.messages or []
         if len(messages) > limits.max_messages:
             raise RequestRejected(
                 400, f"At most {limits.max_messages} messages per request on this server.", param="messages"
             )
-        tokens = estimate_chat_tokens(messages)
+        definitions += estimate_definitions_tokens(tools=asked.tools, functions=asked.functions)
+        tokens = estimate_chat_tokens(messages) + definitions
     else:
-        tokens = estimate_prompt_tokens(asked.prompt if asked.prompt is not None else "")
+        tokens = estimate_prompt_tokens(asked.prompt if asked.prompt is not None else "") + definitions
     if tokens > limits.max_prompt_tokens:
+        what = f"about {tokens} tokens"
+        if definitions:
+            what += f" ({definitions} of them tool definitions and schemas)"
         raise RequestRejected(
             400,
-            f"The prompt is about {tokens} tokens; the most this server takes is {limits.max_prompt_tokens}.",
+            f"The prompt is {what}; the most this server takes is {limits.max_prompt_tokens}.",
             "context_length_exceeded",
             param="messages" if asked.endpoint is Endpoint.CHAT else "prompt",
         )

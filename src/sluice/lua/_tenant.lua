@@ -3,13 +3,14 @@
 --   q jobs queued, r jobs running;
 --   rpm, tpm, mq, mc: the policy (requests and tokens per minute, max queued, max concurrent),
 --     a field only when set;
---   rl, rs / tl, ts: level and stamp of the requests / tokens bucket (no level yet: full).
+--   rl, rs / tl, ts: level and stamp of the requests / tokens bucket (no level yet: full; a level
+--     below zero is a debt, left by a job that used more tokens than it was charged).
 -- The blocked set holds the tenants at their concurrency cap, so that claim skips them.
 -- A tenant with no jobs and no buckets is forgotten, policy and all, as the memory broker does.
 
 -- Bucket.refill: the level now, and the new stamp.
 local function bucket_refill(level, stamp, cap, now)
-  if level == nil or level < 0 then return cap, now end
+  if level == nil then return cap, now end
   return math.min(cap, level + (now - stamp) * (cap / 60.0)), now
 end
 
@@ -35,13 +36,19 @@ local function tenant_move(P, blocked, tenant, from, to)
   end
 end
 
--- TenantLimiter.settle: gives back the tokens a job was charged and did not use.
-local function tenant_give_back(P, tenant, charged, used, now)
-  if used < 0 or used >= charged then return end
+-- TenantLimiter.settle: gives back the tokens a job was charged and did not use, and takes those
+-- it used beyond its charge (the level may go below zero: a debt). used < 0: unknown, no change.
+local function tenant_settle(P, tenant, charged, used, now)
+  if used < 0 or used == charged then return end
   local tk = tenant_key(P, tenant)
   local t = redis.call('HMGET', tk, 'tpm', 'tl', 'ts')
   local cap = tonumber(t[1])
   if not cap then return end
   local level = bucket_refill(tonumber(t[2]), tonumber(t[3]), cap, now)
-  redis.call('HSET', tk, 'tl', math.min(cap, level + (charged - used)), 'ts', now)
+  if used < charged then
+    level = math.min(cap, level + (charged - used))
+  else
+    level = level - (used - charged)
+  end
+  redis.call('HSET', tk, 'tl', num(level), 'ts', now)
 end

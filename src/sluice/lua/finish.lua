@@ -6,7 +6,8 @@
 -- KEYS[5] running hash   KEYS[6] capacity hash   KEYS[7] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
 -- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
--- ARGV[10] tokens the engine reported using (-1: unknown), to give back to the tenant's bucket
+-- ARGV[10] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
+--          (what the job was charged and did not use comes back; what it used beyond, is taken)
 -- ARGV[11 ..] field, value pairs to record (result, usage, error, attempts, backend)
 -- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
@@ -35,7 +36,7 @@ local changes = {}
 for i = CHANGES_AT, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 settle(id, f, state, changes)
-tenant_give_back(P, f.tenant, tonumber(f.cost), used, now)
+tenant_settle(P, f.tenant, tonumber(f.cost), used, now)
 
 if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
