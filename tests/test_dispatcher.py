@@ -24,6 +24,9 @@ class FakeBackend(Backend):
         self.peak = 0
         self.active_cost = 0
         self.peak_cost = 0
+        # Sequences the engine runs at once, each job's counted up to the backend's concurrency.
+        self.active_sequences = 0
+        self.peak_sequences = 0
         self.served = 0
 
     async def discover_models(self) -> list[str]:
@@ -33,10 +36,13 @@ class FakeBackend(Backend):
         return True
 
     async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        sequences = min(job.sequences, self.max_concurrency)
         self.active += 1
         self.active_cost += job.cost
+        self.active_sequences += sequences
         self.peak = max(self.peak, self.active)
         self.peak_cost = max(self.peak_cost, self.active_cost)
+        self.peak_sequences = max(self.peak_sequences, self.active_sequences)
         try:
             await asyncio.sleep(self.delay)
             yield {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]}
@@ -44,6 +50,7 @@ class FakeBackend(Backend):
         finally:
             self.active -= 1
             self.active_cost -= job.cost
+            self.active_sequences -= sequences
 
 
 async def run_jobs(backends: list[FakeBackend], jobs: list[Job]) -> MemoryBroker:
@@ -223,3 +230,34 @@ async def test_a_waiting_job_expires_at_its_deadline_and_can_be_cancelled() -> N
     finally:
         await dispatcher.stop()
         await broker.close()
+
+
+# --- a job takes a slot per sequence ---------------------------------------------------------
+
+
+def wide_job(sequences: int) -> Job:
+    job = make_job()
+    job.sequences = sequences
+    return job
+
+
+async def test_a_job_takes_a_slot_per_sequence() -> None:
+    # Jobs of 3 sequences on 4 slots: one at a time (two would run 6 sequences on 4 slots).
+    backend = FakeBackend("a", 4)
+    await run_jobs([backend], [wide_job(3) for _ in range(6)])
+    assert backend.peak == 1 and backend.peak_sequences == 3 and backend.served == 6
+    # Two of 2 fill them; a narrow job goes beside a job of 3.
+    pairs = FakeBackend("b", 4)
+    await run_jobs([pairs], [wide_job(2) for _ in range(6)])
+    assert pairs.peak == 2 and pairs.peak_sequences == 4
+    mixed = FakeBackend("c", 4, delay=0.05)
+    await run_jobs([mixed], [wide_job(3), make_job(), make_job(), wide_job(3), make_job()])
+    assert mixed.peak_sequences == 4 and mixed.served == 5
+
+
+async def test_a_job_wider_than_its_backend_takes_it_whole() -> None:
+    # 200 prompts on 4 slots: the job runs, alone, with every slot; the narrow jobs wait for it.
+    backend = FakeBackend("a", 4, delay=0.05)
+    jobs = [make_job(), wide_job(200), *(make_job() for _ in range(6))]
+    await run_jobs([backend], jobs)
+    assert backend.served == 8 and backend.peak_sequences == 4

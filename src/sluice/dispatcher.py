@@ -1,9 +1,11 @@
 """The dispatcher: claims a job only when a backend has a free slot, runs it, settles it.
 
-One dispatcher per process. It keeps every backend's in-flight requests below its concurrency (and
+One dispatcher per process. It keeps every backend's in-flight sequences below its concurrency (and
 in-flight cost below its token budget), so the engine's own waiting queue stays empty and the
-scheduling decisions stay in the broker. One heartbeat loop renews all leases, re-registers the
-capacity, and aborts the jobs the broker says were cancelled or lost.
+scheduling decisions stay in the broker. A job takes a slot per sequence the engine runs for it
+(``Job.sequences``: prompts times ``max(n, best_of)``), at most all of a backend's. One heartbeat
+loop renews all leases, re-registers the capacity, and aborts the jobs the broker says were
+cancelled or lost.
 
 A claimed job is in ``running`` from the moment it is claimed, also while it waits for room in a
 token budget: its lease is renewed, its deadline watched and a cancel reaches it, so the broker
@@ -54,6 +56,15 @@ class _Slots:
         return (
             self.inflight < self.backend.max_concurrency and now >= self.cooldown_until and not self.draining
         )
+
+    def width(self, job: Job) -> int:
+        """The slots ``job`` takes here: one per sequence the engine runs for it, at most all of
+        the backend's. A job wider than the backend takes it whole (the engine queues the rest of
+        its sequences): it runs alone there rather than never."""
+        return max(1, min(job.sequences, self.backend.max_concurrency))
+
+    def has_slots_for(self, job: Job) -> bool:
+        return self.inflight + self.width(job) <= self.backend.max_concurrency
 
     def has_room(self) -> bool:
         """Whether the token budget has any room left (a claim is worth making for it)."""
@@ -193,7 +204,7 @@ class Dispatcher:
             if job.model in s.backend.models and s.available(now) and ahead.isdisjoint(s.backend.models)
         ]
         preferred = [s for s in candidates if s.backend.name not in exclude] or candidates
-        fitting = [s for s in preferred if s.fits(job.cost)]
+        fitting = [s for s in preferred if s.has_slots_for(job) and s.fits(job.cost)]
         if not fitting:
             return None
         return max(fitting, key=lambda s: s.free_fraction)
@@ -251,11 +262,11 @@ class Dispatcher:
             self._capacity.set()  # claims held back behind this job may go on
 
     def _reserve(self, slot: _Slots, job: Job) -> None:
-        slot.inflight += 1
+        slot.inflight += slot.width(job)
         slot.inflight_tokens += job.cost
 
     def _release(self, slot: _Slots, job: Job) -> None:
-        slot.inflight -= 1
+        slot.inflight -= slot.width(job)
         slot.inflight_tokens -= job.cost
         self._capacity.set()
 
