@@ -9,7 +9,7 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import FastAPI
 
 from sluice import __version__
-from sluice.api import admin, errors, health, jobs, openai, ws
+from sluice.api import admin, docs, errors, health, jobs, openai, responses, ws
 from sluice.api.admin import BackendControl
 from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
@@ -42,15 +42,21 @@ def create_app(
         version=__version__,
         description="A queue-scheduling gateway for LLM inference, with an OpenAI-compatible API.",
         lifespan=app_lifespan,
+        # Served by sluice.api.docs, which decides who may read them (docs_public).
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.gateway = gateway
     app.state.keyring = keyring
     app.state.backends = backends
     errors.install(app)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(jobs.router)
     app.include_router(ws.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(docs.router)
     app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes)
     return app
