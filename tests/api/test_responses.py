@@ -150,17 +150,26 @@ async def job_state(gw: Gateway, response_id: str) -> str | None:
     return None if job is None else str(job.state.value)
 
 
-async def raw_events(gw: Gateway, path: str, body: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The events of a stream as sent, each validated against the SDK's event types."""
+async def raw_events(
+    gw: Gateway, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The events of a stream as sent, each validated against the SDK's event types; each SSE
+    event is named by its type and numbered by its sequence number."""
     events = []
     async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=30) as http:
         method = "POST" if body is not None else "GET"
-        async with http.stream(method, path, json=body) as r:
+        async with http.stream(method, path, json=body, headers=headers) as r:
+            name, number = None, None
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
-                if line.startswith("data:"):
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("id:"):
+                    number = int(line[3:])
+                elif line.startswith("data:"):
                     event = json.loads(line[5:])
                     EVENTS.validate_python(event)
+                    assert (name, number) == (event["type"], event["sequence_number"])
                     events.append(event)
     return events
 
@@ -339,6 +348,11 @@ async def test_background_retrieve_and_resume(client: openai.AsyncOpenAI, gw: Ga
     tail = await client.responses.retrieve(queued.id, stream=True, starting_after=4)
     resumed = [e.to_dict(mode="json") async for e in tail]
     assert resumed == [e for e in full if e["sequence_number"] > 4] and resumed
+    # An EventSource reconnecting says where it was with Last-Event-ID.
+    assert (
+        await raw_events(gw, f"/v1/responses/{queued.id}?stream=true", headers={"Last-Event-ID": "4"})
+        == resumed
+    )
 
 
 async def test_background_cancel(client: openai.AsyncOpenAI, gw: Gateway) -> None:

@@ -244,10 +244,27 @@ async def get_response(
     job = await _own(gw, who, response_id)
     if not stream:
         return JSONResponse(response_object(job), headers=_headers(job))
+    after = max(starting_after, _last_event_id(request))
     held = await gw.hold(who)
     return EventSourceResponse(
-        _stream(gw, job, starting_after, False, held), ping=PING_S, sep="\n", headers=_headers(job)
+        _stream(gw, job, after, False, held), ping=PING_S, sep="\n", headers=_headers(job)
     )
+
+
+def _last_event_id(request: Request) -> int:
+    """The Last-Event-ID an EventSource sends when it reconnects (each event's id is its
+    sequence number); -1 when there is none."""
+    raw = request.headers.get("last-event-id")
+    if raw is None:
+        return -1
+    if not (raw.isascii() and raw.lstrip("-").isdigit()):
+        raise APIError(
+            400,
+            f"Last-Event-ID must be a sequence number, not '{raw}'.",
+            "invalid_value",
+            param="Last-Event-ID",
+        )
+    return int(raw)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
