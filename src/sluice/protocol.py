@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,51 +32,229 @@ def chunk(job: Job, choices: list[dict[str, Any]], usage: dict[str, Any] | None 
     return out
 
 
+# --- folding chunks into one answer ---------------------------------------------------------------
+
+#: A response's identity: always the job's, as in every chunk relayed to a streaming client, so that
+#: an answer names the same id, model and time whichever path it took.
+_IDENTITY = frozenset({"id", "object", "created", "model"})
+#: Chunk fields that exist only in a stream and mean nothing in a whole answer: OpenAI's size
+#: padding against side channels (its own SDK drops it when it accumulates a stream, too).
+_STREAM_ONLY = frozenset({"obfuscation"})
+#: Keys that name something rather than carry generated text (a call's id, its function's name, a
+#: discriminator): the first value stays, as engines may repeat them on every fragment.
+_NAMES = frozenset({"id", "type", "name", "role", "index"})
+#: Delta fields whose text is generated, and counts as tokens where the engine reports no usage.
+_GENERATED = ("content", "refusal", "reasoning_content", "reasoning")
+
+
+class _Text:
+    """Text arriving in pieces, joined once at the end (joining on every chunk is quadratic)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, first: str) -> None:
+        self.parts = [first]
+
+
+def _fold(acc: dict[str, Any], new: Mapping[str, Any], concat: bool) -> None:
+    """Fold ``new`` into ``acc``. With ``concat`` (a delta: generated text in pieces) strings gather
+    in order; without (a choice's or a chunk's own fields: state, repeated on each chunk) the latest
+    string stays. Numbers and flags keep the latest value; lists extend (logprobs, token ids);
+    objects fold the same way, one level down; names (:data:`_NAMES`) keep their first value. A null
+    never erases a value (engines send null for "nothing new"), but is kept where nothing else came."""
+    for key, value in new.items():
+        old = acc.get(key)
+        if value is None:
+            acc.setdefault(key, None)
+        elif old is None or old == "":  # an empty name names nothing yet
+            acc[key] = _start(value, concat and key not in _NAMES)
+        elif key in _NAMES:
+            continue
+        elif isinstance(old, _Text) and isinstance(value, str):
+            old.parts.append(value)
+        elif isinstance(old, list) and isinstance(value, list):
+            old.extend(_start(v, concat) for v in value)
+        elif isinstance(old, dict) and isinstance(value, Mapping):
+            _fold(old, value, concat)
+        else:
+            acc[key] = _start(value, concat)
+
+
+def _start(value: Any, concat: bool) -> Any:
+    """A fresh accumulator holding ``value`` (copied: the engine's chunk is relayed as it is)."""
+    if isinstance(value, str):
+        return _Text(value) if concat else value
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        _fold(out, value, concat)
+        return out
+    if isinstance(value, list):
+        return [_start(v, concat) for v in value]
+    return value
+
+
+def _final(value: Any) -> Any:
+    """An accumulator as plain JSON: every gathered text joined."""
+    if isinstance(value, _Text):
+        return "".join(value.parts)
+    if isinstance(value, dict):
+        return {k: _final(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_final(v) for v in value]
+    return value
+
+
 @dataclass
 class _Choice:
+    """One choice (one of ``n``) as its chunks built it.
+
+    Fields:
+        index: its place among the choices, as the engine numbers them.
+        message: the folded deltas of a chat choice (role, content, refusal, reasoning_content or
+            reasoning, audio, any field the engine adds), tool calls apart; for a completions choice,
+            ``text`` alone.
+        tool_calls: a chat choice's tool calls in the order they began, each folded from its
+            fragments (id, type and function.name once, function.arguments concatenated).
+        call_at: the engine's ``index`` of each tool call -> its place in ``tool_calls``.
+        fields: everything else the engine said on the choice, folded: ``finish_reason``,
+            ``logprobs`` (chat's content/refusal lists, completions' tokens, token_logprobs,
+            top_logprobs and text_offset, each extended in order), vLLM's ``stop_reason`` and
+            ``token_ids``, Azure's content filter results...
+    """
+
     index: int
-    text: list[str] = field(default_factory=list)
-    role: str = "assistant"
-    finish_reason: str | None = None
+    message: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    call_at: dict[int, int] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def add_tool_calls(self, fragments: list[Any]) -> None:
+        for fragment in fragments:
+            if isinstance(fragment, Mapping):
+                _fold(self._call_for(fragment), {k: v for k, v in fragment.items() if k != "index"}, True)
+
+    def _call_for(self, fragment: Mapping[str, Any]) -> dict[str, Any]:
+        """The tool call a fragment continues, or a new one. OpenAI, vLLM and llama-server number
+        every fragment with ``index``; a fragment without one (a whole message's calls, some
+        engines' streams) continues the call of the same id, or the last call when it has no id."""
+        index, call_id = fragment.get("index"), fragment.get("id")
+        if isinstance(index, int) and index in self.call_at:
+            call = self.tool_calls[self.call_at[index]]
+            # A new id at a used index is a new call (an engine that numbers every call 0).
+            if not call_id or call.get("id") in (None, call_id):
+                return call
+        elif not isinstance(index, int):
+            if call_id:
+                for call in self.tool_calls:
+                    if call.get("id") == call_id:
+                        return call
+            elif self.tool_calls:
+                return self.tool_calls[-1]
+        self.tool_calls.append({})
+        if isinstance(index, int):
+            self.call_at[index] = len(self.tool_calls) - 1
+        return self.tool_calls[-1]
+
+    def chat(self) -> dict[str, Any]:
+        message = _final(self.message)
+        calls = [_tool_call(c) for c in _final(self.tool_calls)]
+        content, refusal = message.pop("content", ""), message.pop("refusal", None) or None
+        if not content and (calls or refusal or message.get("function_call") or message.get("audio")):
+            content = None  # OpenAI's null for "no text", never ""
+        out: dict[str, Any] = {
+            "role": message.pop("role", None) or "assistant",
+            "content": content,
+            "refusal": refusal,
+        }
+        if calls:
+            out["tool_calls"] = calls
+        out.update(message)
+        return {"index": self.index, "message": out, **self._closing()}
+
+    def completion(self) -> dict[str, Any]:
+        text = _final(self.message).get("text") or ""
+        return {"index": self.index, "text": text, **self._closing()}
+
+    def _closing(self) -> dict[str, Any]:
+        rest = _final(self.fields)
+        return {
+            "logprobs": rest.pop("logprobs", None),
+            "finish_reason": rest.pop("finish_reason", None) or "stop",
+            **rest,
+        }
+
+
+def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(call.get("function"), dict) and not call.get("type"):
+        call["type"] = "function"  # the SDKs tell call kinds apart by it
+    return call
 
 
 class Assembler:
-    """Builds the non-streaming response from the chunks of a streamed one."""
+    """Builds the non-streaming response from the chunks of a streamed one, losing nothing.
+
+    It takes what :meth:`sluice.backends.base.Backend.stream` yields: a stream's chunks, or a whole
+    answer as one chunk whose choices carry their message as ``delta``. Chat deltas fold into one
+    message per choice: content, refusal and reasoning (``reasoning_content``, or ``reasoning`` as
+    some engines name it) concatenated, tool-call fragments merged by ``index``, any other field the
+    engine adds folded (see :func:`_fold`). Logprobs lists extend in order; ``finish_reason`` and any
+    other choice field keep their latest value; ``usage`` is the latest the engine sent; the chunk's
+    own fields (``system_fingerprint``, ``service_tier``, anything else) keep their latest value.
+    The id, object, creation time and model are the job's, as in the chunks relayed to streaming
+    clients. A whole answer therefore comes out as the engine sent it, with the job's identity, and
+    with OpenAI's nulls where it left a required field out (``refusal``, ``logprobs``).
+
+    Attributes:
+        job: the job whose answer this is: its identity, endpoint and prompt estimate.
+        choices: the choices so far, by the engine's index.
+        usage: the engine's latest ``usage``, None while it sent none.
+        tokens: chunks that carried generated text (counted once per choice), the completion
+            tokens of an engine that reports no usage.
+        fields: the chunks' own fields besides identity, choices and usage, folded.
+    """
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.choices: dict[int, _Choice] = {}
         self.usage: dict[str, Any] | None = None
-        self.tokens = 0  # content chunks seen, a fallback for engines that report no usage
+        self.tokens = 0
+        self.fields: dict[str, Any] = {}
 
     def add(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk)."""
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
-        choices = data.get("choices") or []
+        skip = _IDENTITY | _STREAM_ONLY | {"choices", "usage"}
+        _fold(self.fields, {k: v for k, v in data.items() if k not in skip}, False)
         relay = []
-        for raw in choices:
+        for raw in data.get("choices") or []:
             if not isinstance(raw, dict):
                 continue
-            index = int(raw.get("index", 0))
+            index = raw.get("index", 0)
+            index = index if isinstance(index, int) else 0
             c = self.choices.setdefault(index, _Choice(index))
             if self.job.endpoint is Endpoint.CHAT:
-                delta = raw.get("delta") or {}
-                if delta.get("role"):
-                    c.role = delta["role"]
-                if delta.get("content"):
-                    c.text.append(delta["content"])
-                    self.tokens += 1
-                if delta.get("tool_calls"):
-                    c.tool_calls.extend(delta["tool_calls"])
-            elif raw.get("text"):
-                c.text.append(raw["text"])
-                self.tokens += 1
-            if raw.get("finish_reason"):
-                c.finish_reason = raw["finish_reason"]
+                self._add_delta(c, raw.get("delta"))
+                rest = {k: v for k, v in raw.items() if k not in ("index", "delta", "message")}
+            else:
+                text = raw.get("text")
+                if isinstance(text, str):
+                    _fold(c.message, {"text": text}, True)
+                    self.tokens += bool(text)
+                rest = {k: v for k, v in raw.items() if k not in ("index", "text", "delta", "message")}
+            _fold(c.fields, rest, False)
             relay.append(raw)
         return relay
+
+    def _add_delta(self, c: _Choice, delta: Any) -> None:
+        if not isinstance(delta, Mapping):
+            return
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            c.add_tool_calls(calls)
+        _fold(c.message, {k: v for k, v in delta.items() if k != "tool_calls"}, True)
+        if any(delta.get(k) for k in _GENERATED) or calls:
+            self.tokens += 1
 
     def final_usage(self) -> dict[str, Any]:
         if self.usage is not None:
@@ -88,35 +267,14 @@ class Assembler:
         }
 
     def response(self) -> dict[str, Any]:
-        choices = []
-        for c in sorted(self.choices.values(), key=lambda c: c.index) or [_Choice(0)]:
-            text = "".join(c.text)
-            if self.job.endpoint is Endpoint.CHAT:
-                message: dict[str, Any] = {"role": c.role, "content": text}
-                if c.tool_calls:
-                    message["tool_calls"] = c.tool_calls
-                choices.append(
-                    {
-                        "index": c.index,
-                        "message": message,
-                        "finish_reason": c.finish_reason or "stop",
-                        "logprobs": None,
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": text,
-                        "finish_reason": c.finish_reason or "stop",
-                        "logprobs": None,
-                    }
-                )
+        chat = self.job.endpoint is Endpoint.CHAT
+        ordered = sorted(self.choices.values(), key=lambda c: c.index) or [_Choice(0)]
         return {
             "id": response_id(self.job),
-            "object": "chat.completion" if self.job.endpoint is Endpoint.CHAT else "text_completion",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(self.job.created_at),
             "model": self.job.model,
-            "choices": choices,
+            "choices": [c.chat() if chat else c.completion() for c in ordered],
             "usage": self.final_usage(),
+            **_final(self.fields),
         }

@@ -127,7 +127,9 @@ class OpenAIBackend(Backend):
             choices = [_as_delta(c) for c in data.get("choices") or []]
         except (ValueError, AttributeError, TypeError) as exc:
             raise BackendError("the engine sent a malformed answer", retryable=True) from exc
-        return {"choices": choices, "usage": data.get("usage")}
+        # Every field the engine sent travels on (system_fingerprint, service_tier, its own): the
+        # assembler passes a whole answer through as it came, in the job's identity.
+        return {**data, "choices": choices}
 
     async def aclose(self) -> None:
         await self._client.aclose()
