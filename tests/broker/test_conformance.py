@@ -588,3 +588,51 @@ async def test_key_store(broker: Broker) -> None:
     assert set(await broker.list_keys()) == {"h1", "h2"}
     assert await broker.delete_key("h1") and not await broker.delete_key("h1")
     assert await broker.get_key("h1") is None and list(await broker.list_keys()) == ["h2"]
+
+
+# --- open connections per API key --------------------------------------------------------
+
+
+async def test_connection_cap_per_key(broker: Broker) -> None:
+    assert await broker.open_connection("k1", "c1", 2)
+    assert await broker.open_connection("k1", "c2", 2)
+    assert not await broker.open_connection("k1", "c3", 2)  # refused, and nothing taken
+    assert await broker.open_connections("k1") == 2
+    assert await broker.open_connection("k2", "c1", 1)  # every key has its own count
+    await broker.close_connection("k1", "c1")
+    await broker.close_connection("k1", "c1")  # twice: nothing more happens
+    await broker.close_connection("k9", "c1")  # never counted: nothing happens
+    assert await broker.open_connections("k1") == 1
+    assert await broker.open_connection("k1", "c3", 2)
+    assert not await broker.open_connection("k1", "c4", 2)
+    # A lower cap (the key's grant changed) refuses until enough have closed.
+    assert not await broker.open_connection("k1", "c4", 1)
+    for conn in ("c2", "c3"):
+        await broker.close_connection("k1", conn)
+    await broker.close_connection("k2", "c1")
+    assert await broker.open_connections("k1") == await broker.open_connections("k2") == 0
+
+
+async def test_connection_cap_is_atomic(broker: Broker) -> None:
+    # Gateways racing for the last slots: exactly the cap gets one.
+    taken = await asyncio.gather(*(broker.open_connection("k", f"c{i}", 3) for i in range(20)))
+    assert sum(taken) == 3 and await broker.open_connections("k") == 3
+
+
+async def test_connection_slots_lapse_unless_renewed(broker: Broker, clock: FakeClock) -> None:
+    lease = broker.settings.lease_s
+    assert await broker.open_connection("k", "kept", 2)
+    assert await broker.open_connection("k", "dead", 2)  # its gateway dies: nobody renews it
+    clock.advance(lease * 0.6)
+    await broker.renew_connections({"k": ["kept"], "other": []})
+    clock.advance(lease * 0.6)
+    assert await broker.open_connections("k") == 1  # the dead gateway's slot is back
+    assert await broker.open_connection("k", "new", 2)
+    assert not await broker.open_connection("k", "more", 2)
+    clock.advance(lease * 1.1)  # nobody renews anything now
+    assert await broker.open_connections("k") == 0
+    # A connection that outlived its lease (its gateway lost the broker for a while) is still
+    # open: renewing counts it again.
+    await broker.renew_connections({"k": ["kept"]})
+    assert await broker.open_connections("k") == 1
+    assert not await broker.open_connection("k", "x", 1)

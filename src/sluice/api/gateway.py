@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,33 +54,80 @@ class Gateway:
     metrics: Metrics
     #: the local engine's progress while ``sluice serve`` provisions it; None when engines are given
     startup: EngineStartup | None = None
-    connections: dict[str, int] = field(default_factory=dict)
+    #: the connections this gateway holds, counted in the broker: key SHA-256 → connection ids;
+    #: their leases are renewed while they last (``_renew_forever``)
+    connections: dict[str, set[str]] = field(default_factory=dict)
     _served: tuple[float, dict[str, int]] = (0.0, {})
+    #: renews the leases of ``connections``; runs only while there are some
+    _renewer: asyncio.Task[None] | None = None
+    #: slots being given back (kept so that a release outlives the request that ended)
+    _releases: set[asyncio.Task[None]] = field(default_factory=set)
 
     @contextlib.asynccontextmanager
     async def connection(self, caller: Caller) -> AsyncIterator[None]:
-        """Count a long-lived connection (stream, long poll, websocket) against the caller's key's cap."""
-        if not caller.keyed:
+        """Count a long-lived connection (stream, long poll, websocket) against the cap of the
+        caller's key. The count is the broker's, so it is the same on every gateway that shares it;
+        the slot is leased, renewed while the connection lasts, given back as it ends, and it lapses
+        within ``lease_s`` if this gateway dies."""
+        key = caller.key_sha256
+        if not caller.keyed or key is None:
             yield
             return
         cap = caller.max_connections or self.settings.max_connections_per_key
-        open_now = self.connections.get(caller.tenant, 0)
-        if open_now >= cap:
+        conn_id = secrets.token_hex(12)
+        try:
+            taken = await self.broker.open_connection(key, conn_id, cap)
+        except asyncio.CancelledError:
+            self._give_back(key, conn_id)  # the take may have happened on its way
+            raise
+        if not taken:
             raise APIError(
                 429,
                 f"Too many open connections for this key ({cap}); close some first.",
                 "too_many_connections",
                 retry_after_s=1.0,
             )
-        self.connections[caller.tenant] = open_now + 1
+        self.connections.setdefault(key, set()).add(conn_id)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_forever(), name="gateway-connection-leases")
         try:
             yield
         finally:
-            left = self.connections[caller.tenant] - 1
-            if left:
-                self.connections[caller.tenant] = left
-            else:
-                del self.connections[caller.tenant]
+            release = self._give_back(key, conn_id)
+            # Shielded: a request cancelled as its client hangs up (an SSE stream is) still gives
+            # its slot back.
+            await asyncio.shield(release)
+
+    def _give_back(self, key: str, conn_id: str) -> asyncio.Task[None]:
+        """Stop renewing a connection and give its slot back, in a task of its own."""
+        held = self.connections.get(key)
+        if held is not None:
+            held.discard(conn_id)
+            if not held:
+                del self.connections[key]
+        if not self.connections and self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        task = asyncio.create_task(self._close(key, conn_id), name="gateway-connection-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
+    async def _close(self, key: str, conn_id: str) -> None:
+        try:
+            await self.broker.close_connection(key, conn_id)
+        except Exception as exc:  # the lease lapses on its own: the slot comes back anyway
+            log.warning("connection slot not given back (it lapses with its lease): %s", exc)
+
+    async def _renew_forever(self) -> None:
+        every = max(min(self.broker.settings.lease_s / 3, 5.0), 0.05)
+        while True:
+            await asyncio.sleep(every)
+            held = {key: list(ids) for key, ids in self.connections.items()}
+            try:
+                await self.broker.renew_connections(held)
+            except Exception as exc:  # the next round tries again; a lapsed slot is counted again
+                log.warning("connection leases not renewed: %s", exc)
 
     async def served_models(self) -> dict[str, int]:
         """The registry, read at most once per SERVED_CACHE_S: it is on every admission's path, and

@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
-from sluice.api.relay import bounded
+from sluice.api.relay import bounded, while_connected
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.views import job_view
@@ -72,7 +72,10 @@ async def get_job(
     job = await own_job(gw, who, job_id)
     if wait > 0 and not job.terminal:
         async with gw.connection(who):
-            job = await gw.broker.wait(job_id, min(wait, gw.settings.max_poll_wait_s)) or job
+            ended = await while_connected(
+                request, gw.broker.wait(job_id, min(wait, gw.settings.max_poll_wait_s))
+            )
+            job = ended or job
     return JSONResponse(await view(gw, job))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -15,6 +15,8 @@ from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
 from sluice.protocol import chunk
+
+T = TypeVar("T")
 
 # How long past its deadline a synchronous client keeps waiting for the dispatcher's final word.
 DEADLINE_SLACK_S = 5.0
@@ -26,6 +28,19 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def while_connected(request: Request, awaitable: Awaitable[T]) -> T | None:
+    """What ``awaitable`` gives, or None as soon as the client disconnects (it is then cancelled):
+    a long poll must not outlive its client, nor keep the connection slot it holds."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watcher):
+            task.cancel()
+    return work.result() if work.done() and not work.cancelled() else None
 
 
 async def cancel_quietly(broker: Broker, job_id: str) -> None:

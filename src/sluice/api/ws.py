@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway
 from sluice.api.relay import bounded
+from sluice.broker.base import Event
 
 router = APIRouter(tags=["jobs"])
 
@@ -37,9 +40,32 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
     try:
         await websocket.accept()
         events = bounded(gw.broker.events(job_id, after=int(raw)), gw.settings.max_stream_s)
-        with contextlib.suppress(WebSocketDisconnect):
-            async for event in events:
-                await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
-            await websocket.close(code=1000)
+        # The client may go while the job is silent (queued, or between events): the relay would
+        # only notice at its next send, so a watcher listens for the goodbye meanwhile.
+        relay = asyncio.create_task(_relay(websocket, events))
+        gone = asyncio.create_task(_until_gone(websocket))
+        try:
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relay, gone):
+                task.cancel()
+            await asyncio.gather(relay, gone, return_exceptions=True)
+        if not relay.cancelled():
+            relay.result()  # the relay's own failure (the broker's) is the handler's
     finally:
         await held.aclose()
+
+
+async def _relay(websocket: WebSocket, events: AsyncIterator[Event]) -> None:
+    """Send the events, then close; a client gone meanwhile ends it quietly."""
+    with contextlib.suppress(WebSocketDisconnect):
+        async for event in events:
+            await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
+        await websocket.close(code=1000)
+
+
+async def _until_gone(websocket: WebSocket) -> None:
+    """Return when the client disconnects (a close frame, or the connection lost); what it sends
+    before that is ignored."""
+    while (await websocket.receive())["type"] != "websocket.disconnect":
+        pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -271,6 +271,33 @@ class Broker(ABC):
     @abstractmethod
     async def list_keys(self) -> dict[str, dict[str, Any]]:
         """Every stored key: SHA-256 → record."""
+
+    # --- open connections per API key (one count for every gateway on this broker) ------------
+
+    @abstractmethod
+    async def open_connection(self, key_sha256: str, connection_id: str, cap: int) -> bool:
+        """Count connection ``connection_id`` (a stream, long poll or WebSocket) against the key
+        whose SHA-256 is ``key_sha256``, unless ``cap`` of its connections are open already: then
+        nothing is taken and the answer is False. The check and the take are one atomic step.
+
+        The slot is leased for ``settings.lease_s``: the gateway that holds it renews it
+        (:meth:`renew_connections`) and gives it back (:meth:`close_connection`); a gateway that
+        dies does neither, and its slots lapse within a lease."""
+
+    @abstractmethod
+    async def renew_connections(self, held: Mapping[str, Collection[str]]) -> None:
+        """Extend by ``settings.lease_s`` the leases of the connections a gateway still holds, key
+        SHA-256 → connection ids. A connection whose lease lapsed meanwhile (its gateway could not
+        reach the broker for a lease) is counted again: it is still open. (So may one given back
+        while its renewal was on the way, until its lease lapses.)"""
+
+    @abstractmethod
+    async def close_connection(self, key_sha256: str, connection_id: str) -> None:
+        """Give a connection's slot back; nothing happens if it is not counted (lapsed, or closed)."""
+
+    @abstractmethod
+    async def open_connections(self, key_sha256: str) -> int:
+        """How many of the key's connections are counted now, on every gateway."""
 
     # --- webhooks -----------------------------------------------------------------------------
 

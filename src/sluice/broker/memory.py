@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import heapq
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,8 @@ class MemoryBroker(Broker):
         self._abort = Signal()
         self._draining: set[str] = set()
         self._keys: dict[str, dict[str, Any]] = {}
+        #: open connections per API key: key SHA-256 → connection id → lease expiry
+        self._connections: dict[str, dict[str, float]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -446,6 +448,41 @@ class MemoryBroker(Broker):
 
     async def list_keys(self) -> dict[str, dict[str, Any]]:
         return {h: dict(r) for h, r in self._keys.items()}
+
+    # --- open connections per API key --------------------------------------------------------
+
+    def _live_connections(self, key_sha256: str) -> dict[str, float]:
+        """The key's counted connections (id → lease expiry), those whose lease lapsed dropped."""
+        held = self._connections.get(key_sha256, {})
+        now = self.now()
+        for conn_id in [c for c, expires in held.items() if expires < now]:
+            del held[conn_id]
+        if not held:
+            self._connections.pop(key_sha256, None)
+        return held
+
+    async def open_connection(self, key_sha256: str, connection_id: str, cap: int) -> bool:
+        held = self._live_connections(key_sha256)
+        if len(held) >= cap:
+            return False
+        self._connections[key_sha256] = {**held, connection_id: self.now() + self.settings.lease_s}
+        return True
+
+    async def renew_connections(self, held: Mapping[str, Collection[str]]) -> None:
+        expires = self.now() + self.settings.lease_s
+        for key_sha256, ids in held.items():
+            if ids:
+                self._connections.setdefault(key_sha256, {}).update(dict.fromkeys(ids, expires))
+
+    async def close_connection(self, key_sha256: str, connection_id: str) -> None:
+        held = self._connections.get(key_sha256)
+        if held is not None:
+            held.pop(connection_id, None)
+            if not held:
+                del self._connections[key_sha256]
+
+    async def open_connections(self, key_sha256: str) -> int:
+        return len(self._live_connections(key_sha256))
 
     supports_callbacks = True
 

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -119,6 +119,7 @@ SCRIPT_NAMES = (
     "release",
     "callbacks",
     "purge_dead",
+    "connect",
 )
 
 
@@ -485,6 +486,43 @@ class RedisBroker(Broker):
     async def list_keys(self) -> dict[str, dict[str, Any]]:
         raw = cast(dict[str, str], await self._io(self._redis.hgetall(self.keys.api_keys)))
         return {h: cast(dict[str, Any], json.loads(v)) for h, v in raw.items()}
+
+    # --- open connections per API key: a zset per key, connection id -> lease expiry -----------
+
+    def _connection_lease(self) -> tuple[str, int]:
+        """A lease taken or renewed now: its expiry, and the zset's own time to live (ms). The zset
+        outlives every lease in it twice over, whatever the skew between gateways' clocks, and goes
+        once no gateway renews anything in it."""
+        lease_s = self.settings.lease_s
+        return repr(float(self.now() + lease_s)), max(int(2000 * lease_s), 1000)
+
+    async def open_connection(self, key_sha256: str, connection_id: str, cap: int) -> bool:
+        expires, ttl_ms = self._connection_lease()
+        reply = await self._call(
+            "connect", [self.keys.connections(key_sha256)], [self._now(), connection_id, cap, expires, ttl_ms]
+        )
+        return int(reply) == 1
+
+    async def renew_connections(self, held: Mapping[str, Collection[str]]) -> None:
+        expires, ttl_ms = self._connection_lease()
+        sent = []  # submitted in this turn of the event loop, ahead of any release issued after it
+        for key_sha256, ids in held.items():
+            if ids:
+                conns = self.keys.connections(key_sha256)
+                scored = [part for conn_id in ids for part in (expires, conn_id)]
+                sent.append(self._batch.submit(("ZADD", conns, *scored)))
+                sent.append(self._batch.submit(("PEXPIRE", conns, ttl_ms)))
+        try:
+            await asyncio.gather(*sent)
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
+
+    async def close_connection(self, key_sha256: str, connection_id: str) -> None:
+        await self._batch.call(("ZREM", self.keys.connections(key_sha256), connection_id))
+
+    async def open_connections(self, key_sha256: str) -> int:
+        conns = self.keys.connections(key_sha256)
+        return int(await self._batch.call(("ZCOUNT", conns, self._now(), "+inf")))
 
     async def dead_letters(self) -> dict[str, float]:
         entries = await self._io(self._redis.zrange(self.keys.dead, 0, -1, withscores=True))

@@ -175,6 +175,11 @@ class QueueKeys:
         """Stream: interrupts one process's multiplexed XREAD when a new reader joins."""
         return f"{self.prefix}wake:{part(reader_id)}"
 
+    def connections(self, key_sha256: str) -> str:
+        """Zset: an API key's open connections on every gateway, connection id → lease expiry; the
+        key itself expires when no gateway renews any of them (connect.lua)."""
+        return f"{self.prefix}conns:{part(key_sha256)}"
+
 
 # --- fields of the job record (QueueKeys.job) ---------------------------------------------------------
 
