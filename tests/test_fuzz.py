@@ -25,6 +25,7 @@ from sluice.sim.server import serve_in_background
 from tests.servers import run_gateway
 
 KEY = "sk-fuzz"
+ADMIN_KEY = "sk-fuzz-admin"  # reads the whole description, admin routes included
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,10 @@ def live_url() -> Iterator[str]:
             serve_in_background(preset("fast", model="sim")) as sim,
             run_gateway(
                 [sim],
-                keys=[{"key_sha256": hash_key(KEY), "tenant": "fuzz"}],
+                keys=[
+                    {"key_sha256": hash_key(KEY), "tenant": "fuzz"},
+                    {"key_sha256": hash_key(ADMIN_KEY), "tenant": "fuzz-admin", "admin": True},
+                ],
                 max_tokens_cap=32,
                 max_poll_wait_s=1.0,
                 max_stream_s=5.0,
@@ -70,7 +74,9 @@ def live_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def api_schema(live_url: str) -> Any:
-    return schemathesis.openapi.from_url(live_url + "/openapi.json")
+    return schemathesis.openapi.from_url(
+        live_url + "/openapi.json", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
 
 
 # The documented overload answers: a fuzzed `timeout` of a few milliseconds is honestly refused

@@ -278,7 +278,7 @@ class Settings(_Strict):
         default=_BROKER.lease_s,
         gt=0,
         description="how long a claimed job stays with a worker without a heartbeat (seconds); also the "
-        "worker registry's expiry, and how long a dead gateway's connection slots stay taken",
+        "worker registry's expiry",
     )
     max_poll_wait_s: float = Field(
         default=60.0, gt=0, description="the longest `?wait=` a poll may hold the connection (seconds)"
@@ -300,6 +300,17 @@ class Settings(_Strict):
     )
     insecure_open: bool = Field(
         default=False, description="serve open mode (no keys) on a non-loopback address anyway"
+    )
+    metrics_public: bool = Field(
+        default=False,
+        description="serve `/metrics` to anyone; unset: with keys, only to an admin key (open mode "
+        "serves it to all)",
+    )
+    docs_public: bool = Field(
+        default=False,
+        description="serve the API docs (`/docs`, `/redoc`, `/openapi.json`) to anyone; unset: with "
+        "keys, only to a valid key (open mode serves them to all); admin routes are listed to admin "
+        "keys only",
     )
     max_messages: int = Field(
         default=256, ge=1, description="the most messages a chat request may carry; more is a 400"

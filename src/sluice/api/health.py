@@ -1,4 +1,9 @@
-"""Liveness, readiness and metrics."""
+"""Liveness, readiness and metrics.
+
+``/healthz`` and ``/readyz`` answer anyone (load balancers ask them). ``/metrics`` is the operator's:
+with keys it needs an admin key (401 without a key, 404 for other keys, as ``/admin``), unless
+``metrics_public``; open mode serves it to all.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sluice.api.auth import KeyRing, admin
 from sluice.api.gateway import gateway
 
 router = APIRouter(tags=["health"])
@@ -42,6 +48,9 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     gw = gateway(request)
+    keyring: KeyRing = request.app.state.keyring
+    if not (keyring.open or gw.settings.metrics_public):
+        await admin(request)
     stats = await gw.broker.stats()
     gw.metrics.update_queues(stats)
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
