@@ -278,7 +278,7 @@ class Settings(_Strict):
         default=_BROKER.lease_s,
         gt=0,
         description="how long a claimed job stays with a worker without a heartbeat (seconds); also the "
-        "worker registry's expiry",
+        "worker registry's expiry, and how long a dead gateway's connection slots stay taken",
     )
     max_poll_wait_s: float = Field(
         default=60.0, gt=0, description="the longest `?wait=` a poll may hold the connection (seconds)"
