@@ -67,13 +67,13 @@ class KeyRing:
     def open(self) -> bool:
         return not self._keys and not self.settings.key_store
 
-    async def _lookup(self, digest: str) -> KeyConfig | None:
+    async def _lookup(self, digest: str, *, fresh: bool = False) -> KeyConfig | None:
         key = self._keys.get(digest)
         if key is not None or self.broker is None or not self.settings.key_store:
             return key
         now = time.monotonic()
         hit = self._stored.get(digest)
-        if hit is not None and hit[0] > now:
+        if hit is not None and hit[0] > now and not fresh:
             return hit[1]
         record = await self.broker.get_key(digest)
         found = KeyConfig.model_validate({**record, "key_sha256": digest}) if record else None
@@ -92,9 +92,14 @@ class KeyRing:
             max_concurrent=key.max_concurrent,
             max_queued=key.max_queued,
         )
-        return Caller(
-            limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256
-        )
+        return Caller(limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256)
+
+    async def still_valid(self, caller: Caller) -> bool:
+        """Whether the caller's key still exists, asked of the store itself rather than the cache: an
+        open stream asks every STORED_KEY_CACHE_S, so a revoked key's streams end within that time."""
+        if not caller.keyed or caller.key_sha256 is None:
+            return True
+        return await self._lookup(caller.key_sha256, fresh=True) is not None
 
     async def authenticate(self, request: HTTPConnection) -> Caller:
         token = bearer(request)

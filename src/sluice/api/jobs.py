@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
-from sluice.api.relay import bounded, while_connected
+from sluice.api.relay import KeyRevoked, bounded, key_check, revocable, while_connected
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.views import job_view
@@ -98,11 +98,14 @@ async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResp
     await own_job(gw, who, job_id)
     after = _after(request)
     held = await gw.hold(who)
+    events = revocable(gw.broker.events(job_id, after=after), key_check(request, who))
 
     async def stream() -> AsyncIterator[dict[str, Any]]:
         try:
-            async for event in bounded(gw.broker.events(job_id, after=after), gw.settings.max_stream_s):
+            async for event in bounded(events, gw.settings.max_stream_s):
                 yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
+        except KeyRevoked:
+            return  # a reconnect (EventSource does it by itself) gets the 401
         finally:
             await held.aclose()
 

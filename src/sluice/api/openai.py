@@ -12,7 +12,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import client_retry, gateway, rate_headers
-from sluice.api.relay import answer, openai_stream, wait_for_client
+from sluice.api.relay import answer, key_check, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint
 
@@ -35,7 +35,14 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             held = stack.pop_all()  # the stream's generator releases the connection when it ends
             return EventSourceResponse(
-                openai_stream(gw.broker, job, include_usage, gw.settings.max_stream_s, held),
+                openai_stream(
+                    gw.broker,
+                    job,
+                    include_usage,
+                    gw.settings.max_stream_s,
+                    held,
+                    alive=key_check(request, who),
+                ),
                 ping=PING_S,
                 sep="\n",
                 headers={"x-sluice-job-id": job.id, **rate_headers(admission)},

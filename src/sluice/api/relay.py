@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.requests import HTTPConnection
 
+from sluice.api import auth
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
@@ -103,21 +107,92 @@ async def bounded(events: AsyncIterator[Event], seconds: float) -> AsyncIterator
         await events.aclose()  # type: ignore[attr-defined]
 
 
+class KeyRevoked(Exception):
+    """The key that opened a stream was revoked: the stream ends."""
+
+
+#: Whether the caller's key is still valid (``KeyRing.still_valid`` of the caller).
+KeyCheck = Callable[[], Awaitable[bool]]
+
+log = logging.getLogger("sluice.gateway")
+
+
+def key_check(connection: HTTPConnection, caller: auth.Caller) -> KeyCheck | None:
+    """How an open stream of ``caller`` asks whether its key still stands; None where no key can be
+    revoked while the gateway runs (open mode, or keys from the configuration file only)."""
+    keyring: auth.KeyRing = connection.app.state.keyring
+    if not caller.keyed or not keyring.settings.key_store:
+        return None
+    return functools.partial(keyring.still_valid, caller)
+
+
+def revocable(events: AsyncIterator[Event], alive: KeyCheck | None) -> AsyncIterator[Event]:
+    """The events while the caller's key stands: ``alive`` is asked every STORED_KEY_CACHE_S, also
+    while no event comes, and the stream ends with :class:`KeyRevoked` once it says no. A revoked
+    key's streams end as fast as its new requests are refused. With None, the events as they are."""
+    return events if alive is None else _revocable(events, alive)
+
+
+async def _revocable(events: AsyncIterator[Event], alive: KeyCheck) -> AsyncIterator[Event]:
+    loop = asyncio.get_running_loop()
+    period = auth.STORED_KEY_CACHE_S
+    check_at = loop.time() + period
+    # The next event is awaited in a task that outlives each check: cancelling it would end the
+    # event stream itself.
+    pending: asyncio.Future[Event] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=max(check_at - loop.time(), 0))
+            if done:
+                finished, pending = pending, None
+                try:
+                    event = finished.result()
+                except StopAsyncIteration:
+                    return
+                yield event
+            if loop.time() >= check_at:
+                if not await _still_valid(alive):
+                    raise KeyRevoked
+                check_at = loop.time() + period
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _still_valid(alive: KeyCheck) -> bool:
+    try:
+        return await alive()
+    except Exception:
+        # The key store did not answer: asked again at the next period rather than cutting every
+        # stream of a gateway on one broker hiccup.
+        log.warning("could not check an open stream's key; will ask again", exc_info=True)
+        return True
+
+
+REVOKED = {"message": "The API key was revoked.", "type": "invalid_request_error", "code": "invalid_api_key"}
+
+
 async def openai_stream(
     broker: Broker,
     job: Job,
     include_usage: bool,
     max_stream_s: float,
     held: contextlib.AsyncExitStack | None = None,
+    alive: KeyCheck | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves.
+    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves,
+    or if its key is revoked meanwhile (``alive``, see :func:`revocable`: an error payload ends it).
 
     ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
     """
     sent_tokens = False
     finished = False
     try:
-        async for event in bounded(broker.events(job.id), max_stream_s):
+        async for event in bounded(revocable(broker.events(job.id), alive), max_stream_s):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
                 yield {"data": json.dumps(chunk(job, event.data["choices"]))}
@@ -144,6 +219,8 @@ async def openai_stream(
                     )
                 }
                 return
+    except KeyRevoked:
+        yield {"data": json.dumps({"error": REVOKED})}
     finally:
         if not finished:
             await cancel_quietly(broker, job.id)

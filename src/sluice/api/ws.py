@@ -10,7 +10,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway
-from sluice.api.relay import bounded
+from sluice.api.relay import KeyRevoked, bounded, key_check, revocable
 from sluice.broker.base import Event
 
 router = APIRouter(tags=["jobs"])
@@ -39,7 +39,10 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
         return
     try:
         await websocket.accept()
-        events = bounded(gw.broker.events(job_id, after=int(raw)), gw.settings.max_stream_s)
+        events = bounded(
+            revocable(gw.broker.events(job_id, after=int(raw)), key_check(websocket, who)),
+            gw.settings.max_stream_s,
+        )
         # The client may go while the job is silent (queued, or between events): the relay would
         # only notice at its next send, so a watcher listens for the goodbye meanwhile.
         relay = asyncio.create_task(_relay(websocket, events))
@@ -57,10 +60,15 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
 
 
 async def _relay(websocket: WebSocket, events: AsyncIterator[Event]) -> None:
-    """Send the events, then close; a client gone meanwhile ends it quietly."""
+    """Send the events, then close; a client gone meanwhile ends it quietly. A revoked key's socket
+    is closed with 4401 (4000 + the HTTP status, as a refused handshake), reason invalid_api_key."""
     with contextlib.suppress(WebSocketDisconnect):
-        async for event in events:
-            await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
+        try:
+            async for event in events:
+                await websocket.send_json({"id": event.id, "event": event.type.value, "data": event.data})
+        except KeyRevoked:
+            await websocket.close(code=4401, reason="invalid_api_key")
+            return
         await websocket.close(code=1000)
 
 
