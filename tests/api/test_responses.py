@@ -23,6 +23,7 @@ from starlette.routing import Route
 from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
 from tests.helpers import wait_until
+from tests.redis_server import RedisServer
 from tests.servers import Gateway, run_app, run_gateway
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -328,6 +329,24 @@ async def test_disconnect_cancels_a_streamed_response(client: openai.AsyncOpenAI
     await wait_until(cancelled)
 
 
+async def test_disconnect_cancels_a_waiting_response(gw: Gateway) -> None:
+    async def running() -> int:
+        stats = await gw.broker.stats()
+        return int(stats["stall"].running_jobs) if "stall" in stats else 0
+
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as http:
+        body = {"model": "stall", "input": "hello", "max_output_tokens": 50}
+        request = asyncio.create_task(http.post("/v1/responses", json=body, timeout=30))
+        await wait_until(running)
+        request.cancel()  # the client gives up: its connection closes
+        await asyncio.gather(request, return_exceptions=True)
+
+    async def idle() -> bool:
+        return await running() == 0
+
+    await wait_until(idle)
+
+
 # --- background ---------------------------------------------------------------------------------
 
 
@@ -394,6 +413,42 @@ async def test_delete(client: openai.AsyncOpenAI, gw: Gateway) -> None:
     async with httpx.AsyncClient(base_url=gw.url, headers=AUTH) as http:
         answer = await http.delete(f"/v1/responses/{r.id}")
     assert answer.json() == {"id": r.id, "object": "response.deleted", "deleted": True}
+
+
+async def test_background_on_redis(sim_url: str) -> None:
+    """The same flow on the Redis broker: the response's record and its event log live in Redis."""
+    from tests.broker.brokers import empty_redis
+
+    with RedisServer() as server:
+        url = await empty_redis(server)
+        async with (
+            serve_in_background(preset("fast", model="stall", stall_after=2)) as stall_url,
+            run_gateway([sim_url, stall_url], broker=url) as g,
+        ):
+            client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
+            queued = await client.responses.create(
+                model="sim", input="hi", max_output_tokens=3, background=True, metadata={"on": "redis"}
+            )
+
+            async def ended() -> bool:
+                return (await client.responses.retrieve(queued.id)).status == "incomplete"
+
+            await wait_until(ended)
+            done = await client.responses.retrieve(queued.id)
+            assert done.metadata == {"on": "redis"} and len(done.output_text.split()) == 3
+            full = await raw_events(g, f"/v1/responses/{queued.id}?stream=true")
+            assert full[-1]["response"] == done.to_dict(mode="json")
+            assert await raw_events(g, f"/v1/responses/{queued.id}?stream=true&starting_after=5") == full[6:]
+
+            running = await client.responses.create(
+                model="stall", input="hi", max_output_tokens=50, background=True
+            )
+
+            async def started() -> bool:
+                return (await client.responses.retrieve(running.id)).status == "in_progress"
+
+            await wait_until(started)
+            assert (await client.responses.cancel(running.id)).status == "cancelled"
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -539,7 +539,7 @@ class ResponseEvents:
     ) -> dict[str, Any]:
         """The Response object as it stands, with ``status``."""
         r = self.record
-        return {
+        response = {
             "id": self.id,
             "object": "response",
             "created_at": int(self.job.created_at),
@@ -568,6 +568,8 @@ class ResponseEvents:
             "usage": usage,
             "user": r.get("user"),
         }
+        # The spec has no null for these two: a response without them leaves them out.
+        return {k: v for k, v in response.items() if v is not None or k not in ("usage", "user")}
 
     # --- what the job's events say ---------------------------------------------------------
 
