@@ -1,6 +1,7 @@
 """A revoked key's open streams end within the key cache's window (STORED_KEY_CACHE_S): the OpenAI
-stream with an invalid_api_key error (and its job is cancelled), a job's SSE events stream, and its
-WebSocket with close code 4401; streams of keys that still stand go on."""
+stream with an invalid_api_key error (and its job is cancelled), a Responses API stream (its response
+cancelled too), a job's SSE events stream, and its WebSocket with close code 4401; streams of keys
+that still stand go on."""
 
 from __future__ import annotations
 
@@ -84,6 +85,10 @@ async def test_a_revoked_keys_open_streams_end_within_the_window(
     events = asyncio.create_task(sse_lines(http, "GET", f"{gw.url}/v1/jobs/{job_id}/events", headers=revoked))
     socket_url = gw.url.replace("http://", "ws://") + f"/v1/jobs/{job_id}/ws"
     socket = asyncio.create_task(ws_close(socket_url, revoked))
+    response = {"model": "sim", "input": "hi", "max_output_tokens": 4000, "stream": True}
+    responses = asyncio.create_task(
+        sse_lines(http, "POST", gw.url + "/v1/responses", json=response, headers=revoked)
+    )
     other_id = (await http.post(gw.url + "/v1/jobs", json=LONG, headers=kept)).json()["id"]
     other = asyncio.create_task(sse_lines(http, "GET", f"{gw.url}/v1/jobs/{other_id}/events", headers=kept))
 
@@ -93,14 +98,17 @@ async def test_a_revoked_keys_open_streams_end_within_the_window(
 
     await wait_until(all_streaming)
     await asyncio.sleep(2 * WINDOW_S)  # a few checks pass while the key stands
-    assert not any(t.done() for t in (chat, events, socket, other))
+    assert not any(t.done() for t in (chat, events, socket, responses, other))
 
     revoked_at = time.monotonic()
     assert (await http.delete(f"{gw.url}/admin/keys/{digest}", headers=ADMIN)).status_code == 200
     # Within the window, plus the time a check and the closing take on a loaded machine.
-    (chat_headers, chat_lines), (_, event_lines), (code, reason, count) = await asyncio.wait_for(
-        asyncio.gather(chat, events, socket), timeout=WINDOW_S + 3.0
-    )
+    (
+        (chat_headers, chat_lines),
+        (_, event_lines),
+        (code, reason, count),
+        (response_headers, _),
+    ) = await asyncio.wait_for(asyncio.gather(chat, events, socket, responses), timeout=WINDOW_S + 3.0)
     assert time.monotonic() - revoked_at < WINDOW_S + 3.0
     data = [line.removeprefix("data: ") for line in chat_lines if line.startswith("data: ")]
     assert json.loads(data[-1])["error"]["code"] == "invalid_api_key"
@@ -113,5 +121,7 @@ async def test_a_revoked_keys_open_streams_end_within_the_window(
 
     chat_job = await gw.broker.get(chat_headers["x-sluice-job-id"])
     assert chat_job.state is JobState.CANCELLED  # the OpenAI stream's job: nobody may read it now
+    response_job = await gw.broker.get(response_headers["x-sluice-job-id"])
+    assert response_job.state is JobState.CANCELLED
     other.cancel()
     await asyncio.gather(other, return_exceptions=True)

@@ -24,7 +24,16 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
-from sluice.api.relay import bounded, cancel_quietly, failure, wait_for_client
+from sluice.api.relay import (
+    KeyCheck,
+    KeyRevoked,
+    bounded,
+    cancel_quietly,
+    failure,
+    key_check,
+    revocable,
+    wait_for_client,
+)
 from sluice.api.schemas import PositiveTimeout
 from sluice.broker.base import EventType
 from sluice.core.job import Endpoint, Job, JobState
@@ -145,17 +154,19 @@ async def _stream(
     after: int,
     cancel_on_exit: bool,
     held: contextlib.AsyncExitStack,
+    alive: KeyCheck | None = None,
 ) -> AsyncIterator[dict[str, str]]:
     """The response's events with ``sequence_number`` > ``after``, made from the job's event log
     from its start (so that a replay numbers them as the first stream did). ``cancel_on_exit``:
     the client waits on this response, and leaving before its end cancels it. ``held`` (the
-    caller's connection slot) is released when the stream ends, however it ends."""
+    caller's connection slot) is released when the stream ends, however it ends. ``alive``: the
+    stream ends when the caller's key is revoked (:func:`sluice.api.relay.revocable`)."""
     events = ResponseEvents(job)
     try:
         for event in events.opening():
             if event["sequence_number"] > after:
                 yield _sse(event)
-        async for entry in bounded(gw.broker.events(job.id), gw.settings.max_stream_s):
+        async for entry in bounded(revocable(gw.broker.events(job.id), alive), gw.settings.max_stream_s):
             if entry.type is EventType.STARTED:
                 out = events.started()
             elif entry.type is EventType.TOKEN:
@@ -177,6 +188,8 @@ async def _stream(
                     # The client saw the failure; nobody waits for the retry's answer.
                     await cancel_quietly(gw.broker, job.id)
                 return
+    except KeyRevoked:
+        return  # the client's reconnect gets the 401; a response it waited on is cancelled
     finally:
         if not events.ended and cancel_on_exit:
             await cancel_quietly(gw.broker, job.id)
@@ -213,7 +226,10 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
         if body.stream:
             held = stack.pop_all()
             return EventSourceResponse(
-                _stream(gw, job, -1, not background, held), ping=PING_S, sep="\n", headers=headers
+                _stream(gw, job, -1, not background, held, key_check(request, who)),
+                ping=PING_S,
+                sep="\n",
+                headers=headers,
             )
         if background:
             return JSONResponse(response_object(job), headers=headers)
@@ -247,7 +263,10 @@ async def get_response(
     after = max(starting_after, _last_event_id(request))
     held = await gw.hold(who)
     return EventSourceResponse(
-        _stream(gw, job, after, False, held), ping=PING_S, sep="\n", headers=_headers(job)
+        _stream(gw, job, after, False, held, key_check(request, who)),
+        ping=PING_S,
+        sep="\n",
+        headers=_headers(job),
     )
 
 
