@@ -555,6 +555,141 @@ async def test_refused_requests_are_not_charged(broker: Broker, clock: FakeClock
     assert adm.rate is not None and adm.rate.remaining_requests == 3
 
 
+# --- limits that hold: each key's buckets are its own -------------------------------------
+
+
+async def _admitted(
+    broker: Broker, clock: FakeClock, keys: list[TenantLimits], n: int, **job: Any
+) -> dict[str, int]:
+    """Admit ``n`` jobs of tenant t, sent with ``keys`` in turn at one instant: how many each key got
+    in (every refusal is its rate limit). Each admitted job starts at once: the queue stays empty,
+    and the queue policy has no say."""
+    got = {k.bucket_id: 0 for k in keys}
+    for i in range(n):
+        limits = keys[i % len(keys)]
+        try:
+            await broker.admit(make_job(clock, **job), limits)
+        except Refused as exc:
+            assert exc.code == "rate_limit_exceeded", exc.message
+        else:
+            got[limits.bucket_id] += 1
+            assert await broker.claim(W, ["m"], timeout=1.0) is not None
+    return got
+
+
+async def test_alternating_keys_cannot_reset_their_buckets(broker: Broker, clock: FakeClock) -> None:
+    """Two keys of one tenant with different limits, used in turn: each key gets its own minute's
+    allowance and no more (the attack: alternating keys let 80 of 80 requests in where 30 were
+    allowed, as each request installed its key's limits afresh)."""
+    a, b = TenantLimits("t", rpm=10, key="a"), TenantLimits("t", rpm=20, key="b")
+    assert await _admitted(broker, clock, [a, b], 80) == {"a": 10, "b": 20}
+    # The same with tokens: 30 a job, 300 and 600 a minute.
+    c, d = TenantLimits("t", tpm=300, key="c"), TenantLimits("t", tpm=600, key="d")
+    got = await _admitted(broker, clock, [c, d], 80, prompt_tokens=10, max_tokens=20)
+    assert got == {"c": 10, "d": 20}
+    # Any order: three in a row of one key, then the other; nothing refills at this instant.
+    assert await _admitted(broker, clock, [a, a, a, b, d, c], 30) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    clock.advance(6.0)  # a tenth of a minute: one request for a, two for b
+    assert await _admitted(broker, clock, [b, a], 10) == {"a": 1, "b": 2}
+
+
+async def test_a_changed_limit_keeps_its_bucket_level(broker: Broker, clock: FakeClock) -> None:
+    """A key whose limits change in the configuration keeps what its bucket holds: a change never
+    hands out a fresh minute; the bucket refills at the new rate up to the new size."""
+    ten = TenantLimits("t", rpm=10, tpm=1000, key="k")
+    assert await _admitted(broker, clock, [ten], 12) == {"k": 10}
+    twenty = TenantLimits("t", rpm=20, tpm=1000, key="k")
+    assert await _admitted(broker, clock, [twenty], 5) == {"k": 0}  # still empty, not full
+    clock.advance(6.0)  # at the new rate: two
+    assert await _admitted(broker, clock, [twenty], 5) == {"k": 2}
+    clock.advance(60.0)
+    five = TenantLimits("t", rpm=5, tpm=1000, key="k")  # smaller: full is its own size
+    assert await _admitted(broker, clock, [five], 8) == {"k": 5}
+    # The tokens bucket alike: 300 tokens taken, then the limit doubles.
+    clock.advance(60.0)
+    small = TenantLimits("t", tpm=300, key="j")
+    assert await _admitted(broker, clock, [small], 12, prompt_tokens=10, max_tokens=20) == {"j": 10}
+    big = TenantLimits("t", tpm=600, key="j")
+    assert await _admitted(broker, clock, [big], 3, prompt_tokens=10, max_tokens=20) == {"j": 0}
+
+
+async def test_usage_is_settled_with_the_buckets_it_was_charged_to(broker: Broker, clock: FakeClock) -> None:
+    a, b = TenantLimits("t", tpm=100, key="a"), TenantLimits("t", tpm=100, key="b")
+    job = make_job(clock, prompt_tokens=10, max_tokens=50)
+    await broker.admit(job, a)
+    await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=50), b)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == job.id  # type: ignore[union-attr]
+    # It used 20 of the 60 tokens charged: a gets 40 back (40 + 40 = 80 left), b nothing (40).
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={}, usage={"total_tokens": 20})
+    got = await _admitted(broker, clock, [b, a], 2, prompt_tokens=10, max_tokens=50)
+    assert got == {"a": 1, "b": 0}
+
+
+# --- work that is not ahead does not delay anyone's admission -----------------------------
+
+
+async def _measured(broker: Broker, clock: FakeClock, slots: int) -> None:
+    """A model m on ``slots`` slots whose measured drain is 100 tokens a second per slot."""
+    await broker.register(W, {"m": slots})
+    warm = make_job(clock, tenant="warm", prompt_tokens=50, max_tokens=50)
+    await broker.admit(warm)
+    await broker.claim(W, ["m"], timeout=1.0)
+    clock.advance(1.0)
+    await broker.finish(warm.id, W, JobState.SUCCEEDED, result={})
+
+
+async def test_jobs_held_back_by_a_tenants_cap_are_not_ahead_of_others(
+    broker: Broker, clock: FakeClock
+) -> None:
+    """A tenant held to one job at a time that queues many long ones delays nobody else: its jobs
+    beyond the cap wait for its own running job, not for the queue (the attack: 200 such jobs made
+    every other tenant's request a 503 deadline_unmeetable with 15 of 16 slots idle)."""
+    await _measured(broker, clock, slots=16)
+    capped = TenantLimits("capped", max_concurrent=1)
+    for _ in range(50):
+        await broker.admit(make_job(clock, tenant="capped", max_tokens=4000), capped)
+    first = await broker.claim(W, ["m"], timeout=1.0)
+    assert first is not None and first.tenant == "capped"
+    # 49 jobs of 4010 tokens wait: 123 s at 1600 tokens a second, had they been ahead.
+    other = await broker.admit(make_job(clock, tenant="other", timeout=30), TenantLimits("other"))
+    assert (other.position, other.estimated_start_s) == (0, 0.0)
+    # Behind other's job, a third tenant's waits for that one only.
+    third = await broker.admit(make_job(clock, tenant="third", priority="low", timeout=30))
+    assert third.position == 1 and third.estimated_start_s == pytest.approx(30 / 1600)
+    # The capped tenant's own jobs are all ahead of its next one.
+    own = await broker.admit(make_job(clock, tenant="capped", max_tokens=4000, priority="low"), capped)
+    assert own.position == 49 + 2
+    # A tenant without a cap has all its queued work ahead of others, as before.
+    for _ in range(3):
+        await broker.admit(make_job(clock, tenant="free", max_tokens=4000), TenantLimits("free"))
+    later = await broker.admit(make_job(clock, tenant="later", timeout=300), TenantLimits("later"))
+    assert later.position == 1 + 3 and later.estimated_start_s == pytest.approx((30 + 3 * 4010) / 1600)
+
+
+async def test_a_capped_tenant_counts_as_far_as_its_cap_lets_it_run(broker: Broker, clock: FakeClock) -> None:
+    """Room for two more of its jobs: those two are ahead (its first two, higher class first), the
+    rest are not; once its running jobs end, more of them are."""
+    await _measured(broker, clock, slots=16)
+    three = TenantLimits("c", max_concurrent=3)
+    await broker.admit(make_job(clock, tenant="c", max_tokens=990), three)
+    running = await broker.claim(W, ["m"], timeout=1.0)
+    assert running is not None and running.tenant == "c"
+    for max_tokens, priority in ((490, "normal"), (1990, "normal"), (2990, "normal"), (90, "high")):
+        await broker.admit(make_job(clock, tenant="c", max_tokens=max_tokens, priority=priority), three)
+    # Ahead of a normal job: the high one (100) and the first normal one (500).
+    adm = await broker.admit(make_job(clock, tenant="o", max_tokens=90), TenantLimits("o"))
+    assert adm.position == 2 and adm.estimated_start_s == pytest.approx(600 / 1600)
+    # Ahead of a high job: only the high one, though room is left for one more.
+    high = await broker.admit(make_job(clock, tenant="h", max_tokens=90, priority="high"))
+    assert high.position == 1 and high.estimated_start_s == pytest.approx(100 / 1600)
+    await broker.finish(running.id, W, JobState.SUCCEEDED, result={})
+    # Room for three now: its high one, then its first two normal ones (500 and 2000); with h's
+    # and o's jobs, five ahead.
+    after = await broker.admit(make_job(clock, tenant="a", max_tokens=90, priority="low"))
+    assert after.position == 5
+    assert after.estimated_start_s == pytest.approx((100 + 100 + 500 + 2000 + 100) / 1600)
+
+
 # --- jobs that cannot finish in time are not dispatched ------------------------------
 
 

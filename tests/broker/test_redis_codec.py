@@ -107,8 +107,10 @@ def test_bound() -> None:
 
 
 def test_tenant_limit_args() -> None:
-    assert tenant_limit_args(None) == [0, -1, -1, -1, -1]
-    assert tenant_limit_args(TenantLimits("t", rpm=5, max_concurrent=2)) == [1, 5, -1, -1, 2]
+    assert tenant_limit_args(None) == [0, "", -1, -1, -1, -1]
+    assert tenant_limit_args(TenantLimits("t", rpm=5, max_concurrent=2)) == [1, "", 5, -1, -1, 2]
+    # A key's buckets are named by its id.
+    assert tenant_limit_args(TenantLimits("t", tpm=9, key="ab12")) == [1, "ab12", -1, 9, -1, -1]
 
 
 def test_limiter_from_state_with_buckets() -> None:
@@ -164,13 +166,13 @@ def test_admit_reply_duplicate_and_retried() -> None:
 
 
 def test_admit_reply_refused() -> None:
-    raw = [0, 10, 300, 4, 120, 6, 180, "97.5", 3, 2, *TENANT, 1, "1800000000.5", "", "1.25", ""]
+    raw = [0, 10, 300, 4, 120, 6, 180, 240, "97.5", 3, 2, *TENANT, 1, "1800000000.5", "", "1.25", ""]
     reply = AdmitReply.from_reply(raw)
     assert reply.outcome is AdmitOutcome.REFUSED and reply.tenant is not None
     assert reply.tenant.queued == 2 and reply.tenant.max_concurrent == 1
     refusal = reply.refusal
     assert refusal is not None
-    assert refusal.view == QueueView(10, 300, 4, 120, 6, 180, running=1)
+    assert refusal.view == QueueView(10, 300, 4, 120, 6, 180, running=1, runnable_tokens=240)
     assert (refusal.per_slot, refusal.samples, refusal.slots) == (97.5, 3, 2)
     assert refusal.policy == PolicyState(1800000000.5, None, 1.25, None)
     drain = refusal.drain(50.0)
@@ -261,4 +263,5 @@ async def test_admit_lua_replies_decode(spied: tuple[RedisBroker, list[Any]], cl
     cost = first.cost
     assert (view.model_jobs, view.model_tokens) == (2, 2 * cost)
     assert (view.class_jobs, view.class_tokens, view.ahead_jobs, view.ahead_tokens) == (1, cost, 2, 2 * cost)
+    assert view.runnable_tokens == 2 * cost  # nobody holds jobs back
     assert (refused.refusal.samples, refused.refusal.slots) == (0, 2)

@@ -12,7 +12,8 @@ from sluice.core.admission import (
     clamp_retry_after,
 )
 from sluice.core.capacity import DrainRate
-from sluice.core.policy import Candidate, DeadlinePolicy, PolicyState
+from sluice.core.policy import Candidate, CoDelPolicy, DeadlinePolicy, PolicyState
+from sluice.core.scheduler import ClassScheduler, Entry
 
 
 def check(
@@ -136,3 +137,40 @@ def test_retry_after_is_bounded() -> None:
     assert clamp_retry_after(0.0) > 0
     assert clamp_retry_after(1e12) == MAX_RETRY_AFTER_S
     assert clamp_retry_after(float("nan")) == MAX_RETRY_AFTER_S
+
+
+# --- what is ahead: jobs held back by their tenant's concurrency cap are not ------------------
+
+
+def _scheduler_with(tenant: str, jobs: list[tuple[str, int]]) -> ClassScheduler:
+    q = ClassScheduler()
+    for i, (cls, cost) in enumerate(jobs):
+        q.push(cls, Entry(f"{tenant}-{i}", tenant, cost))
+    return q
+
+
+def test_held_back_is_what_a_tenant_cannot_start_before_its_cap_frees() -> None:
+    q = _scheduler_with("c", [("normal", 500), ("normal", 2000), ("normal", 3000), ("high", 100)])
+    # Room for two: its high job, then its first normal one; the other two wait for its cap.
+    assert q.held_back("c", 2) == [(0, 0), (2, 5000), (0, 0)]
+    assert q.held_back("c", 0) == [(1, 100), (3, 5500), (0, 0)]
+    assert q.held_back("c", 4) == [(0, 0), (0, 0), (0, 0)]
+    assert q.held_back("nobody", 0) == [(0, 0), (0, 0), (0, 0)]
+    # The counts follow the queue: a dispatched or removed job is no longer held back.
+    q.pop()  # the high one
+    q.remove("normal", "c-0", "c")
+    assert q.held_back("c", 1) == [(0, 0), (1, 3000), (0, 0)]
+
+
+def test_codel_observes_the_work_a_job_at_the_tail_waits_for() -> None:
+    """A queue whose backlog is all held back by a tenant's cap is not a standing queue: codel's
+    delay is what a new job would wait for (runnable_tokens), not every queued token."""
+    policy = CoDelPolicy(target_s=0.5, interval_s=2.0, early_s=0.5)
+    state = PolicyState()
+    backlog = QueueView(50, 200_000, 50, 200_000, 0, 0, runnable_tokens=0)
+    for step in range(20):  # ten seconds of a backlog of 100 s
+        now = step * 0.5
+        candidate = Candidate(100, "normal", now, now + 30, backlog, QueueLimits(), measured())
+        policy.admit(candidate, state)
+    assert state.standing_since is None and state.above_since is None
+    assert QueueView(1, 10, 1, 10, 1, 10).tail_tokens == 10  # nothing held back: every queued token

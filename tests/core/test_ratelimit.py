@@ -68,3 +68,27 @@ def test_no_limits_no_headers() -> None:
     lim = TenantLimiter(TenantLimits("t"))
     assert lim.check(10**9, 0.0) == (0.0, None)
     assert lim.status(0.0).headers() == {}
+
+
+def test_a_changed_limit_keeps_the_level() -> None:
+    """A key's limits change (its configuration did): its buckets keep their levels, refill at the
+    new rate, and hold no more than the new size; a fresh minute is never handed out."""
+    lim = TenantLimiter(TenantLimits("t", rpm=10, tpm=1000, key="k"))
+    for _ in range(10):
+        lim.take(50, 0.0)
+    lim.update(TenantLimits("t", rpm=20, tpm=1000, key="k"))
+    wait, which = lim.check(50, 0.0)
+    assert which == "requests" and wait == pytest.approx(3.0)  # empty still; 20 a minute from now on
+    assert lim.check(50, 3.0) == (0.0, None)
+    lim.update(TenantLimits("t", rpm=20, tpm=400, key="k"))  # smaller than what it holds: cut to 400
+    assert lim.status(3.0).remaining_tokens == 400
+    lim.update(TenantLimits("t", tpm=400, key="k"))  # no rpm any more: no requests bucket
+    assert lim.requests is None and lim.has_buckets
+    lim.update(TenantLimits("t", rpm=5, tpm=400, key="k"))  # back again: a new key's, full
+    assert lim.status(3.0).remaining_requests == 5
+
+
+def test_limits_name_their_buckets_by_key() -> None:
+    assert TenantLimits("t", key="ab").bucket_id == "ab"
+    assert TenantLimits("t").bucket_id == ""  # a caller without a key: its tenant's
+    assert not TenantLimiter(TenantLimits("t")).has_buckets

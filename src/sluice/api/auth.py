@@ -91,6 +91,9 @@ class KeyRing:
             tpm=key.tpm,
             max_concurrent=key.max_concurrent,
             max_queued=key.max_queued,
+            # The key's buckets are its own, named by its hash: a tenant's other keys cannot reset
+            # them, and a change of this key's limits keeps their levels (docs/security.md).
+            key=key.key_sha256,
         )
         return Caller(limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256)
 

@@ -134,9 +134,10 @@ class Broker(ABC):
         """Queue ``job`` or raise :class:`sluice.core.admission.Refused`; a priority class the broker
         does not know raises ValueError.
 
-        Idempotency, the tenant's limits (``limits``: requests and tokens per minute, jobs queued),
-        the queue's bounds and the deadline prediction are decided atomically with the enqueue. The
-        dispatcher never runs more of a tenant's jobs at once than ``limits.max_concurrent``.
+        Idempotency, the caller's limits (``limits``: its key's own requests and tokens per minute,
+        its tenant's jobs queued; None checks none), the queue's bounds and the deadline prediction
+        are decided atomically with the enqueue. The dispatcher never runs more of a tenant's jobs
+        at once than ``limits.max_concurrent`` (of the key that sent its latest job).
         """
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")

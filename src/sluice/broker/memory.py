@@ -42,19 +42,34 @@ class _Record:
     signal: Signal = field(default_factory=Signal)
     #: the end of the job only: waiters for the outcome do not wake for every token
     ended: Signal = field(default_factory=Signal)
+    #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
+    #: tenant); None when it came with no limits
+    bucket: str | None = None
 
 
 @dataclass
 class _Tenant:
-    limiter: TenantLimiter
+    """A tenant's jobs and its keys' buckets (admit.lua keeps the same in the tenant's hash)."""
+
+    #: the tenant's concurrency cap: ``TenantLimits.max_concurrent`` of the key that sent its latest job
+    max_concurrent: int | None = None
+    #: its jobs queued and running, over every model
     queued: int = 0
     running: int = 0
+    #: each key's buckets, by ``TenantLimits.bucket_id``; keys without buckets have no entry
+    limiters: dict[str, TenantLimiter] = field(default_factory=dict)
 
     @property
     def idle(self) -> bool:
         # Nothing to remember: no jobs and no buckets whose levels matter.
-        lim = self.limiter
-        return not (self.queued or self.running or lim.requests or lim.tokens)
+        return not (self.queued or self.running or self.limiters)
+
+    @property
+    def held_back(self) -> bool:
+        """Whether some of its queued jobs wait for its concurrency cap: more jobs than the cap lets
+        run (admit.lua keeps these tenants in the capped set)."""
+        cap = self.max_concurrent
+        return cap is not None and self.queued + self.running > cap
 
 
 @dataclass
@@ -135,13 +150,29 @@ class MemoryBroker(Broker):
         rec.events.append((type, json.dumps(data, separators=(",", ":"))))
         rec.signal.notify()
 
-    def _tenant(self, name: str, limits: TenantLimits | None = None) -> _Tenant:
+    def _tenant(self, name: str) -> _Tenant:
         t = self._tenants.get(name)
         if t is None:
-            t = self._tenants[name] = _Tenant(TenantLimiter(limits or TenantLimits(name)))
-        elif limits is not None and limits != t.limiter.limits:
-            t.limiter.update(limits)
+            t = self._tenants[name] = _Tenant()
         return t
+
+    def _key_limiter(self, t: _Tenant, limits: TenantLimits | None) -> TenantLimiter:
+        """The buckets of the key ``limits`` come from, brought to its limits as they are now; their
+        levels stay through any change (a new key's buckets start full). Without limits, none."""
+        if limits is None:
+            return TenantLimiter(TenantLimits(""))
+        t.max_concurrent = limits.max_concurrent
+        bucket = limits.bucket_id
+        limiter = t.limiters.get(bucket)
+        if limiter is None:
+            limiter = TenantLimiter(limits)
+        else:
+            limiter.update(limits)
+        if limiter.has_buckets:
+            t.limiters[bucket] = limiter
+        else:
+            t.limiters.pop(bucket, None)
+        return limiter
 
     def _move(self, job: Job, state: JobState) -> None:
         """Change a job's state, keeping the per-model and per-tenant counts in step."""
@@ -164,7 +195,7 @@ class MemoryBroker(Broker):
         return {
             name
             for name, t in self._tenants.items()
-            if t.limiter.limits.max_concurrent is not None and t.running >= t.limiter.limits.max_concurrent
+            if t.max_concurrent is not None and t.running >= t.max_concurrent
         }
 
     def _settle(self, rec: _Record, state: JobState, error: JobError | None = None) -> None:
@@ -195,32 +226,27 @@ class MemoryBroker(Broker):
                 first = self._records[hit].job
                 pos = await self.position(first.id)
                 return Admission(first, True, pos or 0, 0.0)
-        tenant = self._tenant(job.tenant, limits)
+        tenant = self._tenant(job.tenant)
+        limiter = self._key_limiter(tenant, limits)
         drain = self._drain_rate(job.model)
-        admission.check_tenant(tenant.limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
         q = self._queue(job.model)
-        cls_q = q.queues[job.priority]
-        ahead_jobs, ahead_tokens = q.ahead(job.priority)
-        view = admission.QueueView(
-            q.jobs,
-            q.tokens,
-            cls_q.jobs,
-            cls_q.tokens,
-            ahead_jobs,
-            ahead_tokens,
-            self._running.get(job.model, 0),
-        )
-        candidate = Candidate(
-            job.cost, job.priority, now, job.deadline, view, self.settings.limits_for(job.model), drain
-        )
-        state = self._policy_state.get(job.model)
-        if state is None:
-            state = self._policy_state[job.model] = PolicyState()
-        ok = self.settings.policy.admit(candidate, state)
-        tenant.limiter.take(job.cost, now)
+        try:
+            admission.check_tenant(limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
+            view = self._view(q, job)
+            queue = self.settings.limits_for(job.model)
+            candidate = Candidate(job.cost, job.priority, now, job.deadline, view, queue, drain)
+            state = self._policy_state.get(job.model)
+            if state is None:
+                state = self._policy_state[job.model] = PolicyState()
+            ok = self.settings.policy.admit(candidate, state)
+        except admission.Refused:
+            if tenant.idle:
+                del self._tenants[job.tenant]  # a refused first request leaves nothing behind
+            raise
+        limiter.take(job.cost, now)
         tenant.queued += 1
         job.state = JobState.QUEUED
-        rec = self._records[job.id] = _Record(job)
+        rec = self._records[job.id] = _Record(job, bucket=None if limits is None else limits.bucket_id)
         q.push(job.priority, self._entry(job))
         heapq.heappush(self._deadlines, (job.deadline, job.id))
         if idem is not None:
@@ -229,7 +255,43 @@ class MemoryBroker(Broker):
             rec, EventType.QUEUED, {"position": ok.position, "estimated_start_s": ok.estimated_start_s}
         )
         self._work.notify()
-        return Admission(job, False, ok.position, ok.estimated_start_s, tenant.limiter.status(now))
+        return Admission(job, False, ok.position, ok.estimated_start_s, limiter.status(now))
+
+    def _charged_limiter(self, rec: _Record) -> TenantLimiter | None:
+        """The buckets a job was charged to, if they are still kept."""
+        t = self._tenants.get(rec.job.tenant)
+        if t is None or rec.bucket is None:
+            return None
+        return t.limiters.get(rec.bucket)
+
+    def _view(self, q: ClassScheduler, job: Job) -> admission.QueueView:
+        """The model's queue as admission sees it for ``job``: every queued job counts for the
+        bounds, but the jobs other tenants hold back by their concurrency caps are not ahead of it
+        (``ClassScheduler.held_back``; admit.lua computes the same)."""
+        cls_q = q.queues[job.priority]
+        ahead_jobs, ahead_tokens = q.ahead(job.priority)
+        runnable = q.tokens
+        for name, t in self._tenants.items():
+            if name == job.tenant or not t.held_back:
+                continue  # a tenant's own jobs are all ahead of its next one
+            assert t.max_concurrent is not None
+            room = max(t.max_concurrent - t.running, 0)
+            above = True
+            for c, (jobs, tokens) in zip(q.classes, q.held_back(name, room), strict=True):
+                runnable -= tokens
+                if above:
+                    ahead_jobs, ahead_tokens = ahead_jobs - jobs, ahead_tokens - tokens
+                above = above and c.name != job.priority
+        return admission.QueueView(
+            q.jobs,
+            q.tokens,
+            cls_q.jobs,
+            cls_q.tokens,
+            ahead_jobs,
+            ahead_tokens,
+            self._running.get(job.model, 0),
+            runnable,
+        )
 
     async def get(self, job_id: str) -> Job | None:
         rec = self._records.get(job_id)
@@ -412,7 +474,9 @@ class MemoryBroker(Broker):
             job.backend = backend
         self._settle(rec, state, error)
         if usage is not None and isinstance(usage.get("total_tokens"), int):
-            self._tenant(job.tenant).limiter.settle(job.cost, usage["total_tokens"], self.now())
+            limiter = self._charged_limiter(rec)
+            if limiter is not None:
+                limiter.settle(job.cost, usage["total_tokens"], self.now())
         if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
             self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
         return job

@@ -301,6 +301,7 @@ class RedisBroker(Broker):
             k.tenant(job.tenant),
             k.blocked,
             k.running,
+            k.capped,
         ]
         args: list[str | int | float] = [
             repr(float(now)),

@@ -222,12 +222,13 @@ def bound(value: int | None) -> int:
     return -1 if value is None else value
 
 
-def tenant_limit_args(limits: TenantLimits | None) -> list[int]:
-    """ARGV of admit.lua for a tenant's limits: given or not, then its four limits."""
+def tenant_limit_args(limits: TenantLimits | None) -> list[int | str]:
+    """ARGV of admit.lua for the caller's limits: given or not, the id of its key's buckets
+    (``TenantLimits.bucket_id``), then its four limits."""
     if limits is None:
-        return [0, -1, -1, -1, -1]
+        return [0, "", -1, -1, -1, -1]
     values = (limits.rpm, limits.tpm, limits.max_queued, limits.max_concurrent)
-    return [1, *map(bound, values)]
+    return [1, limits.bucket_id, *map(bound, values)]
 
 
 def _opt(text: str) -> float | None:
@@ -242,22 +243,23 @@ def _opt_int(text: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class TenantState:
-    """A tenant as admit.lua leaves (or finds) it: ``T`` in its reply, :attr:`WIDTH` elements."""
+    """A tenant and the caller's key as admit.lua leaves (or finds) them: ``T`` in its reply,
+    :attr:`WIDTH` elements."""
 
-    #: requests per minute (``TenantLimits.rpm``); None for no limit
+    #: the key's requests per minute (``TenantLimits.rpm``); None for no limit
     rpm: int | None
-    #: tokens per minute (``TenantLimits.tpm``); None for no limit
+    #: the key's tokens per minute (``TenantLimits.tpm``); None for no limit
     tpm: int | None
-    #: most jobs queued at once (``TenantLimits.max_queued``); None for no limit
+    #: the key's bound on its tenant's queued jobs (``TenantLimits.max_queued``); None for no limit
     max_queued: int | None
-    #: most jobs running at once (``TenantLimits.max_concurrent``); None for no limit
+    #: the tenant's cap on jobs running at once (``TenantLimits.max_concurrent``); None for no limit
     max_concurrent: int | None
     #: the tenant's jobs queued now
     queued: int
-    #: the requests bucket's level and when it was last refilled; None before its first use
+    #: the key's requests bucket: its level and when it was last refilled; None before its first use
     requests_level: float | None
     requests_stamp: float | None
-    #: the tokens bucket's level and when it was last refilled; None before its first use
+    #: the key's tokens bucket: its level and when it was last refilled; None before its first use
     tokens_level: float | None
     tokens_stamp: float | None
 
@@ -280,7 +282,7 @@ class TenantState:
         )
 
     def limiter(self, tenant: str) -> TenantLimiter:
-        """The TenantLimiter of ``tenant`` in this state, as the memory broker would hold it."""
+        """The key's TenantLimiter in this state, as the memory broker would hold it."""
         limits = TenantLimits(
             tenant,
             rpm=self.rpm,
@@ -326,8 +328,9 @@ class AdmitRefusal:
     """What admit.lua saw when it refused a job: the state the core's checks need in order to raise
     the same Refused as the memory broker (tenant limits first, then the queue)."""
 
-    #: the model's queue (jobs and tokens of the model, of the job's class and ahead of it; running
-    #: jobs, which only the cap policy needs and the script counts only for it)
+    #: the model's queue (jobs and tokens of the model, of the job's class and ahead of it, and the
+    #: cost a job at the tail waits for; running jobs, which only the cap policy needs and the
+    #: script counts only for it)
     view: QueueView
     #: the model's measured drain rate per slot (``DrainRate.per_slot``)
     per_slot: float
@@ -353,7 +356,7 @@ class AdmitReply:
         {2, first job id}
         {3}
         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
-            per_slot, samples, slots, T..., running, S...}
+            runnable_tokens, per_slot, samples, slots, T..., running, S...}
     """
 
     #: what the script did
@@ -381,21 +384,23 @@ class AdmitReply:
             return cls(outcome, first_id=str(reply[1]))
         if outcome is AdmitOutcome.RETRIED:
             return cls(outcome)
-        model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = map(int, reply[1:7])
-        tenant_end = 10 + w
+        model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, runnable = map(
+            int, reply[1:8]
+        )
+        tenant_end = 11 + w
         running = int(reply[tenant_end])
         above, standing, limit, refused = map(_opt, reply[tenant_end + 1 : tenant_end + 5])
         view = QueueView(
-            model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, running
+            model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, running, runnable
         )
         refusal = AdmitRefusal(
             view,
-            per_slot=float(reply[7]),
-            samples=int(reply[8]),
-            slots=int(reply[9]),
+            per_slot=float(reply[8]),
+            samples=int(reply[9]),
+            slots=int(reply[10]),
             policy=PolicyState(above, standing, limit or 0.0, refused),
         )
-        return cls(outcome, tenant=TenantState.from_reply(reply[10:tenant_end]), refusal=refusal)
+        return cls(outcome, tenant=TenantState.from_reply(reply[11:tenant_end]), refusal=refusal)
 
 
 @dataclass(frozen=True, slots=True)

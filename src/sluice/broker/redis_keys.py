@@ -121,6 +121,12 @@ class QueueKeys:
         return f"{self.prefix}blocked"
 
     @property
+    def capped(self) -> str:
+        """Set: tenants with more jobs queued and running than their concurrency cap, whose jobs
+        beyond it admit does not count as ahead of other tenants'. Mirrored in Lua."""
+        return f"{self.prefix}capped"
+
+    @property
     def draining(self) -> str:
         """Set: backends that take no new jobs (an administrator drains them)."""
         return f"{self.prefix}draining"

@@ -37,15 +37,36 @@ class QueueLimits:
 
 @dataclass(frozen=True)
 class QueueView:
-    """What admission needs to know about the queue at this instant."""
+    """What admission needs to know about the queue at this instant.
+
+    Attributes:
+        model_jobs, model_tokens: every job queued for the model, and their cost; the hard bounds
+            count these.
+        class_jobs, class_tokens: the same for the job's priority class.
+        ahead_jobs, ahead_tokens: the work that can start before the job: what is queued in its
+            class and the classes above, less the jobs other tenants hold back by their concurrency
+            caps (``ClassScheduler.held_back``: those wait for their own tenant's running jobs, not
+            for the queue, and never take the slots the job would run on). The deadline prediction
+            and the estimated start read these.
+        running: jobs of the model generating now (only the cap policy reads it).
+        runnable_tokens: the cost a job joining the queue's tail would wait for: ``model_tokens``
+            less the jobs held back by other tenants' caps, in every class. codel observes the
+            queue's delay on it. None: ``model_tokens`` (nothing held back).
+    """
 
     model_jobs: int
     model_tokens: int
     class_jobs: int
     class_tokens: int
-    ahead_jobs: int  # queued in the job's class and the classes above it
+    ahead_jobs: int
     ahead_tokens: int
-    running: int = 0  # jobs of the model generating now
+    running: int = 0
+    runnable_tokens: int | None = None
+
+    @property
+    def tail_tokens(self) -> int:
+        """The cost a job at the queue's tail waits for (``runnable_tokens``, else ``model_tokens``)."""
+        return self.model_tokens if self.runnable_tokens is None else self.runnable_tokens
 
 
 class Refused(Exception):
@@ -136,7 +157,9 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
 
 
 def check_tenant(limiter: TenantLimiter, *, cost: int, queued: int, now: float, drain: DrainRate) -> None:
-    """The tenant's own limits, checked before the queue's: requests and tokens per minute, jobs queued."""
+    """The caller's own limits, checked before the queue's: its key's requests and tokens per minute
+    (``limiter``: that key's buckets), and the tenant's ``queued`` jobs against the key's
+    ``max_queued``."""
     limits = limiter.limits
     wait, which = limiter.check(cost, now)
     if which is not None:

@@ -257,7 +257,9 @@ class CoDelPolicy(QueuePolicy):
         # Before the first job finishes the rate is the configured prior: a guess, but the onset of
         # an overload is exactly when the interval must start counting.
         target = self.target(c)
-        self.observe(state, c.drain.wait_s(c.view.model_tokens), c.now, target)
+        # The queue's delay is what a job at its tail waits for: jobs held back by their tenant's
+        # concurrency cap are not in it.
+        self.observe(state, c.drain.wait_s(c.view.tail_tokens), c.now, target)
         wait = c.drain.wait_s(c.view.ahead_tokens)
         limit = self.delay_limit(state, c.now, target)
         if wait > limit:

@@ -1,6 +1,8 @@
-"""Per-tenant limits: token buckets for requests and tokens per minute, and the headers that report them.
+"""Per-key limits: token buckets for requests and tokens per minute, and the headers that report them.
 
-A bucket holds up to a minute's allowance and refills continuously, so a tenant may burst up to its
+Every API key has buckets of its own (``TenantLimits.key`` names them): a tenant with two keys has
+each key's allowance, and no order of using them resets anything (docs/security.md, "Limits").
+A bucket holds up to a minute's allowance and refills continuously, so a key may burst up to its
 per-minute limit and then proceeds at the steady rate. Token use is charged at admission as the
 job's cost (prompt estimate + ``max_tokens``) and settled with the engine's real usage at the end:
 what it did not use comes back, and what it used beyond its charge is taken then.
@@ -17,11 +19,18 @@ class TenantLimits:
     """What one API key may do.
 
     Args:
-        tenant: who pays; fair sharing and every limit below are per tenant.
+        tenant: who pays; fair sharing (weights, virtual time) is between tenants.
         max_priority: the highest priority class the key may use (a request may ask lower, never higher).
         weight: fair-share weight inside a class (2.0 gets twice the tokens of 1.0 under contention).
-        rpm: requests per minute; tpm: tokens (prompt + max_tokens) per minute.
-        max_concurrent: jobs running at once; max_queued: jobs waiting at once.
+        rpm: requests per minute; tpm: tokens (prompt + max_tokens) per minute. Both are the key's
+            own buckets (see ``key``); a changed limit keeps the level its bucket had.
+        max_concurrent: the tenant's jobs running at once. It is the tenant's, as the dispatch order
+            is: the cap in force is that of the key that sent the tenant's latest job.
+        max_queued: the tenant's jobs waiting at once, above which this key's requests are refused:
+            a count of real jobs, which nothing resets.
+        key: an id of the API key these limits come from (its SHA-256, never the key itself): the
+            name of its buckets inside its tenant. None for a caller without a key (open mode),
+            whose buckets are its tenant's.
     """
 
     tenant: str
@@ -31,6 +40,12 @@ class TenantLimits:
     tpm: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
+    key: str | None = None
+
+    @property
+    def bucket_id(self) -> str:
+        """The name of this key's buckets inside its tenant: ``key``, or '' for a caller without one."""
+        return self.key or ""
 
 
 @dataclass
@@ -77,6 +92,16 @@ class Bucket:
         return (self.capacity - self.refill(now)) / self.rate
 
 
+def _resized(bucket: Bucket | None, capacity: int | None) -> Bucket | None:
+    """``bucket`` with a new capacity and its level kept; a new (full) one if there was none."""
+    if not capacity:
+        return None
+    if bucket is None:
+        return Bucket(capacity)
+    bucket.capacity = capacity
+    return bucket
+
+
 def duration(seconds: float) -> str:
     """OpenAI's duration format for ``x-ratelimit-reset-*``: ``1s``, ``6m0s``, ``250ms``."""
     if seconds < 1:
@@ -111,19 +136,28 @@ class RateStatus:
 
 
 class TenantLimiter:
-    """The buckets of one tenant. Pure: the broker calls it inside its atomic admission."""
+    """The buckets of one API key (``TenantLimits.key``). Pure: the broker calls it inside its
+    atomic admission."""
 
     def __init__(self, limits: TenantLimits) -> None:
         self.limits = limits
         self.requests = Bucket(limits.rpm) if limits.rpm else None
         self.tokens = Bucket(limits.tpm) if limits.tpm else None
 
+    @property
+    def has_buckets(self) -> bool:
+        """Whether it holds a level worth keeping; one without buckets is the same as a new one."""
+        return self.requests is not None or self.tokens is not None
+
     def update(self, limits: TenantLimits) -> None:
-        """Take a changed set of limits, keeping the levels of buckets whose size did not change."""
-        if limits.rpm != self.limits.rpm:
-            self.requests = Bucket(limits.rpm) if limits.rpm else None
-        if limits.tpm != self.limits.tpm:
-            self.tokens = Bucket(limits.tpm) if limits.tpm else None
+        """Take the key's limits as they are now (its configuration may have changed).
+
+        A bucket keeps its level through a change of size: it refills at the new rate up to the
+        new size, so a change never hands out a fresh minute's allowance. A limit that goes away
+        takes its bucket with it; one that appears starts full, as a new key does.
+        """
+        self.requests = _resized(self.requests, limits.rpm)
+        self.tokens = _resized(self.tokens, limits.tpm)
         self.limits = limits
 
     def check(self, cost: int, now: float) -> tuple[float, str | None]:

@@ -48,6 +48,7 @@ class _Tenant:
     jobs: deque[Entry] = field(default_factory=deque)
     tag: float = 0.0  # start tag of the head job while backlogged
     finish: float = 0.0  # finish tag of the job dispatched last
+    tokens: int = 0  # the cost of ``jobs``
 
 
 class FairQueue:
@@ -83,6 +84,7 @@ class FairQueue:
             if was_idle:
                 t.tag = max(self.vtime, t.finish)
                 self._schedule(entry.tenant, t)
+        t.tokens += entry.cost
         self.jobs += 1
         self.tokens += entry.cost
 
@@ -123,6 +125,7 @@ class FairQueue:
             return None
         (_, _, name), t = head
         entry = t.jobs.popleft()
+        t.tokens -= entry.cost
         self.vtime = t.tag
         t.finish = t.tag + entry.cost / entry.weight
         if t.jobs:
@@ -141,10 +144,24 @@ class FairQueue:
         for entry in t.jobs:
             if entry.job_id == job_id:
                 t.jobs.remove(entry)
+                t.tokens -= entry.cost
                 self.jobs -= 1
                 self.tokens -= entry.cost
                 return entry
         return None
+
+    def held_back(self, tenant: str, room: int) -> tuple[int, int]:
+        """Jobs and tokens of ``tenant`` queued here beyond its first ``room`` jobs (in its order)."""
+        t = self._tenants.get(tenant)
+        if t is None or len(t.jobs) <= room:
+            return 0, 0
+        kept = sum(e.cost for e in itertools.islice(t.jobs, room))
+        return len(t.jobs) - room, t.tokens - kept
+
+    def tenant_jobs(self, tenant: str) -> int:
+        """How many jobs of ``tenant`` are queued here."""
+        t = self._tenants.get(tenant)
+        return len(t.jobs) if t is not None else 0
 
     def position(self, job_id: str, tenant: str) -> int | None:
         """How many jobs of this class would be dispatched before it (an estimate for clients)."""
@@ -239,6 +256,20 @@ class ClassScheduler:
             if c.name == cls:
                 break
         return jobs, tokens
+
+    def held_back(self, tenant: str, room: int) -> list[tuple[int, int]]:
+        """Per class, highest first: the jobs and tokens of ``tenant`` that wait for its concurrency
+        cap rather than for the queue, those beyond the first ``room`` it may start (its higher
+        classes first, its own order inside a class). They are not ahead of another tenant's job:
+        however long they wait, they cannot take the slots that job would run on (admit.lua
+        mirrors this in its ahead counts)."""
+        out = []
+        for c in self.classes:
+            q = self.queues[c.name]
+            n = q.tenant_jobs(tenant)
+            out.append(q.held_back(tenant, room))
+            room = max(room - n, 0)
+        return out
 
     def position(self, cls: str, job_id: str, tenant: str) -> int | None:
         own = self.queues[cls].position(job_id, tenant)

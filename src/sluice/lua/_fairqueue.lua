@@ -4,12 +4,22 @@
 -- state hash (see _state.lua), per class c: v:c vtime, s:c heap sequence, j:c jobs, k:c tokens;
 --             per tenant t:c:<tenant> its tag (the start tag of its head job while it has work) and
 --             f:c:<tenant> the finish tag of its last dispatched job. A tenant FairQueue forgets
---             has neither field.
+--             has neither field. Per tenant list, w:<tq key> the cost of the jobs in it (the
+--             tenant's ``tokens`` in FairQueue), absent for none.
 -- sched zset: FairQueue's heap. Member '<15-digit seq><tenant>', score the tag it was pushed with:
 --             Redis orders equal scores by member, and the fixed-width seq makes that (tag, seq).
 --             As in the heap, an entry whose tag is no longer its tenant's, or whose tenant has no
 --             work left, is stale and dropped only when it reaches the top.
 -- tq list:    the tenant's job ids, head first.
+
+-- The state field of the cost queued in a tenant's list tq.
+local function f_work(tq) return 'w:' .. tq end
+
+-- Adds cost to the cost queued in list tq (a field only while it is above zero).
+local function fq_add_work(st, tq, cost)
+  local w = st_num(st, f_work(tq), 0) + cost
+  if w > 0 then st_set(st, f_work(tq), w) else st_set(st, f_work(tq), false) end
+end
 
 -- FairQueue._schedule: a new heap entry for the tenant at its current tag.
 local function fq_schedule(st, c, sched, tenant, tag)
@@ -34,6 +44,7 @@ local function fq_push(st, c, sched, tq, tenant, id, cost, front)
     -- a tenant FairQueue does not know starts with finish = vtime
     fq_schedule(st, c, sched, tenant, math.max(vtime, st_num(st, f_finish(c, tenant), vtime)))
   end
+  fq_add_work(st, tq, cost)
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) + 1)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) + cost)
 end
@@ -83,6 +94,7 @@ local function fq_pop(st, c, sched, head, cost, weight)
   local member, tag, tenant, tq = head[1], head[2], head[3], head[4]
   redis.call('ZREM', sched, member)
   redis.call('LPOP', tq)
+  fq_add_work(st, tq, -cost)
   st_set(st, f_vtime(c), tag)
   local finish = tag + cost / weight
   st_set(st, f_finish(c, tenant), finish)
@@ -100,6 +112,7 @@ end
 -- FairQueue.remove. Returns true when the job was queued there.
 local function fq_remove(st, c, tq, id, cost)
   if redis.call('LREM', tq, 1, id) == 0 then return false end
+  fq_add_work(st, tq, -cost)
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) - 1)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) - cost)
   return true

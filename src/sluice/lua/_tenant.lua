@@ -1,12 +1,43 @@
--- Shared: per-tenant limits, a mirror of sluice.core.ratelimit (TenantLimiter, Bucket) and of the
--- memory broker's tenant bookkeeping. One hash per tenant:
---   q jobs queued, r jobs running;
---   rpm, tpm, mq, mc: the policy (requests and tokens per minute, max queued, max concurrent),
---     a field only when set;
---   rl, rs / tl, ts: level and stamp of the requests / tokens bucket (no level yet: full; a level
---     below zero is a debt, left by a job that used more tokens than it was charged).
--- The blocked set holds the tenants at their concurrency cap, so that claim skips them.
--- A tenant with no jobs and no buckets is forgotten, policy and all, as the memory broker does.
+-- Shared: per-key limits, a mirror of sluice.core.ratelimit (TenantLimiter, Bucket) and of the
+-- memory broker's tenant bookkeeping (_Tenant). One hash per tenant:
+--   q jobs queued, r jobs running (every model);
+--   mc the tenant's concurrency cap (of the key that sent its latest job), only when set;
+--   and the buckets of each of its keys, named by the key's bucket id K (TenantLimits.bucket_id,
+--   '' for a caller without a key), escaped (part): rl:K, rs:K / tl:K, ts:K the level and stamp of
+--   its requests / tokens bucket (no level yet: full; a level below zero is a debt, left by a job
+--   that used more tokens than it was charged), tpm:K its tokens per minute (for finish). A key's
+--   buckets are its own: no other key's request touches them, and a change of its limits keeps
+--   their levels (TenantLimiter.update).
+-- A job's record names the buckets it was charged to in its field 'kb' (written by admit.lua).
+-- The blocked set holds the tenants at their concurrency cap, so that claim skips them; the capped
+-- set those with more jobs queued and running than their cap, whose queued jobs beyond it admit
+-- does not count as ahead of other tenants' (ClassScheduler.held_back).
+-- A tenant with no jobs and no buckets is forgotten, cap and all, as the memory broker does.
+
+-- The fields of the buckets of key id K in its tenant's hash.
+local function bucket_fields(K)
+  local k = part(K)
+  return { rl = 'rl:' .. k, rs = 'rs:' .. k, tpm = 'tpm:' .. k, tl = 'tl:' .. k, ts = 'ts:' .. k }
+end
+
+-- The fields of a tenant's hash that are not buckets: with only these, it has none.
+local TENANT_OWN_FIELDS = { q = true, r = true, mc = true }
+
+-- The blocked and capped sets for a tenant with q jobs queued and r running under its cap mc (nil:
+-- none); had_cap: it had one, so it may be in them still.
+local function tenant_sets(P, blocked, tenant, q, r, mc, had_cap)
+  if mc then
+    if r >= mc then redis.call('SADD', blocked, tenant) else redis.call('SREM', blocked, tenant) end
+    if q + r > mc then
+      redis.call('SADD', capped_key(P), tenant)
+    else
+      redis.call('SREM', capped_key(P), tenant)
+    end
+  elseif had_cap then
+    redis.call('SREM', blocked, tenant)
+    redis.call('SREM', capped_key(P), tenant)
+  end
+end
 
 -- Bucket.refill: the level now, and the new stamp.
 local function bucket_refill(level, stamp, cap, now)
@@ -14,34 +45,34 @@ local function bucket_refill(level, stamp, cap, now)
   return math.min(cap, level + (now - stamp) * (cap / 60.0)), now
 end
 
--- Moves one job of a tenant between 'queued', 'running' and nothing (nil), keeping the blocked set.
+-- Moves one job of a tenant between 'queued', 'running' and nothing (nil), keeping the blocked
+-- and capped sets.
 local function tenant_move(P, blocked, tenant, from, to)
   local tk = tenant_key(P, tenant)
-  local t = redis.call('HMGET', tk, 'q', 'r', 'mc', 'rpm', 'tpm')
+  local t = redis.call('HMGET', tk, 'q', 'r', 'mc')
   local q, r, mc = tonumber(t[1]) or 0, tonumber(t[2]) or 0, tonumber(t[3])
   if from == 'queued' then q = q - 1 elseif from == 'running' then r = r - 1 end
   if to == 'queued' then q = q + 1 elseif to == 'running' then r = r + 1 end
-  if q <= 0 and r <= 0 and not t[4] and not t[5] then
-    redis.call('DEL', tk)
-    if mc then redis.call('SREM', blocked, tenant) end
-    return
-  end
-  redis.call('HSET', tk, 'q', q, 'r', r)
-  if mc then
-    if r >= mc then
-      redis.call('SADD', blocked, tenant)
-    else
-      redis.call('SREM', blocked, tenant)
+  if q <= 0 and r <= 0 then
+    local own = 0 -- of the hash's fields, those that are not buckets
+    for _, v in ipairs(t) do if v then own = own + 1 end end
+    if redis.call('HLEN', tk) <= own then
+      redis.call('DEL', tk)
+      tenant_sets(P, blocked, tenant, 0, 0, nil, mc ~= nil)
+      return
     end
   end
+  redis.call('HSET', tk, 'q', q, 'r', r)
+  tenant_sets(P, blocked, tenant, q, r, mc, false)
 end
 
 -- TenantLimiter.settle: gives back the tokens a job was charged and did not use, and takes those
 -- it used beyond its charge (the level may go below zero: a debt). used < 0: unknown, no change.
-local function tenant_settle(P, tenant, charged, used, now)
-  if used < 0 or used == charged then return end
-  local tk = tenant_key(P, tenant)
-  local t = redis.call('HMGET', tk, 'tpm', 'tl', 'ts')
+-- bucket: the id of the key whose buckets the job was charged to (its record's 'kb'); nil: none.
+local function tenant_settle(P, tenant, bucket, charged, used, now)
+  if bucket == nil or used < 0 or used == charged then return end
+  local tk, B = tenant_key(P, tenant), bucket_fields(bucket)
+  local t = redis.call('HMGET', tk, B.tpm, B.tl, B.ts)
   local cap = tonumber(t[1])
   if not cap then return end
   local level = bucket_refill(tonumber(t[2]), tonumber(t[3]), cap, now)
@@ -50,5 +81,5 @@ local function tenant_settle(P, tenant, charged, used, now)
   else
     level = level - (used - charged)
   end
-  redis.call('HSET', tk, 'tl', num(level), 'ts', now)
+  redis.call('HSET', tk, B.tl, num(level), B.ts, now)
 end

@@ -10,27 +10,31 @@
 -- KEYS[6]  state hash of the model  KEYS[7]  deadline zset      KEYS[8]  models set
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
--- KEYS[15] running hash
+-- KEYS[15] running hash             KEYS[16] capped set
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
 -- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
 -- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
 -- ARGV[10] class max jobs           ARGV[11] class max tokens   (-1: unbounded)
 -- ARGV[12] drain prior per slot     ARGV[13] idempotency TTL s (0: the job has no key)
--- ARGV[14] 1 when a tenant policy comes with the job, else 0 (the stored one holds)
--- ARGV[15] rpm   ARGV[16] tpm   ARGV[17] max queued   ARGV[18] max concurrent   (-1: none)
--- ARGV[19] the queue policy's kind  ARGV[20 .. 24] its five numbers (QueuePolicy.lua_args)
--- ARGV[25] number of classes n      ARGV[26 .. 25+n] class names, highest first
--- ARGV[26+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[14] 1 when limits come with the job, else 0 (none are checked; the tenant's cap stays)
+-- ARGV[15] the key's bucket id (TenantLimits.bucket_id)
+-- ARGV[16] rpm   ARGV[17] tpm   ARGV[18] max queued   ARGV[19] max concurrent   (-1: none)
+-- ARGV[20] the queue policy's kind  ARGV[21 .. 25] its five numbers (QueuePolicy.lua_args)
+-- ARGV[26] number of classes n      ARGV[27 .. 26+n] class names, highest first
+-- ARGV[27+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
---             per_slot, samples, slots, T..., running, S...}
+--             runnable_tokens, per_slot, samples, slots, T..., running, S...}
 --                                                    refused; T is the tenant before the checks,
 --                                                    S the policy state before them
--- where T is rpm, tpm, max queued, max concurrent, queued, requests level, stamp, tokens level,
--- stamp ('' for none), and S is codel's four fields ('' for none; see _policy.lua).
--- Reads the earlier job's record for idempotency (its key built from the prefix, same slot).
+-- where T is the key's rpm, tpm and max queued, the tenant's max concurrent and queued jobs, the
+-- key's requests level, stamp, tokens level, stamp ('' for none), and S is codel's four fields
+-- ('' for none; see _policy.lua). The ahead counts and runnable_tokens leave out the jobs other
+-- tenants hold back by their concurrency caps (ClassScheduler.held_back, the memory broker's _view).
+-- Reads the earlier job's record for idempotency, and the hashes and lists of the tenants in the
+-- capped set (their keys built from the prefix, same slot).
 
 -- @include _keys.lua
 -- @include _state.lua
@@ -42,21 +46,22 @@
 local job_k, tq_k, sched_k, idem_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
 local state_k, deadline_k, models_k, capacity_k = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local workers_k, wslots_k, marker_k, tenant_k = KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local blocked_k, running_k = KEYS[14], KEYS[15]
+local blocked_k, running_k, capped_k = KEYS[14], KEYS[15], KEYS[16]
 
 local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
 local model_max_jobs, model_max_tokens = tonumber(ARGV[8]), tonumber(ARGV[9])
 local class_max_jobs, class_max_tokens = tonumber(ARGV[10]), tonumber(ARGV[11])
 local drain_prior, idem_ttl = tonumber(ARGV[12]), tonumber(ARGV[13])
-local limits_given = ARGV[14] == '1'
-local given_limits = { ARGV[15], ARGV[16], ARGV[17], ARGV[18] } -- rpm, tpm, max queued, max concurrent
-local policy_kind, policy = tonumber(ARGV[19]), {}
-for i = 1, 5 do policy[i] = tonumber(ARGV[19 + i]) end
-local ncls = tonumber(ARGV[25])
+local limits_given, bucket = ARGV[14] == '1', ARGV[15]
+local given_limits = { ARGV[16], ARGV[17], ARGV[18], ARGV[19] } -- rpm, tpm, max queued, max concurrent
+local policy_kind, policy = tonumber(ARGV[20]), {}
+for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
+local ncls = tonumber(ARGV[26])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[25 + i] end
-local record_at = 26 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+for i = 1, ncls do classes[i] = ARGV[26 + i] end
+local record_at = 27 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 
 if redis.call('EXISTS', job_k) == 1 then return { 3 } end
 
@@ -65,36 +70,32 @@ if idem_ttl > 0 then
   if hit then
     local sp = string.find(hit, ' ', 1, true)
     local first = string.sub(hit, 1, sp - 1)
-    local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
     if tonumber(string.sub(hit, sp + 1)) > now and redis.call('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
   end
 end
 
--- The tenant (the memory broker's _tenant): a policy that comes with the job replaces the stored
--- one, and a bucket whose size changed starts afresh (TenantLimiter.update).
+-- The tenant and the buckets of the job's key (the memory broker's _tenant and _key_limiter): the
+-- limits that come with the job are the key's as they are now. Its buckets keep their levels
+-- through a change of its limits (TenantLimiter.update: refilled at the new rate up to the new
+-- size); a limit that went away takes its bucket along. The tenant's cap is the key's.
 local t = {}
 local flat = redis.call('HGETALL', tenant_k)
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
 local had_mc = t.mc ~= nil
-local stored = {} -- the fields the hash has now
-for i = 1, #flat, 2 do stored[flat[i]] = true end
+local B = bucket_fields(bucket)
+local rpm, tpm, mq, mc = nil, nil, nil, tonumber(t.mc)
 if limits_given then
-  local names = { 'rpm', 'tpm', 'mq', 'mc' }
-  for i, name in ipairs(names) do
-    local v = tonumber(given_limits[i])
-    if v < 0 or (v == 0 and i <= 2) then v = nil end -- a zero-sized bucket is no bucket
-    if i <= 2 and tonumber(t[name]) ~= v then
-      local lf, sf = 'rl', 'rs'
-      if name == 'tpm' then lf, sf = 'tl', 'ts' end
-      t[lf], t[sf] = nil, nil
-    end
-    t[name] = v
+  local v = {}
+  for i = 1, 4 do
+    v[i] = tonumber(given_limits[i])
+    if v[i] < 0 or (v[i] == 0 and i <= 2) then v[i] = nil end -- a zero-sized bucket is no bucket
   end
+  rpm, tpm, mq, mc = v[1], v[2], v[3], v[4]
 end
-local rpm, tpm, mq, mc = tonumber(t.rpm), tonumber(t.tpm), tonumber(t.mq), tonumber(t.mc)
 local queued_by_tenant = tonumber(t.q) or 0
+local running_by_tenant = tonumber(t.r) or 0
 local function tenant_state(rl, rs, tl, ts)
   local vals, out = { rpm, tpm, mq, mc, queued_by_tenant, rl, rs, tl, ts }, {}
   for i = 1, 9 do -- not ipairs: absent values are holes
@@ -102,40 +103,63 @@ local function tenant_state(rl, rs, tl, ts)
   end
   return out
 end
-local before = tenant_state(tonumber(t.rl), tonumber(t.rs), tonumber(t.tl), tonumber(t.ts))
+local old_rl, old_rs, old_tl, old_ts = nil, nil, nil, nil -- the key's levels, of the limits it has now
+if rpm then old_rl, old_rs = tonumber(t[B.rl]), tonumber(t[B.rs]) end
+if tpm then old_tl, old_ts = tonumber(t[B.tl]), tonumber(t[B.ts]) end
+local before = tenant_state(old_rl, old_rs, old_tl, old_ts)
 
--- Stores the tenant: policy, counts, buckets (and which of its fields went).
+-- Stores the tenant: its counts and cap, the key's buckets; a tenant with no jobs and no buckets
+-- left is forgotten (tenant_move does the same).
 local function tenant_store(rl, rs, tl, ts)
-  local sets, dels = { 'q', queued_by_tenant, 'r', tonumber(t.r) or 0 }, {}
-  for _, kv in ipairs({ { 'rpm', rpm }, { 'tpm', tpm }, { 'mq', mq }, { 'mc', mc }, { 'rl', rl },
-    { 'rs', rs }, { 'tl', tl }, { 'ts', ts } }) do
-    if kv[2] == nil then
-      if stored[kv[1]] then dels[#dels + 1] = kv[1] end -- only what is there
-    else
-      sets[#sets + 1] = kv[1]
-      sets[#sets + 1] = kv[2]
+  local mine, ours = {}, {} -- the key's buckets now; the fields they may have
+  if limits_given then
+    mine = { [B.rl] = rl, [B.rs] = rs, [B.tl] = tl, [B.ts] = ts }
+    if tl then mine[B.tpm] = tpm end
+    ours = { [B.rl] = true, [B.rs] = true, [B.tpm] = true, [B.tl] = true, [B.ts] = true }
+  end
+  local sets = { 'q', queued_by_tenant, 'r', running_by_tenant }
+  local dels, buckets = {}, false -- buckets: whether the tenant has any left
+  for f in pairs(t) do
+    if not TENANT_OWN_FIELDS[f] and mine[f] == nil then
+      if not ours[f] and string.find(f, ':', 1, true) then
+        buckets = true -- another key's
+      else
+        dels[#dels + 1] = f -- a bucket of this key that went, or a field of an older layout
+      end
     end
+  end
+  for f, v in pairs(mine) do
+    table.insert(sets, f)
+    table.insert(sets, num(v))
+    buckets = true
+  end
+  if queued_by_tenant <= 0 and running_by_tenant <= 0 and not buckets then
+    if next(flat) ~= nil then redis.call('DEL', tenant_k) end
+    tenant_sets(P, blocked_k, tenant, 0, 0, nil, had_mc)
+    return
+  end
+  if mc then
+    table.insert(sets, 'mc')
+    table.insert(sets, mc)
+  elseif had_mc then
+    dels[#dels + 1] = 'mc'
   end
   redis.call('HSET', tenant_k, unpack(sets))
   if #dels > 0 then redis.call('HDEL', tenant_k, unpack(dels)) end
-  if mc and (tonumber(t.r) or 0) >= mc then
-    redis.call('SADD', blocked_k, tenant)
-  elseif mc or had_mc then -- only a tenant that has, or had, a cap can be in the set
-    redis.call('SREM', blocked_k, tenant)
-  end
+  tenant_sets(P, blocked_k, tenant, queued_by_tenant, running_by_tenant, mc, had_mc)
 end
 
 -- TenantLimiter.check: both buckets refilled; the longer wait decides (tokens on a tie).
 local rl, rs, tl, ts
 local wait_r, wait_t = 0.0, 0.0
 if rpm then
-  rl, rs = bucket_refill(tonumber(t.rl), tonumber(t.rs), rpm, now)
+  rl, rs = bucket_refill(old_rl, old_rs, rpm, now)
   if 1 > rl then
     if 1 > rpm then wait_r = math.huge else wait_r = (1 - rl) / (rpm / 60.0) end
   end
 end
 if tpm then
-  tl, ts = bucket_refill(tonumber(t.tl), tonumber(t.ts), tpm, now)
+  tl, ts = bucket_refill(old_tl, old_ts, tpm, now)
   if cost > tl then
     if cost > tpm then wait_t = math.huge else wait_t = (cost - tl) / (tpm / 60.0) end
   end
@@ -156,11 +180,43 @@ if policy_kind == 4 then policy_before = policy_state(st) end
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
 local above = true
 for _, c in ipairs(classes) do
-  local j, t = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
-  model_jobs, model_tokens = model_jobs + j, model_tokens + t
-  if above then ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + t end
+  local j, k = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
+  model_jobs, model_tokens = model_jobs + j, model_tokens + k
+  if above then ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + k end
   if c == cls then
-    class_jobs, class_tokens, above = j, t, false
+    class_jobs, class_tokens, above = j, k, false
+  end
+end
+
+-- The memory broker's _view: the jobs another tenant holds back by its concurrency cap are not
+-- ahead of this one (ClassScheduler.held_back: beyond the first `room` it may start, its higher
+-- classes first, its own order inside a class). Only tenants in the capped set can have any.
+local runnable_tokens = model_tokens
+for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
+  if other ~= tenant then
+    local o = redis.call('HMGET', tenant_key(P, other), 'r', 'mc')
+    local cap = tonumber(o[2])
+    if cap then
+      local room = math.max(cap - (tonumber(o[1]) or 0), 0)
+      local is_ahead = true
+      for _, c in ipairs(classes) do
+        local tq = tq_key(P, model, c, other)
+        local n = redis.call('LLEN', tq)
+        if n > room then -- FairQueue.held_back
+          local kept = 0
+          if room > 0 then
+            for _, jid in ipairs(redis.call('LRANGE', tq, 0, room - 1)) do
+              kept = kept + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
+            end
+          end
+          local held = st_num(st, f_work(tq), 0) - kept
+          runnable_tokens = runnable_tokens - held
+          if is_ahead then ahead_jobs, ahead_tokens = ahead_jobs - (n - room), ahead_tokens - held end
+        end
+        room = math.max(room - n, 0)
+        if c == cls then is_ahead = false end
+      end
+    end
   end
 end
 
@@ -188,7 +244,7 @@ local function over(max_jobs, max_tokens, jobs, tokens)
   return excess > 0
 end
 
-local wait = ahead_tokens / rate
+local wait = ahead_tokens / rate -- DrainRate.wait_s
 local service = cost / math.max(slot_rate, 1e-3)
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
@@ -199,15 +255,15 @@ local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
 if not refused then
   refused = policy_refuses(st, policy_kind, policy, now, now_s, {
     running = running, model_jobs = model_jobs, slots = slots, wait = wait,
-    wait_model = model_tokens / rate, wait_one = cost / rate,
+    wait_model = runnable_tokens / rate, wait_one = cost / rate,
     deadline_miss = samples > 0 and wait + service > deadline - now,
   })
 end
 if refused then
-  if next(flat) ~= nil or rpm or tpm or mq or mc then tenant_store(rl, rs, tl, ts) end -- the refills stand
+  tenant_store(rl, rs, tl, ts) -- the refills stand
   st_flush(st) -- the policy's state moved on
-  local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, num(per_slot),
-    samples, slots }
+  local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, runnable_tokens,
+    num(per_slot), samples, slots }
   for _, v in ipairs(before) do out[#out + 1] = v end
   out[#out + 1] = running
   for _, v in ipairs(policy_before) do out[#out + 1] = v end
@@ -222,8 +278,15 @@ tenant_store(rl, rs, tl, ts)
 
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
-redis.call('HSET', job_k, 'state', 'queued', 'seq', 1,
-  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}', unpack(ARGV, record_at))
+-- 'kb' names the buckets the job was charged to, which finish settles.
+local record = { 'state', 'queued', 'seq', 1,
+  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}' }
+if limits_given then
+  table.insert(record, 'kb')
+  table.insert(record, bucket)
+end
+for i = record_at, #ARGV do record[#record + 1] = ARGV[i] end
+redis.call('HSET', job_k, unpack(record))
 fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
 st_flush(st)
 redis.call('ZADD', deadline_k, deadline, id)

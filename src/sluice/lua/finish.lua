@@ -36,7 +36,7 @@ local changes = {}
 for i = CHANGES_AT, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 settle(id, f, state, changes)
-tenant_settle(P, f.tenant, tonumber(f.cost), used, now)
+tenant_settle(P, f.tenant, f.kb, tonumber(f.cost), used, now)
 
 if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
