@@ -87,7 +87,8 @@ class KeyGrant(_Strict):
     tenant: str = Field(
         min_length=1,
         max_length=128,
-        description="who the key belongs to; fair sharing and limits are per tenant",
+        description="who the key belongs to; fair sharing and `max_concurrent` are per tenant, `rpm` and "
+        "`tpm` per key",
     )
     max_priority: str | None = Field(
         default=None, description="highest priority class the key may use; unset: any"
@@ -95,17 +96,29 @@ class KeyGrant(_Strict):
     weight: float = Field(
         default=1.0, gt=0, le=1000, description="fair-share weight between tenants inside a class"
     )
-    rpm: int | None = Field(default=None, ge=1, description="requests per minute; unset: unlimited")
+    rpm: int | None = Field(
+        default=None,
+        ge=1,
+        description="requests per minute, this key's own (each key of a tenant has its own); unset: "
+        "unlimited",
+    )
     tpm: int | None = Field(
         default=None,
         ge=1,
-        description="tokens (prompt + max_tokens, settled with real usage) per minute; unset: unlimited",
+        description="tokens (prompt + max_tokens, settled with real usage) per minute, this key's own; "
+        "unset: unlimited",
     )
     max_concurrent: int | None = Field(
-        default=None, ge=1, description="jobs of this key running at once; unset: unlimited"
+        default=None,
+        ge=1,
+        description="jobs of this key's tenant running at once (the cap of the key that sent its latest "
+        "job: give a tenant's keys the same); unset: unlimited",
     )
     max_queued: int | None = Field(
-        default=None, ge=1, description="jobs of this key waiting at once; unset: unlimited"
+        default=None,
+        ge=1,
+        description="this key's requests are refused while its tenant has this many jobs waiting; unset: "
+        "unlimited",
     )
     max_connections: int | None = Field(
         default=None,
