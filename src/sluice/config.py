@@ -277,6 +277,29 @@ class Settings(_Strict):
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="request bodies above this many bytes get 413"
     )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="a request line and headers above this many bytes get 431, and the connection is closed",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="the longest a client may take to send a request's line and headers (seconds), from "
+        "connecting or from the first byte of its next request; a slower one is closed (with 408 if "
+        "anything came)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="the longest a client may take to send a request's body once its headers are in "
+        "(seconds); a slower one gets 408 and is closed",
+    )
+    keep_alive_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long an idle connection is kept open for the client's next request (seconds)",
+    )
     max_attempts: int = Field(
         default=_JOB_MAX_ATTEMPTS,
         ge=1,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import uvicorn
 
 from sluice.config import ConfigError, Settings
+from sluice.roles.http_limits import ConnectionLimits, bounded_protocol
 
 log = logging.getLogger("sluice.serve")
 
@@ -78,6 +79,26 @@ def quiet_gc() -> None:
     gc.freeze()
 
 
+def server_config(app: object, settings: Settings) -> uvicorn.Config:
+    """How uvicorn serves ``app``: with the connection bounds of the settings (sluice.roles.http_limits)
+    and no logging setup of its own, so that its few lines go through Sluice's handler, one JSON
+    object per line (sluice.logs)."""
+    limits = ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        keep_alive_s=settings.keep_alive_s,
+    )
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        http=bounded_protocol(limits),
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+
+
 async def serve_http(
     app: object,
     sock: socket.socket,
@@ -87,8 +108,7 @@ async def serve_http(
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM (or until ``should_exit`` is set
     on the server that ``on_server`` receives)."""
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")  # type: ignore[arg-type]
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(app, settings))
     if on_server is not None:
         on_server(server)
     quiet_gc()

@@ -1,0 +1,174 @@
+"""Bounds on each HTTP connection, below the app: how large a request's head may be and how long a
+client may take to send it, its body, or its next request.
+
+uvicorn's HTTP parser here is httptools, which buffers a header of any size and waits for it for
+ever (uvicorn's ``h11_max_incomplete_event_size`` applies to its h11 parser only, and it has no read
+timeout at all), so one client could hold megabytes per connection, or hundreds of connections
+that never finish a request. The protocol below is uvicorn's own with the bounds added:
+
+- a request line and headers larger than ``max_header_bytes`` get ``431`` in OpenAI's error shape,
+  and the connection is closed: what was buffered goes with the parser;
+- a connection that has not sent a whole request head within ``header_timeout_s`` (from its
+  opening, or from the first byte of its next request) is closed, with ``408`` when anything came;
+- a body not received within ``body_timeout_s`` of its head gets ``408`` and the connection is
+  closed; the app sees the client as gone;
+- an idle keep-alive connection is closed after ``keep_alive_s`` (uvicorn's own timer).
+
+A refused client is answered, then the connection half-closed and drained for ``LINGER_S`` so that
+the answer reaches it rather than being lost to a reset, and then closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from sluice.protocol import error_body
+
+#: How long a refused connection is drained before it is closed (seconds).
+LINGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds of one connection.
+
+    Args:
+        max_header_bytes: the most bytes of request line and headers; more is a 431.
+        header_timeout_s: seconds to send a whole request head, from the connection's opening or
+            from the first byte of the next request on it.
+        body_timeout_s: seconds to send the body, once the head is in.
+        keep_alive_s: seconds an idle connection stays open between requests.
+    """
+
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+
+
+def _response(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with :class:`ConnectionLimits` (a subclass of it per set of
+    limits is made by :func:`bounded_protocol`, as uvicorn takes a class)."""
+
+    limits = ConnectionLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's keep-alive timer reads this attribute; it takes fractions of a second too.
+        self.timeout_keep_alive = self.limits.keep_alive_s  # type: ignore[assignment]
+        #: bytes received of the request head now being read
+        self._head_bytes = 0
+        self._in_head = True
+        self._timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # --- timers -------------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, handler: Any) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, handler)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timeout(self) -> None:
+        self._timer = None
+        if self._head_bytes:
+            self._refuse(
+                _response(408, "Request Timeout", "The request's headers came too slowly.", "timeout")
+            )
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return
+        answer = b""
+        if not cycle.response_started:
+            answer = _response(408, "Request Timeout", "The request's body came too slowly.", "timeout")
+        # The app reads a disconnect from now on, and anything it still sends is dropped.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refuse(answer)
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer (if there is anything to say), stop parsing, and close after a short drain."""
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        if answer:
+            self.transport.write(answer)
+        self.flow.resume_reading()  # drained, not parsed: nothing more is kept
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    # --- the protocol -------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, self._head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # drained
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Checked after parsing, so that a body in the same read is not taken for headers; the
+        # parser holds at most one read (256 KiB) beyond the bound.
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            message = f"The request's headers exceed {self.limits.max_header_bytes} bytes."
+            self._refuse(
+                _response(431, "Request Header Fields Too Large", message, "request_header_fields_too_large")
+            )
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._timer is None:  # the next request on a kept-alive connection
+            self._arm(self.limits.header_timeout_s, self._head_timeout)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm()
+        super().on_headers_complete()
+        if not (self.parser.should_upgrade() and self._should_upgrade()):
+            self._arm(self.limits.body_timeout_s, self._body_timeout)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_head = True
+        super().on_message_complete()
+
+
+def bounded_protocol(limits: ConnectionLimits) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class to give uvicorn (``Config(http=...)``) for these limits."""
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
