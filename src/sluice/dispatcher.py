@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from sluice.backends.base import Backend, BackendError, public_name
 from sluice.broker.base import Broker, EventType
-from sluice.core.errors import deadline_error
+from sluice.core.errors import deadline_error, internal_error
 from sluice.core.job import Job, JobError, JobState
 from sluice.metrics import Metrics
 from sluice.protocol import Assembler
@@ -305,6 +305,17 @@ class Dispatcher:
                     continue
                 except TimeoutError:
                     break
+                except Exception as exc:
+                    # Anything else the backend raises (encoding or sending the request, reading the
+                    # answer) is a bug that would come again on every attempt: the job fails now,
+                    # and this task, like the worker, lives on. Logged by type and frames only.
+                    log.error(
+                        "unexpected error running a job",
+                        exc_info=exc,
+                        extra={"fields": {"job": job.id, "backend": backend.name}},
+                    )
+                    await self._finish(job, JobState.FAILED, attempts, backend, error=internal_error())
+                    return
                 held.failures = 0
                 await self._finish(
                     job,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -12,27 +13,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice.api.schemas import MAX_JSON_DEPTH, UNREADABLE
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.protocol import error_body
 
 log = logging.getLogger("sluice.gateway")
 
+# OpenAI's own types: a client's mistake is an invalid_request_error, a failure on the way a
+# server_error; what exactly went wrong is the error's code (model_not_found, job_finished,
+# deadline_exceeded...), which the status and the code keep.
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
-    409: "conflict_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     502: "server_error",
-    503: "overloaded_error",
-    504: "timeout",
+    503: "server_error",
+    504: "server_error",
 }
 
 
@@ -188,6 +194,13 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
         where = f" at character {loc[1]}" if len(loc) > 1 else ""
         reason = ctx.get("error", "JSON decode error")
         return APIError(400, f"The request body is not valid JSON: {reason}{where}.", "invalid_json")
+    if kind == UNREADABLE:
+        ctx = first.get("ctx") or {}
+        param = str(ctx.get("param", "")) or None
+        subject = f"'{param}'" if param else "the request body"
+        return APIError(
+            400, f"Invalid value for {subject}: {ctx.get('reason')}.", "invalid_value", param=param
+        )
     if loc == ("body",):
         return _body_error(content_type, exc.body, kind)
     if kind == "missing":
@@ -232,8 +245,13 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     if status == 404 and message == "Not Found":
         message = f"Invalid URL ({request.method} {request.url.path})."
     elif status == 400 and message == "There was an error parsing the body":
-        # The framework's answer to a JSON body it cannot decode as text (not UTF-8).
-        message, code = "The request body is not valid JSON: it is not UTF-8 text.", "invalid_json"
+        # The framework's answer to a JSON body its parser gave up on: nested past the recursion
+        # limit, or not text at all (not UTF-8).
+        if isinstance(exc.__cause__, RecursionError):
+            message = f"The request body is JSON nested more than {MAX_JSON_DEPTH} levels deep."
+            code = "invalid_value"
+        else:
+            message, code = "The request body is not valid JSON: it is not UTF-8 text.", "invalid_json"
     error = APIError(status, message, code)
     error.extra_headers = dict(exc.headers or {})
     if status == 405:
@@ -271,5 +289,53 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return APIError(500, "Internal error; the request was not processed.", "internal_error").response()
+        # Only what escapes LastResort (an outer middleware's failure) reaches the framework's last
+        # handler; LastResort answers the rest.
+        log.error("unexpected error", exc_info=exc)
+        return _internal_error().response()
+
+    app.add_middleware(LastResort)
+
+
+def _internal_error() -> APIError:
+    return APIError(500, "Internal error; the request was not processed.", "internal_error")
+
+
+class LastResort:
+    """The answer to an exception that no handler took (a bug): logged once, by its type and
+    frames (sluice.logs never prints an exception's message, which may hold request data), and
+    answered 500 in OpenAI's shape, or, once a response or a WebSocket has begun, by closing it.
+
+    It is not re-raised: the framework's own last handler would re-raise it to the server, which
+    logs it a second time, as raw text. An HTTPException passes on, to the middleware that raised it
+    (the body size limit answers its own).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] in ("http.response.start", "websocket.accept", "websocket.close"):
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except StarletteHTTPException:
+            raise
+        except Exception as exc:
+            where = {"method": scope.get("method", "WEBSOCKET"), "path": scope.get("path")}
+            log.error("unexpected error", exc_info=exc, extra={"fields": where})
+            with contextlib.suppress(Exception):  # the client may be gone already
+                if scope["type"] == "websocket":
+                    close = {"type": "websocket.close", "code": 1011, "reason": "internal_error"}
+                    await send(close)
+                elif not started:
+                    await _internal_error().response()(scope, receive, send)

@@ -296,8 +296,9 @@ class Gateway:
 def client_retry(request: Request) -> int:
     """Which retry of the client this request is (0: a first try), from the OpenAI SDKs' header."""
     raw = request.headers.get("x-stainless-retry-count", "0")
-    # ASCII only: str.isdigit() also accepts '²', which int() refuses.
-    return int(raw) if raw.isascii() and raw.isdigit() else 0
+    # ASCII only: str.isdigit() also accepts '²', which int() refuses; and short: int() refuses
+    # more than 4300 digits, and no client retries a billion times.
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:

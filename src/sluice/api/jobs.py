@@ -79,17 +79,36 @@ async def get_job(
     return JSONResponse(await view(gw, job))
 
 
+#: The largest event id a client may name. Ids count a job's events, so none comes near it, and
+#: Redis refuses stream ids from 2^64 on: a larger one would break the stream instead of being a 400.
+MAX_EVENT_ID = 2**63 - 1
+
+
+def event_id(raw: str) -> int | None:
+    """The event id a client names (Last-Event-ID, ``after``): a whole number, a negative one read
+    as 0; None when it is not one, or is larger than MAX_EVENT_ID."""
+    try:
+        value = int(raw)  # refuses more than 4300 digits, like any other non-number
+    except ValueError:
+        return None
+    return max(value, 0) if value <= MAX_EVENT_ID else None
+
+
 def _after(request: Request) -> int:
     """The last event the client has seen: the Last-Event-ID header, else the ``after`` query
     parameter; an error names whichever of the two it came from."""
     header = request.headers.get("last-event-id")
     name, raw = ("Last-Event-ID", header) if header else ("after", request.query_params.get("after") or "0")
-    try:
-        return max(int(raw), 0)
-    except ValueError:
+    after = event_id(raw)
+    if after is None:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
         raise APIError(
-            400, f"{name} must be an event id (an integer), not '{raw}'.", "invalid_value", param=name
-        ) from None
+            400,
+            f"{name} must be an event id (an integer from 0 to {MAX_EVENT_ID}), not '{shown}'.",
+            "invalid_value",
+            param=name,
+        )
+    return after
 
 
 @router.get("/v1/jobs/{job_id}/events")

@@ -2,14 +2,76 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 PositiveTimeout = Annotated[float, Field(gt=0, description="Seconds the client will wait; capped by config.")]
 
+#: How deep a body's JSON may nest (the body itself is level 1). Far above any real request (a
+#: json_schema of 40 levels sits at 44) and far below what the serializers stop at (pydantic at
+#: 255 levels, json at the recursion limit), so deep input is a 400 and never a crash on the way.
+MAX_JSON_DEPTH = 128
 
-class SchedulingOptions(BaseModel):
+#: The validation error type of a body the engine cannot take; ``ctx`` holds ``param`` and
+#: ``reason`` (api.errors turns it into a 400 invalid_value naming ``param``).
+UNREADABLE = "unreadable_value"
+
+# A UTF-16 surrogate on its own: JSON's "\ud800" escape decodes to one, and no UTF-8 encoder
+# (the engine request's, Redis's) can write it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _segment(key: str) -> str:
+    return key.encode("utf-8", "backslashreplace").decode("utf-8") if _SURROGATE.search(key) else key
+
+
+def unreadable(body: dict[str, Any], max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] | None:
+    """The first place in a request body the engine could not take, as (param, reason); None if
+    there is none. Walked without recursion, so no depth of input can overflow the walk itself.
+
+    A value nested deeper than ``max_depth`` is named by its top-level field; a string (or an
+    object's key) holding a lone surrogate by its dotted path (``messages.0.content``).
+    """
+    stack: list[tuple[Any, tuple[str, ...], int]] = [(body, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return ".".join(path), "it holds a lone UTF-16 surrogate, which is not text"
+        elif isinstance(value, dict | list):
+            if depth > max_depth:
+                return path[0], f"JSON nested more than {max_depth} levels deep"
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(key, str) and _SURROGATE.search(key):
+                        where = ".".join((*path, _segment(key)))
+                        return where, "a key holds a lone UTF-16 surrogate, which is not text"
+                    stack.append((item, (*path, key), depth + 1))
+            else:
+                stack.extend((item, (*path, str(i)), depth + 1) for i, item in enumerate(value))
+    return None
+
+
+class EngineInput(BaseModel):
+    """A body whose fields reach the engine: before any field is read, the whole body is checked to
+    be JSON the engine can take (see :func:`unreadable`), so that nothing downstream (the
+    serializers, the broker, the engine request) fails on it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            problem = unreadable(data)
+            if problem is not None:
+                param, reason = problem
+                raise PydanticCustomError(UNREADABLE, "{reason}", {"param": param, "reason": reason})
+        return data
+
+
+class SchedulingOptions(EngineInput):
     """Sluice's own options; stripped before the body goes to the engine."""
 
     model_config = ConfigDict(extra="allow")
@@ -50,7 +112,7 @@ class JobRequest(SchedulingOptions):
     )
 
 
-class SubmitRequest(BaseModel):
+class SubmitRequest(EngineInput):
     """The article's ``POST /submit``."""
 
     model_config = ConfigDict(extra="allow")

@@ -10,6 +10,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway
+from sluice.api.jobs import MAX_EVENT_ID, event_id
 from sluice.api.relay import KeyRevoked, bounded, key_check, revocable
 from sluice.broker.base import Event
 
@@ -31,8 +32,11 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
         who = await websocket.app.state.keyring.authenticate(websocket)
         gw.job_for(who, await gw.broker.get(job_id), job_id)
         raw = websocket.headers.get("last-event-id") or websocket.query_params.get("after") or "0"
-        if not raw.isdigit():
-            raise APIError(400, "'after' must be an event id (an integer).", param="after")
+        # ASCII digits: str.isdigit() also takes '²', which int() refuses (after the handshake).
+        after = event_id(raw) if raw.isascii() and raw.isdigit() else None
+        if after is None:
+            message = f"'after' must be an event id (an integer from 0 to {MAX_EVENT_ID})."
+            raise APIError(400, message, "invalid_value", param="after")
         held = await gw.hold(who)
     except APIError as error:
         await _deny(websocket, error)
@@ -40,7 +44,7 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
     try:
         await websocket.accept()
         events = bounded(
-            revocable(gw.broker.events(job_id, after=int(raw)), key_check(websocket, who)),
+            revocable(gw.broker.events(job_id, after=after), key_check(websocket, who)),
             gw.settings.max_stream_s,
         )
         # The client may go while the job is silent (queued, or between events): the relay would

@@ -82,7 +82,10 @@ class OpenAIBackend(Backend):
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         try:
-            async with self._client.stream("POST", job.endpoint.path, json=body) as response:
+            content = _encode(body)
+            async with self._client.stream(
+                "POST", job.endpoint.path, content=content, headers=_JSON
+            ) as response:
                 if response.status_code != 200:
                     raw = b""
                     async for part in response.aiter_bytes():
@@ -117,7 +120,7 @@ class OpenAIBackend(Backend):
         body = {k: v for k, v in job.body.items() if k != "stream_options"}
         body["stream"] = False
         try:
-            response = await self._client.post(job.endpoint.path, json=body)
+            response = await self._client.post(job.endpoint.path, content=_encode(body), headers=_JSON)
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
         if response.status_code != 200:
@@ -171,4 +174,25 @@ def _status_error(status: int, raw: bytes) -> BackendError:
     # The engine refused the request itself (context too long, bad parameter): the client's fault.
     return BackendError(
         message, retryable=False, status=status, type="invalid_request_error", code="engine_rejected"
+    )
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """The request body as JSON, as httpx would write it. A body that has no JSON form (a lone
+    surrogate, NaN, nesting past the recursion limit; the gateway refuses these, so only a job
+    queued by another build can hold one) fails its job as the client's error: the exception, whose
+    message holds the text it choked on, goes nowhere."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
+        pass
+    raise BackendError(
+        "The request has no JSON form an engine can read (text that is not valid Unicode, or a "
+        "number that is not finite).",
+        retryable=False,
+        type="invalid_request_error",
+        code="invalid_value",
     )

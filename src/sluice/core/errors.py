@@ -38,6 +38,12 @@ def cancelled_error() -> JobError:
     return JobError("The job was cancelled.", "cancelled", "cancelled")
 
 
+def internal_error() -> JobError:
+    """Why a job failed for good on a fault of Sluice's or of a backend adapter (an exception that
+    is no engine's answer): another attempt would fail the same way."""
+    return JobError("The job failed on an internal error.", "server_error", "internal_error")
+
+
 def worker_lost_error(attempts: int | str) -> JobError:
     """Why a job failed for good: the worker running it was lost (its lease ran out) ``attempts``
     times, its ``max_attempts``. A string is put in as it is (a placeholder)."""
