@@ -348,6 +348,18 @@ class Settings(_Strict):
         "keys, only to a valid key (open mode serves them to all); admin routes are listed to admin "
         "keys only",
     )
+    dashboard_key_sha256: str | None = Field(
+        default=None,
+        pattern="^[0-9a-f]{64}$",
+        description="SHA-256 (hex) of a read-only key for `/dashboard` (`sluice keys hash` prints it); "
+        "admin keys open it too; unset: admin keys only (open mode serves it to all)",
+    )
+    dashboard_session_secret: str | None = Field(
+        default=None,
+        min_length=16,
+        description="signs the dashboard's session cookie; give every gateway behind one address the "
+        "same; unset: a random one per process (a cookie then works on the gateway that set it)",
+    )
     max_messages: int = Field(
         default=256, ge=1, description="the most messages a chat request may carry; more is a 400"
     )

@@ -8,6 +8,8 @@ from sluice.broker.base import ModelStats
 from sluice.core.job import Job
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+#: Retry-After runs from 0.5 s to 120 s (sluice.core.admission.clamp_retry_after)
+RETRY_AFTER_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 
 
 class Metrics:
@@ -44,6 +46,13 @@ class Metrics:
         self.slots = Gauge("sluice_slots", "Engine slots serving the model", ["model"], registry=r)
         self.drain_rate = Gauge(
             "sluice_drain_rate_tokens_per_second", "Measured drain rate", ["model"], registry=r
+        )
+        self.retry_after = Histogram(
+            "sluice_retry_after_seconds",
+            "Retry-After given with refusals, by code",
+            ["code"],
+            buckets=RETRY_AFTER_BUCKETS,
+            registry=r,
         )
 
     def update_queues(self, stats: dict[str, ModelStats]) -> None:

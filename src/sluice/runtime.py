@@ -27,6 +27,7 @@ from sluice.broker.base import Broker
 from sluice.config import Settings
 from sluice.dispatcher import Dispatcher
 from sluice.metrics import Metrics
+from sluice.reports import worker_reporter
 from sluice.startup import EngineStartup, StartupPhase
 from sluice.webhook_delivery import WebhookDelivery
 
@@ -96,13 +97,17 @@ class Worker:
         self.backends = backends
         self.dispatcher = dispatcher
         self.webhooks = webhooks
+        #: tells every gateway's dashboard about this worker's engines and counters
+        self.reporter = worker_reporter(broker, dispatcher)
 
     async def start(self) -> None:
         await self.dispatcher.start()
         if self.webhooks is not None:
             await self.webhooks.start()
+        await self.reporter.start()
 
     async def stop(self) -> None:
+        await self.reporter.stop()
         if self.webhooks is not None:
             await self.webhooks.stop()
         await self.dispatcher.stop()
@@ -113,7 +118,8 @@ class Worker:
 def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = None) -> Worker:
     """A worker on ``broker`` for the configured backends (at least one)."""
     backends = build_backends(settings)
-    dispatcher = Dispatcher(broker, backends, metrics=metrics)
+    # A worker of its own (``sluice worker``) counts too: its dashboard report carries the counts.
+    dispatcher = Dispatcher(broker, backends, metrics=metrics if metrics is not None else Metrics())
     webhooks = None
     if broker.supports_callbacks:
         webhooks = WebhookDelivery(

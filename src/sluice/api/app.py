@@ -9,7 +9,7 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import FastAPI
 
 from sluice import __version__
-from sluice.api import admin, docs, errors, health, jobs, openai, responses, ws
+from sluice.api import admin, dashboard, docs, errors, health, jobs, openai, responses, ws
 from sluice.api.admin import BackendControl
 from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
@@ -50,6 +50,7 @@ def create_app(
     app.state.gateway = gateway
     app.state.keyring = keyring
     app.state.backends = backends
+    dashboard.install(app)
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(responses.router)

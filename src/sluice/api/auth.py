@@ -97,6 +97,11 @@ class KeyRing:
         )
         return Caller(limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256)
 
+    async def lookup(self, key_sha256: str) -> KeyConfig | None:
+        """The key whose SHA-256 this is, configured or stored (read as requests read it); None if
+        there is none."""
+        return await self._lookup(key_sha256)
+
     async def still_valid(self, caller: Caller) -> bool:
         """Whether the caller's key still exists, asked of the store itself rather than the cache: an
         open stream asks every STORED_KEY_CACHE_S, so a revoked key's streams end within that time."""

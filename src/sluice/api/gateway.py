@@ -270,6 +270,7 @@ class Gateway:
             admission = await self.broker.admit(job, caller.limits)
         except Refused as refused:
             self.metrics.admissions.labels("refused", refused.code).inc()
+            self.metrics.retry_after.labels(refused.code).observe(refused.retry_after_s)
             if retry:
                 self.metrics.client_retries.labels("refused").inc()
             log.info(

@@ -105,6 +105,39 @@ class ModelStats:
     measured: bool
 
 
+@dataclass(frozen=True)
+class ClassDepth:
+    """What one priority class of a model's queue holds."""
+
+    #: jobs queued in the class
+    jobs: int
+    #: their cost (prompt + max_tokens, in tokens)
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TenantDepth:
+    """What one tenant has queued in a model's queue, over every class."""
+
+    tenant: str
+    #: its jobs queued
+    jobs: int
+    #: their cost (prompt + max_tokens, in tokens)
+    tokens: int
+
+
+@dataclass(frozen=True)
+class QueueBreakdown:
+    """One model's queue split by priority class and by tenant (for the dashboard)."""
+
+    #: per priority class, highest first: what it holds (every class, empty ones too)
+    classes: dict[str, ClassDepth]
+    #: the tenants with the most jobs queued, most first (ties by name), at most as many as asked
+    tenants: list[TenantDepth]
+    #: how many tenants have jobs queued, the ones not listed in ``tenants`` too
+    tenant_count: int
+
+
 class Broker(ABC):
     """Admitted jobs, their queues, leases, results and event streams."""
 
@@ -176,6 +209,25 @@ class Broker(ABC):
     @abstractmethod
     async def stats(self) -> dict[str, ModelStats]:
         """Per model: queue depth, running jobs, slots and drain rate."""
+
+    @abstractmethod
+    async def queue_breakdown(self, top_tenants: int) -> dict[str, QueueBreakdown]:
+        """Per model with a queue: its queued jobs and tokens by priority class, and the
+        ``top_tenants`` tenants with the most jobs queued. Read without a lock: each count is exact
+        when read, the whole is not one instant (the dashboard reads it once a second)."""
+
+    # --- what each process reports of itself (the dashboard's view of the fleet) -------------
+
+    @abstractmethod
+    async def put_report(self, process_id: str, report: Mapping[str, Any], ttl_s: float) -> None:
+        """Publish what one process (a gateway or a worker) says of itself, replacing its previous
+        report; it is forgotten ``ttl_s`` seconds later unless published again. ``report`` must be
+        JSON-serializable."""
+
+    @abstractmethod
+    async def reports(self) -> dict[str, dict[str, Any]]:
+        """The reports of every process that shares this broker and published within its ``ttl_s``:
+        process id → report."""
 
     # --- worker side --------------------------------------------------------------------------
 

@@ -15,9 +15,12 @@ from sluice.broker.base import (
     Admission,
     Broker,
     BrokerSettings,
+    ClassDepth,
     Event,
     EventType,
     ModelStats,
+    QueueBreakdown,
+    TenantDepth,
 )
 from sluice.broker.signal import Signal
 from sluice.core import admission
@@ -104,6 +107,8 @@ class MemoryBroker(Broker):
         self._keys: dict[str, dict[str, Any]] = {}
         #: open connections per API key: key SHA-256 → connection id → lease expiry
         self._connections: dict[str, dict[str, float]] = {}
+        #: what each process reports of itself: process id → (expiry, report)
+        self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -359,6 +364,34 @@ class MemoryBroker(Broker):
                 q.jobs, q.tokens, self._running.get(model, 0), d.slots, d.rate, d.measured
             )
         return out
+
+    async def queue_breakdown(self, top_tenants: int) -> dict[str, QueueBreakdown]:
+        out = {}
+        for model, q in sorted(self._queues.items()):
+            classes = {}
+            tenants: dict[str, list[int]] = {}
+            for c in self.classes:
+                fq = q.queues[c]
+                classes[c] = ClassDepth(fq.jobs, fq.tokens)
+                for entry in fq:
+                    held = tenants.setdefault(entry.tenant, [0, 0])
+                    held[0] += 1
+                    held[1] += entry.cost
+            top = sorted(tenants.items(), key=lambda kv: (-kv[1][0], kv[0]))[: max(top_tenants, 0)]
+            out[model] = QueueBreakdown(
+                classes, [TenantDepth(t, jobs, tokens) for t, (jobs, tokens) in top], len(tenants)
+            )
+        return out
+
+    async def put_report(self, process_id: str, report: Mapping[str, Any], ttl_s: float) -> None:
+        # Through JSON, as on Redis: the reader gets a copy, never the writer's live objects.
+        self._reports[process_id] = (self.now() + ttl_s, json.loads(json.dumps(report)))
+
+    async def reports(self) -> dict[str, dict[str, Any]]:
+        now = self.now()
+        for process_id in [p for p, (expires, _) in self._reports.items() if expires <= now]:
+            del self._reports[process_id]
+        return {p: json.loads(json.dumps(report)) for p, (_, report) in self._reports.items()}
 
     # --- worker side --------------------------------------------------------------------------
 

@@ -38,9 +38,12 @@ from sluice.broker.base import (
     Broker,
     BrokerSettings,
     BrokerUnavailable,
+    ClassDepth,
     Event,
     EventType,
     ModelStats,
+    QueueBreakdown,
+    TenantDepth,
 )
 from sluice.broker.redis_codec import (
     AdmitOutcome,
@@ -98,6 +101,8 @@ RECORD_GRACE_S = 60.0
 CALLBACK_LEASE_S = 600.0
 #: Webhooks handed to one worker at a time.
 CALLBACK_BATCH = 100
+#: Backlogged tenants read per class and model for the dashboard's breakdown (bounds its cost).
+BREAKDOWN_SCAN = 2000
 
 # The errors the scripts settle jobs with, as JSON; the scripts fill in the placeholders.
 _EXPIRED = to_json(deadline_error().to_dict())
@@ -459,6 +464,75 @@ class RedisBroker(Broker):
                 drain.rate,
                 drain.measured,
             )
+        return out
+
+    async def queue_breakdown(self, top_tenants: int) -> dict[str, QueueBreakdown]:
+        k = self.keys
+        models = sorted(cast(set[str], await self._io(self._redis.smembers(k.models))))
+        fields = [f(c) for c in self._class_names for f in (queued_jobs_field, queued_tokens_field)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.hmget(k.state(model), fields)
+                for c in self._class_names:
+                    # The class's heap of backlogged tenants (stale entries too, dropped below by
+                    # their empty lists), read from its head: past BREAKDOWN_SCAN, tenants are missed.
+                    pipe.zrange(k.sched(model, c), 0, BREAKDOWN_SCAN - 1)
+            replies: list[Any] = await self._io(pipe.execute())
+        per_model = len(self._class_names) + 1
+        lists = sorted(
+            {
+                (model, c, member[15:])  # a member is '<15-digit seq><tenant>' (_fairqueue.lua)
+                for i, model in enumerate(models)
+                for c, members in zip(
+                    self._class_names, replies[i * per_model + 1 : (i + 1) * per_model], strict=True
+                )
+                for member in members
+            }
+        )
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for model, c, tenant in lists:
+                tq = k.tq(model, c, tenant)
+                pipe.llen(tq)
+                pipe.hget(k.state(model), "w:" + tq)  # the cost in the list (_fairqueue.lua, f_work)
+            counts: list[Any] = await self._io(pipe.execute()) if lists else []
+        tenants: dict[str, dict[str, list[int]]] = {model: {} for model in models}
+        for (model, _, tenant), jobs, tokens in zip(lists, counts[0::2], counts[1::2], strict=True):
+            if int(jobs):
+                held = tenants[model].setdefault(tenant, [0, 0])
+                held[0] += int(jobs)
+                held[1] += int(float(tokens or 0))
+        out: dict[str, QueueBreakdown] = {}
+        for i, model in enumerate(models):
+            depth = replies[i * per_model]
+            classes = {
+                c: ClassDepth(int(depth[2 * j] or 0), int(depth[2 * j + 1] or 0))
+                for j, c in enumerate(self._class_names)
+            }
+            ranked = sorted(tenants[model].items(), key=lambda kv: (-kv[1][0], kv[0]))
+            out[model] = QueueBreakdown(
+                classes,
+                [TenantDepth(t, jobs, tokens) for t, (jobs, tokens) in ranked[: max(top_tenants, 0)]],
+                len(ranked),
+            )
+        return out
+
+    async def put_report(self, process_id: str, report: Mapping[str, Any], ttl_s: float) -> None:
+        entry = to_json({"expires": self.now() + ttl_s, "report": report})
+        await self._io(self._redis.hset(self.keys.reports, process_id, entry))
+
+    async def reports(self) -> dict[str, dict[str, Any]]:
+        raw = cast(dict[str, str], await self._io(self._redis.hgetall(self.keys.reports)))
+        now = self.now()
+        out: dict[str, dict[str, Any]] = {}
+        expired = []
+        for process_id, entry in raw.items():
+            decoded = json.loads(entry)
+            if float(decoded["expires"]) <= now:
+                expired.append(process_id)
+            else:
+                out[process_id] = cast(dict[str, Any], decoded["report"])
+        if expired:
+            await self._io(self._redis.hdel(self.keys.reports, *expired))
         return out
 
     async def purge_dead_letters(self, ids: Sequence[str] | None = None) -> int:

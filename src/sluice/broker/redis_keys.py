@@ -137,6 +137,12 @@ class QueueKeys:
         return f"{self.prefix}apikeys"
 
     @property
+    def reports(self) -> str:
+        """Hash: process id → JSON ``{"expires": t, "report": {...}}``, what each gateway and worker
+        reports of itself for the dashboard; an expired entry is dropped by the next reader."""
+        return f"{self.prefix}reports"
+
+    @property
     def capacity(self) -> str:
         """Hash: per model, ``p:<model>`` per-slot drain rate and ``n:<model>`` samples (DrainRate),
         and ``s:<model>`` the slots of the live workers (rebuilt whenever a worker comes or goes)."""

@@ -1,0 +1,437 @@
+"""What the dashboard draws, built from what the broker and the processes' reports say. No I/O:
+:mod:`sluice.dashboard_feed` does the reading, once a second, and hands the results here.
+
+Two parts:
+
+* :class:`History`, the fleet's recent past: how much each counter of every process grew at each
+  tick (a process that restarts starts its counters again from zero, which is read as such, never
+  as a drop), kept for a bounded number of ticks; rates, percentiles and the charts' points are
+  taken from it;
+* :func:`snapshot`, the page's whole state at one tick: per model its queue (by class and by top
+  tenants, its bound, the predicted wait, the engines busy), every engine with its health, the
+  admission and refusal rates by code, goodput, latency percentiles, the Retry-After given, and the
+  processes of the fleet.
+
+The snapshot is plain JSON; docs/dashboard.md lists its fields. Fields that the fleet issue fills
+(pools, learned limits) are there already, empty: ``pools`` per model, ``pool`` and
+``limit_source`` per engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.broker.base import ModelStats, QueueBreakdown
+from sluice.core.admission import QueueLimits
+
+#: one sample of a metric: its name (``sluice_jobs_total``) and its labels, sorted
+SampleKey = tuple[str, tuple[tuple[str, str], ...]]
+
+#: the version of the snapshot's shape, for clients other than the page
+SNAPSHOT_VERSION = 1
+#: ticks kept (at one a second, ten minutes)
+HISTORY_TICKS = 600
+#: the window of the latency percentiles, refusal counts and Retry-After shown (seconds)
+WINDOW_S = 300.0
+#: the window of the rates on the tiles (seconds): short enough to follow a burst
+RATE_WINDOW_S = 5.0
+#: the window of the latency percentiles in each chart point (seconds)
+POINT_WINDOW_S = 30.0
+#: how long a process that stopped reporting is remembered, so that it is not counted from zero
+#: again when it comes back (seconds)
+FORGET_S = 900.0
+#: an engine whose worker has not reported for this long is shown as stale (seconds)
+STALE_S = 3.0
+#: tenants listed per model
+TOP_TENANTS = 10
+
+SUCCEEDED = "succeeded"
+
+
+def samples_of(report: Mapping[str, Any]) -> dict[SampleKey, float]:
+    """A report's samples, by :data:`SampleKey`; malformed entries are skipped."""
+    out: dict[SampleKey, float] = {}
+    for entry in report.get("samples") or ():
+        try:
+            name, labels, value = entry
+            key = (str(name), tuple(sorted((str(k), str(v)) for k, v in dict(labels).items())))
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def grown(before: Mapping[SampleKey, float] | None, now: Mapping[SampleKey, float]) -> dict[SampleKey, float]:
+    """How much each counter grew from ``before`` to ``now``; one that went down was reset (its
+    process restarted) and grew by its whole value. ``before`` None: everything is new."""
+    out: dict[SampleKey, float] = {}
+    for key, value in now.items():
+        last = before.get(key, 0.0) if before is not None else 0.0
+        delta = value - last if value >= last else value
+        if delta:
+            out[key] = delta
+    return out
+
+
+@dataclass
+class Tick:
+    """One tick of the fleet's history.
+
+    Attributes:
+        at: when (the broker's clock, seconds).
+        span_s: seconds since the previous tick (the first one counts one).
+        grew: how much each counter and histogram bucket grew since the previous tick, summed
+            over every process.
+        point: the charts' values at this tick (see :func:`chart_point`).
+    """
+
+    at: float
+    span_s: float
+    grew: dict[SampleKey, float]
+    point: dict[str, Any] = field(default_factory=dict)
+
+
+class History:
+    """The fleet's counters, tick by tick, the last ``keep`` ticks."""
+
+    def __init__(self, keep: int = HISTORY_TICKS) -> None:
+        self.ticks: deque[Tick] = deque(maxlen=keep)
+        #: each process's samples as last seen, and when
+        self._seen: dict[str, tuple[float, dict[SampleKey, float]]] = {}
+
+    def advance(self, now: float, reports: Mapping[str, Mapping[str, Any]]) -> Tick:
+        """Add the tick at ``now`` from the processes' reports. At the first tick every process's
+        counters so far are the baseline; a process first seen later is new, and all it counted
+        is growth."""
+        first = not self.ticks and not self._seen
+        grew: dict[SampleKey, float] = {}
+        for process_id, report in reports.items():
+            current = samples_of(report)
+            last = self._seen.get(process_id)
+            if not first:
+                for key, delta in grown(last[1] if last is not None else None, current).items():
+                    grew[key] = grew.get(key, 0.0) + delta
+            self._seen[process_id] = (now, current)
+        for process_id in [p for p, (seen, _) in self._seen.items() if now - seen > FORGET_S]:
+            del self._seen[process_id]
+        span = now - self.ticks[-1].at if self.ticks else 1.0
+        tick = Tick(now, span if span > 0 else 1.0, grew)
+        self.ticks.append(tick)
+        return tick
+
+    def window(self, seconds: float, now: float | None = None) -> tuple[dict[SampleKey, float], float]:
+        """What grew over the last ``seconds`` (the ticks after ``now - seconds``), and the seconds
+        those ticks span."""
+        total: dict[SampleKey, float] = {}
+        span = 0.0
+        if not self.ticks:
+            return total, span
+        end = self.ticks[-1].at if now is None else now
+        for tick in reversed(self.ticks):
+            if tick.at <= end - seconds:
+                break
+            span += tick.span_s
+            for key, value in tick.grew.items():
+                total[key] = total.get(key, 0.0) + value
+        return total, span
+
+    def points(self) -> list[dict[str, Any]]:
+        return [t.point for t in self.ticks if t.point]
+
+
+def matching(
+    grew: Mapping[SampleKey, float], name: str, **labels: str
+) -> Iterable[tuple[dict[str, str], float]]:
+    """The samples named ``name`` whose labels include ``labels``, with all their labels."""
+    for (sample, pairs), value in grew.items():
+        if sample != name:
+            continue
+        have = dict(pairs)
+        if all(have.get(k) == v for k, v in labels.items()):
+            yield have, value
+
+
+def total(grew: Mapping[SampleKey, float], name: str, **labels: str) -> float:
+    return sum(v for _, v in matching(grew, name, **labels))
+
+
+def by_label(grew: Mapping[SampleKey, float], name: str, label: str, **labels: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for have, value in matching(grew, name, **labels):
+        out[have.get(label, "")] = out.get(have.get(label, ""), 0.0) + value
+    return out
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a histogram given as (upper bound, cumulative count) pairs, the
+    ``+Inf`` bucket last, interpolated inside its bucket as Prometheus does; None with no
+    observations. A quantile in the ``+Inf`` bucket is the highest finite bound."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in ordered:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def buckets_of(grew: Mapping[SampleKey, float], histogram: str, **labels: str) -> list[tuple[float, float]]:
+    """The cumulative buckets of ``histogram`` (its ``_bucket`` samples) summed over every series
+    that matches ``labels``."""
+    out: dict[float, float] = {}
+    for have, value in matching(grew, histogram + "_bucket", **labels):
+        try:
+            upper = float(have["le"])
+        except (KeyError, ValueError):
+            continue
+        out[upper] = out.get(upper, 0.0) + value
+    return sorted(out.items())
+
+
+def percentiles(grew: Mapping[SampleKey, float], histogram: str, **labels: str) -> dict[str, float | None]:
+    """p50, p90 and p99 of ``histogram`` and its observation count, over what ``grew`` holds."""
+    buckets = buckets_of(grew, histogram, **labels)
+    out: dict[str, float | None] = {
+        name: histogram_quantile(q, buckets) for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+    }
+    out["count"] = total(grew, histogram + "_count", **labels)
+    return out
+
+
+def per_second(value: float, span_s: float) -> float:
+    return value / span_s if span_s > 0 else 0.0
+
+
+def chart_point(
+    at: float, stats: Mapping[str, ModelStats], tick: Tick, recent: Mapping[SampleKey, float]
+) -> dict[str, Any]:
+    """The charts' values at one tick: queue depth and running jobs (fleet-wide), admissions,
+    refusals by code and answers per second at this tick, and the latency percentiles over the
+    last :data:`POINT_WINDOW_S` (``recent``)."""
+    span = tick.span_s
+    wait = percentiles(recent, "sluice_queue_wait_seconds")
+    ttft = percentiles(recent, "sluice_time_to_first_token_seconds")
+    refused = by_label(tick.grew, "sluice_admissions_total", "code", outcome="refused")
+    return {
+        "t": at,
+        "queued": sum(s.queued_jobs for s in stats.values()),
+        "running": sum(s.running_jobs for s in stats.values()),
+        "queued_by_model": {m: s.queued_jobs for m, s in stats.items()},
+        "admitted": per_second(total(tick.grew, "sluice_admissions_total", outcome="admitted"), span),
+        "refused": per_second(sum(refused.values()), span),
+        "refused_by_code": {code: per_second(n, span) for code, n in sorted(refused.items())},
+        "goodput": per_second(total(tick.grew, "sluice_jobs_total", status=SUCCEEDED), span),
+        "tokens": per_second(total(tick.grew, "sluice_completion_tokens_total"), span),
+        "wait_p50": wait["p50"],
+        "wait_p99": wait["p99"],
+        "ttft_p50": ttft["p50"],
+        "ttft_p99": ttft["p99"],
+    }
+
+
+def engine_state(engine: Mapping[str, Any], age_s: float) -> str:
+    """One word for an engine's health: ``stale`` (its worker stopped reporting), ``draining``,
+    ``ejected`` (sitting out a cooldown after connection errors), ``recovering`` (errors, cooldown
+    over, no success since) or ``ok``."""
+    if age_s > STALE_S:
+        return "stale"
+    if engine.get("draining"):
+        return "draining"
+    if float(engine.get("cooldown_s") or 0) > 0:
+        return "ejected"
+    if int(engine.get("failures") or 0) > 0:
+        return "recovering"
+    return "ok"
+
+
+def _wait_s(tokens: float, drain_rate: float) -> float | None:
+    return tokens / drain_rate if drain_rate > 0 else None
+
+
+def _fill(jobs: int, tokens: int, max_jobs: int | None, max_tokens: int | None) -> float | None:
+    shares = [jobs / max_jobs if max_jobs else None, tokens / max_tokens if max_tokens else None]
+    known = [s for s in shares if s is not None]
+    return max(known) if known else None
+
+
+@dataclass(frozen=True)
+class FleetInput:
+    """What the feed read at one tick.
+
+    Attributes:
+        at: the broker's clock when read (seconds).
+        stats: per model: depth, running jobs, slots, drain rate (fleet-wide, the broker's).
+        breakdown: per model: depth by class and top tenants (fleet-wide).
+        reports: every live process's report (:mod:`sluice.reports`), by process id.
+        classes: the priority classes, highest first.
+        limits: a model's queue bounds.
+        draining: backends marked draining in the broker.
+    """
+
+    at: float
+    stats: Mapping[str, ModelStats]
+    breakdown: Mapping[str, QueueBreakdown]
+    reports: Mapping[str, Mapping[str, Any]]
+    classes: Sequence[str]
+    limits: Callable[[str], QueueLimits]
+    draining: frozenset[str] = frozenset()
+
+
+def engines(fleet: FleetInput) -> list[dict[str, Any]]:
+    """Every engine that some worker reports, with its worker, the age of the report and its state."""
+    out = []
+    for process_id, report in sorted(fleet.reports.items()):
+        if report.get("role") != "worker":
+            continue
+        age = max(fleet.at - float(report.get("at") or fleet.at), 0.0)
+        for engine in report.get("engines") or ():
+            row = dict(engine)
+            row["worker"] = process_id
+            row["report_age_s"] = round(age, 3)
+            row["draining"] = bool(row.get("draining")) or row.get("name") in fleet.draining
+            row["state"] = engine_state(row, age)
+            out.append(row)
+    return out
+
+
+def processes(fleet: FleetInput) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": process_id,
+            "role": report.get("role"),
+            "host": report.get("host"),
+            "pid": report.get("pid"),
+            "age_s": round(max(fleet.at - float(report.get("at") or fleet.at), 0.0), 3),
+            "up_s": round(max(fleet.at - float(report.get("started_at") or fleet.at), 0.0), 1),
+        }
+        for process_id, report in sorted(fleet.reports.items())
+    ]
+
+
+def model_view(
+    name: str, stats: ModelStats, fleet: FleetInput, engine_rows: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """One model: its queue, bound, predicted wait, classes, top tenants and the engines busy."""
+    limits = fleet.limits(name)
+    breakdown = fleet.breakdown.get(name)
+    classes = []
+    through = 0
+    for cls in fleet.classes:
+        depth = breakdown.classes.get(cls) if breakdown is not None else None
+        jobs, tokens = (depth.jobs, depth.tokens) if depth is not None else (0, 0)
+        through += tokens
+        bound = limits.classes.get(cls)
+        classes.append(
+            {
+                "name": cls,
+                "jobs": jobs,
+                "tokens": tokens,
+                # a new job of this class waits for its class and every class above it
+                "predicted_wait_s": _wait_s(through, stats.drain_rate),
+                "max_jobs": bound.max_jobs if bound is not None else None,
+                "max_tokens": bound.max_tokens if bound is not None else None,
+            }
+        )
+    serving = [e for e in engine_rows if name in (e.get("models") or ()) and e.get("state") != "stale"]
+    demand = stats.running_jobs + stats.queued_jobs
+    ratio = demand / stats.slots if stats.slots else None
+    per_engine = stats.slots / len(serving) if serving and stats.slots else None
+    return {
+        "name": name,
+        "queued_jobs": stats.queued_jobs,
+        "queued_tokens": stats.queued_tokens,
+        "running_jobs": stats.running_jobs,
+        "slots": stats.slots,
+        "drain_rate": stats.drain_rate,
+        "measured": stats.measured,
+        "max_queued_jobs": limits.model.max_jobs,
+        "max_queued_tokens": limits.model.max_tokens,
+        "fill": _fill(stats.queued_jobs, stats.queued_tokens, limits.model.max_jobs, limits.model.max_tokens),
+        "predicted_wait_s": _wait_s(stats.queued_tokens, stats.drain_rate),
+        "classes": classes,
+        "tenants": [
+            {"tenant": t.tenant, "jobs": t.jobs, "tokens": t.tokens}
+            for t in (breakdown.tenants if breakdown is not None else ())
+        ],
+        "tenant_count": breakdown.tenant_count if breakdown is not None else 0,
+        "engines": len(serving),
+        # the work present (running and queued), in engines' worth of slots: above the engines
+        # serving it, more engines would be busy; the autoscaling issue brings the real signal
+        "engines_busy": demand / per_engine if per_engine else None,
+        "demand_ratio": ratio,
+        # the fleet issue's pools of engines slot in here
+        "pools": [],
+    }
+
+
+def snapshot(fleet: FleetInput, history: History) -> dict[str, Any]:
+    """The page's state at this tick; :meth:`History.advance` must have taken the tick first."""
+    engine_rows = engines(fleet)
+    models = [model_view(name, s, fleet, engine_rows) for name, s in sorted(fleet.stats.items())]
+    recent, recent_span = history.window(RATE_WINDOW_S)
+    windowed, window_span = history.window(WINDOW_S)
+    refused_now = by_label(recent, "sluice_admissions_total", "code", outcome="refused")
+    refused_window = by_label(windowed, "sluice_admissions_total", "code", outcome="refused")
+    jobs_window = by_label(windowed, "sluice_jobs_total", "status")
+    retry_after = percentiles(windowed, "sluice_retry_after_seconds")
+    slots = sum(s.slots for s in fleet.stats.values())
+    demand = sum(s.running_jobs + s.queued_jobs for s in fleet.stats.values())
+    live = [e for e in engine_rows if e["state"] != "stale"]
+    cumulative = buckets_of(windowed, "sluice_retry_after_seconds")
+    return {
+        "v": SNAPSHOT_VERSION,
+        "at": fleet.at,
+        "window_s": WINDOW_S,
+        "rate_window_s": RATE_WINDOW_S,
+        "processes": processes(fleet),
+        "models": models,
+        "engines": engine_rows,
+        "rates": {
+            "admitted": per_second(total(recent, "sluice_admissions_total", outcome="admitted"), recent_span),
+            "duplicate": per_second(
+                total(recent, "sluice_admissions_total", outcome="duplicate"), recent_span
+            ),
+            "refused": per_second(sum(refused_now.values()), recent_span),
+            "refused_by_code": {c: per_second(n, recent_span) for c, n in sorted(refused_now.items())},
+            "goodput": per_second(total(recent, "sluice_jobs_total", status=SUCCEEDED), recent_span),
+            "tokens": per_second(total(recent, "sluice_completion_tokens_total"), recent_span),
+        },
+        "window": {
+            "span_s": window_span,
+            "admitted": total(windowed, "sluice_admissions_total", outcome="admitted"),
+            "refused_by_code": dict(sorted(refused_window.items())),
+            "jobs_by_status": dict(sorted(jobs_window.items())),
+            "client_retries": total(windowed, "sluice_client_retries_total"),
+        },
+        "latency": {
+            "queue_wait": percentiles(windowed, "sluice_queue_wait_seconds"),
+            "ttft": percentiles(windowed, "sluice_time_to_first_token_seconds"),
+        },
+        "retry_after": {
+            **retry_after,
+            "by_code": by_label(windowed, "sluice_retry_after_seconds_count", "code"),
+            # per bucket, not cumulative: refusals whose Retry-After fell at or under ``le`` and
+            # above the bound before it
+            "buckets": [
+                {"le": None if math.isinf(le) else le, "count": n - prev}
+                for (le, n), prev in zip(cumulative, [0.0] + [n for _, n in cumulative], strict=False)
+            ],
+        },
+        "scaling": {
+            "demand_ratio": demand / slots if slots else None,
+            "engines": len(live),
+            "engines_busy": demand / (slots / len(live)) if live and slots else None,
+        },
+        "point": history.ticks[-1].point if history.ticks else {},
+    }
