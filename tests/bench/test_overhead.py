@@ -1,0 +1,136 @@
+"""``python -m sluice.bench.overhead`` against the simulator for a second a row: every row comes out,
+with numbers that add up (no timing assertions: the figures are the benchmark's, not the test's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sluice.bench import overhead
+from sluice.sim.server import serve_in_background
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+HAVE_REDIS = shutil.which("redis-server") is not None
+
+
+def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--seconds", "1", "--warmup", "0.5", "--connections", "4", "--stream-tokens", "16"]
+    args += ["--flood-connections", "24", "--gateways", "1,2", "--out", str(tmp_path), "--label", "t"]
+    assert overhead.main(args) == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    rows = {row["name"]: row for row in result["rows"]}
+
+    have_litellm = result["options"]["litellm_python"] is not None
+    targets = ["engine", "passthrough", "sluice", *(["litellm"] if have_litellm else [])]
+    expected = set(targets)
+    expected |= {f"{t} streamed {n}" for t in targets for n in (8, 16)}
+    expected |= {f"{t} flooded" for t in targets if t != "passthrough"}
+    if HAVE_REDIS:
+        expected |= {"1 gateway on Redis", "2 gateways on Redis"}
+    assert set(rows) == expected
+    if not have_litellm:
+        assert any("LiteLLM" in note for note in result["notes"])
+
+    for name, row in rows.items():
+        assert row["answers"] > 0, name
+        assert row["errors"] == 0, name
+        assert 0 < row["p50_ms"] <= row["p99_ms"], name
+        # The simulator answers every request with all of its max_tokens, streamed or not.
+        assert row["tokens"] == row["answers"] * row["max_tokens"], name
+        assert row["answers_per_s"] == pytest.approx(row["answers"] / row["seconds"])
+        roles = {"engine", "load"} | ({"gateway"} if not name.startswith("engine") else set())
+        if "Redis" in name:
+            roles |= {"workers", "redis"}
+        assert set(row["cpu_s"]) == roles, name
+        # Every process did some work in the window, and no more than the machine's cores allow.
+        for role, cpu in row["cpu_s"].items():
+            assert 0 < cpu <= row["seconds"] * result["cpus"] * 1.5, (name, role)
+        if row["stream"]:
+            assert 0 < row["ttft_p50_ms"] <= row["p50_ms"], name
+        else:
+            assert row["ttft_p50_ms"] is not None, name  # a whole answer's tokens arrive at once
+    gateways = [t for t in targets if t != "engine"]
+    assert set(result["per_token_us"]) == set(gateways)
+    for target in gateways:
+        short, long = rows[f"{target} streamed 8"], rows[f"{target} streamed 16"]
+        extra = long["cpu_ms_per_request"]["gateway"] - short["cpu_ms_per_request"]["gateway"]
+        assert result["per_token_us"][target] == pytest.approx(extra / 8 * 1000)
+    printed = capsys.readouterr().out
+    groups = overhead.GROUPS if HAVE_REDIS else overhead.GROUPS[:3]
+    assert all(overhead.TITLES[group] in printed for group in groups)
+
+
+def test_the_load_generator_reads_the_simulators_answers() -> None:
+    """Whole and streamed answers on one keep-alive connection, and an error that keeps it open."""
+
+    async def main() -> None:
+        async with serve_in_background() as url:
+            port = int(url.rsplit(":", 1)[1])
+            _, client = await asyncio.get_running_loop().create_connection(
+                overhead._Client, "127.0.0.1", port
+            )
+            try:
+                for stream in (False, True, False, True):
+                    request = overhead.request_bytes(url, overhead.Load(1, 5, stream=stream))
+                    reply = await client.exchange(request)
+                    assert (reply.status, reply.tokens, reply.close) == (200, 5, False)
+                    assert reply.first_token is not None
+                reply = await client.exchange(overhead.request_bytes(url, overhead.Load(1, 0, stream=False)))
+                assert (reply.status, reply.tokens, reply.first_token) == (400, 0, None)
+                reply = await client.exchange(overhead.request_bytes(url, overhead.Load(1, 3, stream=True)))
+                assert (reply.status, reply.tokens) == (200, 3)
+            finally:
+                client.close()
+
+    asyncio.run(main())
+
+
+class _Transport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _chunk(piece: bytes) -> bytes:
+    return f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+
+
+def test_the_load_generator_parses_answers_cut_anywhere() -> None:
+    """However TCP cuts an answer, and even with a token's text split between two chunks."""
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked += _chunk(b'data: {"content": " tok0"}\n\n') + _chunk(b'data: {"content": " to') + _chunk(b'k1"}')
+    chunked += b"0\r\n\r\n"
+    whole = b'{"content": " tok0 tok1 tok2"}'
+    sized = b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: %d\r\nConnection: close\r\n\r\n" % len(whole)
+    sized += whole
+
+    async def main() -> None:
+        for raw, expected in ((chunked, (200, 2, False)), (sized, (429, 3, True))):
+            for cut in range(len(raw) + 1):
+                client = overhead._Client()
+                client.connection_made(_Transport())  # type: ignore[arg-type]
+                reply = client.exchange(b"")
+                client.data_received(raw[:cut])
+                client.data_received(raw[cut:])
+                assert reply.done(), cut
+                got = reply.result()
+                assert (got.status, got.tokens, got.close) == expected, cut
+
+    asyncio.run(main())
+
+
+def test_top_frames_share_samples(tmp_path: Path) -> None:
+    stacks = tmp_path / "raw.txt"
+    stacks.write_text("main;serve;parse 6\nmain;serve;send 3\nmain;idle 1\nmain;serve;serve;parse 2\n")
+    frames = {frame: (total, own) for frame, total, own in overhead.top_frames(stacks)}
+    assert frames["parse"] == (pytest.approx(8 / 12), pytest.approx(8 / 12))
+    assert frames["serve"] == (pytest.approx(11 / 12), 0.0)  # a recurring frame counts once per sample
+    assert frames["main"] == (1.0, 0.0)
+    assert next(iter(frames)) == "parse"
