@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.broker.base import ModelStats, QueueBreakdown
-from sluice.core.admission import QueueLimits
+from sluice.core.admission import MIN_RETRY_AFTER_S, QueueLimits
 
 #: one sample of a metric: its name (``sluice_jobs_total``) and its labels, sorted
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -166,15 +166,16 @@ def by_label(grew: Mapping[SampleKey, float], name: str, label: str, **labels: s
     return out
 
 
-def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]], floor: float = 0.0) -> float | None:
     """The ``q`` quantile of a histogram given as (upper bound, cumulative count) pairs, the
     ``+Inf`` bucket last, interpolated inside its bucket as Prometheus does; None with no
-    observations. A quantile in the ``+Inf`` bucket is the highest finite bound."""
+    observations. The first bucket starts at ``floor`` (no value is below it), and a quantile in
+    the ``+Inf`` bucket is the highest finite bound."""
     ordered = sorted(buckets)
     if not ordered or ordered[-1][1] <= 0:
         return None
     rank = q * ordered[-1][1]
-    lower, below = 0.0, 0.0
+    lower, below = min(floor, ordered[0][0]), 0.0
     for upper, count in ordered:
         if count >= rank:
             if math.isinf(upper):
@@ -199,11 +200,14 @@ def buckets_of(grew: Mapping[SampleKey, float], histogram: str, **labels: str) -
     return sorted(out.items())
 
 
-def percentiles(grew: Mapping[SampleKey, float], histogram: str, **labels: str) -> dict[str, float | None]:
-    """p50, p90 and p99 of ``histogram`` and its observation count, over what ``grew`` holds."""
+def percentiles(
+    grew: Mapping[SampleKey, float], histogram: str, floor: float = 0.0, **labels: str
+) -> dict[str, float | None]:
+    """p50, p90 and p99 of ``histogram`` and its observation count, over what ``grew`` holds;
+    ``floor``: the least value it can hold."""
     buckets = buckets_of(grew, histogram, **labels)
     out: dict[str, float | None] = {
-        name: histogram_quantile(q, buckets) for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+        name: histogram_quantile(q, buckets, floor) for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
     }
     out["count"] = total(grew, histogram + "_count", **labels)
     return out
@@ -384,7 +388,7 @@ def snapshot(fleet: FleetInput, history: History) -> dict[str, Any]:
     refused_now = by_label(recent, "sluice_admissions_total", "code", outcome="refused")
     refused_window = by_label(windowed, "sluice_admissions_total", "code", outcome="refused")
     jobs_window = by_label(windowed, "sluice_jobs_total", "status")
-    retry_after = percentiles(windowed, "sluice_retry_after_seconds")
+    retry_after = percentiles(windowed, "sluice_retry_after_seconds", floor=MIN_RETRY_AFTER_S)
     slots = sum(s.slots for s in fleet.stats.values())
     demand = sum(s.running_jobs + s.queued_jobs for s in fleet.stats.values())
     live = [e for e in engine_rows if e["state"] != "stale"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from sluice import runtime
 from sluice.api.auth import hash_key
 from sluice.api.dashboard import COOKIE, SESSION_S, DashboardAccess
 from sluice.config import Settings, load_settings
+from sluice.dashboard import History, engine_state, histogram_quantile
 from sluice.metrics import Metrics
 from sluice.runtime import build_app
 from sluice.sim.model import preset
@@ -55,7 +57,13 @@ async def gateway(backends: list[dict[str, Any]], **overrides: Any) -> AsyncIter
     async with run_app(app) as url:
         if backends:
             await wait_until(app.state.gateway.broker.served_models)
+        await ticked(app)
         yield url, app
+
+
+async def ticked(app: FastAPI) -> None:
+    """Wait for the dashboard's first tick: what was counted before it is its baseline."""
+    await wait_until(lambda: app.state.dashboard.seq >= 1)
 
 
 async def snapshot(
@@ -108,9 +116,10 @@ async def test_open_mode_serves_the_page_its_assets_and_a_snapshot(
 
 async def test_keys_cookie_and_redirect(sim_url: str, http: httpx.AsyncClient) -> None:
     async with gateway([{"url": sim_url}], keys=KEYS, dashboard_key_sha256=hash_key(DASH)) as (url, _):
-        for path in ("/dashboard", "/dashboard/assets/dashboard.js"):
+        for path in ("/dashboard", "/dashboard/assets/dashboard.js", "/dashboard/assets/dashboard.css"):
             denied = await http.get(url + path)
             assert denied.status_code == 401 and "/dashboard?key=" in denied.text
+        assert (await http.get(url + "/dashboard/assets/icon.svg")).status_code == 200  # the 401 page's
         for path in ("/dashboard/snapshot", "/dashboard/feed"):
             assert (await http.get(url + path)).status_code == 401
             assert (await http.get(url + path, headers=bearer(USER))).status_code == 401
@@ -242,7 +251,7 @@ async def test_load_refusals_and_retry_after_show(http: httpx.AsyncClient) -> No
         assert s["window"]["admitted"] == codes.count(200)
         assert s["window"]["jobs_by_status"]["succeeded"] == codes.count(200)
         assert s["retry_after"]["count"] == refused and s["retry_after"]["by_code"] == {"queue_full": refused}
-        assert 0 < s["retry_after"]["p50"] <= s["retry_after"]["p99"] <= 120  # interpolated in buckets
+        assert 0.5 <= s["retry_after"]["p50"] <= s["retry_after"]["p99"] <= 120  # interpolated in buckets
         assert sum(b["count"] for b in s["retry_after"]["buckets"]) == refused
         (model,) = s["models"]
         assert model["max_queued_jobs"] == 2 and [c["name"] for c in model["classes"]] == [
@@ -330,11 +339,14 @@ async def test_on_redis_every_gateway_sees_the_whole_fleet(
     redis = await empty_redis(redis_server)
     worker_settings = settings_for([{"url": sim_url, "name": "engine-a"}], broker=redis)
     gateway_settings = settings_for([], broker=redis)
+    apps = [build_app(gateway_settings), build_app(gateway_settings)]
     async with (
         runtime.running_worker(worker_settings) as worker,
-        run_app(build_app(gateway_settings)) as one,
-        run_app(build_app(gateway_settings)) as two,
+        run_app(apps[0]) as one,
+        run_app(apps[1]) as two,
     ):
+        for app in apps:
+            await ticked(app)
         for _ in range(3):
             assert (await chat(http, one)).status_code == 200
         assert (await chat(http, two)).status_code == 200
@@ -354,6 +366,56 @@ async def test_on_redis_every_gateway_sees_the_whole_fleet(
             (engine,) = s["engines"]
             assert engine["name"] == "engine-a" and engine["worker"] == worker.dispatcher.worker_id
             assert [m["name"] for m in s["models"]] == ["sim"]
+
+
+# --- the snapshot's arithmetic ---------------------------------------------------------------
+
+
+def report(samples: dict[str, float], started_at: float = 0.0) -> dict[str, Any]:
+    return {
+        "role": "gateway",
+        "started_at": started_at,
+        "samples": [
+            [name.split("|")[0], dict([name.split("|")[1].split("=")]), v] for name, v in samples.items()
+        ],
+    }
+
+
+def test_history_reads_restarts_and_newcomers_right() -> None:
+    ok = "sluice_admissions_total|outcome=admitted"
+    key = ("sluice_admissions_total", (("outcome", "admitted"),))
+    h = History(keep=5)
+    assert h.advance(100.0, {"g1": report({ok: 500})}).grew == {}  # the first tick is the baseline
+    assert h.advance(101.0, {"g1": report({ok: 510})}).grew == {key: 10}
+    # g1 restarted (its counter went down: it counted 3 since), g2 is new (all it counted is new)
+    tick = h.advance(102.0, {"g1": report({ok: 3}), "g2": report({ok: 4})})
+    assert tick.grew == {key: 7} and tick.span_s == 1.0
+    # g2 is silent for a while and comes back: counted from where it was, not from zero
+    h.advance(103.0, {"g1": report({ok: 3})})
+    assert h.advance(104.0, {"g1": report({ok: 3}), "g2": report({ok: 6})}).grew == {key: 2}
+    grew, span = h.window(1.5)
+    assert grew == {key: 2} and span == 2.0  # the ticks at 103 and 104
+    assert len(h.ticks) == 5
+    h.advance(105.0, {})
+    assert len(h.ticks) == 5  # bounded
+
+
+def test_histogram_quantile_as_prometheus() -> None:
+    buckets = [(0.1, 10.0), (1.0, 30.0), (10.0, 40.0), (math.inf, 40.0)]
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.9 * (20 - 10) / 20)
+    assert histogram_quantile(0.125, buckets) == pytest.approx(0.05)  # from 0 in the first bucket
+    assert histogram_quantile(0.125, buckets, floor=0.08) == pytest.approx(0.09)
+    assert histogram_quantile(0.99, [(1.0, 1.0), (math.inf, 5.0)]) == 1.0  # +Inf: the last bound
+    assert histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_engine_states() -> None:
+    assert engine_state({"failures": 0, "cooldown_s": 0}, age_s=0.1) == "ok"
+    assert engine_state({"failures": 2, "cooldown_s": 1.5}, age_s=0.1) == "ejected"
+    assert engine_state({"failures": 2, "cooldown_s": 0}, age_s=0.1) == "recovering"
+    assert engine_state({"failures": 0, "cooldown_s": 0, "draining": True}, age_s=0.1) == "draining"
+    assert engine_state({"failures": 0, "cooldown_s": 0}, age_s=60.0) == "stale"
 
 
 # --- deploy/: Prometheus rules and the Grafana dashboard --------------------------------------

@@ -46,6 +46,8 @@ ASSETS = {
     "dashboard.css": "text/css; charset=utf-8",
     "icon.svg": "image/svg+xml",
 }
+#: assets served without a key
+PUBLIC_ASSETS = frozenset({"icon.svg"})
 COOKIE = "sluice_dashboard"
 #: how long a session cookie lasts (seconds)
 SESSION_S = 8 * 3600
@@ -68,7 +70,8 @@ HEADERS = {
 }
 
 DENIED = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Sluice dashboard</title></head>
+<html lang="en"><head><meta charset="utf-8"><title>Sluice dashboard</title>
+<link rel="icon" href="/dashboard/assets/icon.svg" type="image/svg+xml"></head>
 <body><h1>Sluice dashboard</h1>
 <p>Open <code>/dashboard?key=YOUR_KEY</code> once with an admin key or the dashboard key
 (<code>dashboard_key_sha256</code>); the browser then keeps a session for it.</p>
@@ -174,7 +177,8 @@ async def page(request: Request) -> Response:
 
 @router.get("/assets/{name}")
 async def asset(request: Request, name: str) -> Response:
-    if not await _access(request).check(request):
+    # The icon is anyone's (the 401 page shows it too); the script and the style are the page's.
+    if name not in PUBLIC_ASSETS and not await _access(request).check(request):
         return _denied()
     media_type = ASSETS.get(name)
     if media_type is None:

@@ -4,7 +4,8 @@
 "use strict";
 
 (function () {
-  const KEEP_S = 300; // the charts show the last five minutes
+  const KEEP_S = 300; // the charts keep the last five minutes
+  const MIN_SPAN_S = 60; // and show at least the last minute, so that a fresh page is not a sliver
   const COLORS = ["#1a73e8", "#c5221f", "#f29900", "#9334e6", "#188038", "#e52592", "#12b5cb", "#5f6368"];
   const points = [];
   const codeColors = {};
@@ -59,7 +60,7 @@
   function secs(x) {
     if (x === null || x === undefined || !isFinite(x)) return "–";
     if (x < 1) return Math.round(x * 1000) + " ms";
-    if (x < 120) return num(x, x < 10 ? 2 : 1) + " s";
+    if (x < 120) return num(x, 1) + " s";
     return num(x / 60, 1) + " min";
   }
 
@@ -83,11 +84,12 @@
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, w, h);
     const now = points.length ? points[points.length - 1].t : 0;
+    const span = Math.min(KEEP_S, Math.max(MIN_SPAN_S, points.length ? now - points[0].t : 0));
     const left = 40, right = 6, top = 6, bottom = 16;
     let max = 0;
     for (const s of series) for (const p of s.values) if (p[1] !== null && p[1] > max) max = p[1];
     max = max > 0 ? max * 1.15 : 1;
-    const x = (t) => left + (w - left - right) * (1 - (now - t) / KEEP_S);
+    const x = (t) => left + (w - left - right) * (1 - (now - t) / span);
     const y = (v) => top + (h - top - bottom) * (1 - v / max);
     ctx.strokeStyle = "#dde3ea";
     ctx.fillStyle = "#6b7785";
@@ -99,9 +101,9 @@
       ctx.moveTo(left, y(v));
       ctx.lineTo(w - right, y(v));
       ctx.stroke();
-      ctx.fillText(num(v), 2, y(v) + 3);
+      ctx.fillText(num(v, max >= 10 ? 0 : 1), 2, y(v) + 3);
     }
-    ctx.fillText("-5 min", left, h - 3);
+    ctx.fillText(span >= 120 ? "-" + Math.round(span / 60) + " min" : "-" + Math.round(span) + " s", left, h - 3);
     ctx.fillText("now", w - right - 20, h - 3);
     legend.replaceChildren();
     for (const s of series) {
@@ -110,7 +112,7 @@
       ctx.beginPath();
       let drawing = false;
       for (const [t, v] of s.values) {
-        if (v === null || now - t > KEEP_S) {
+        if (v === null || now - t > span) {
           drawing = false;
           continue;
         }
@@ -173,8 +175,8 @@
     $("tile-goodput").textContent = num(s.rates.goodput);
     $("tile-goodput-sub").textContent = num(s.rates.tokens, 0) + " tokens / s";
     const ttft = s.latency.ttft;
-    $("tile-ttft").textContent = secs(ttft.p50) + " / " + secs(ttft.p99);
-    $("tile-ttft-sub").textContent = int(ttft.count) + " answers, last " + Math.round(s.window_s / 60) + " min";
+    $("tile-ttft").textContent = secs(ttft.p50);
+    $("tile-ttft-sub").textContent = "p99 " + secs(ttft.p99) + ", " + int(ttft.count) + " answers in " + Math.round(s.window_s / 60) + " min";
     const waits = models.map((m) => m.predicted_wait_s).filter((x) => x !== null);
     $("tile-wait").textContent = waits.length ? secs(Math.max(...waits)) : "–";
     $("tile-wait-sub").textContent = "queued tokens ÷ drain rate";
@@ -223,12 +225,13 @@
     for (const c of m.classes) {
       classes.appendChild(row([c.name, int(c.jobs), int(c.tokens), secs(c.predicted_wait_s), c.max_jobs === null ? "–" : int(c.max_jobs)]));
     }
-    card.appendChild(classes);
     const tenants = el("table");
     tenants.appendChild(row(["Top tenants (" + m.tenant_count + " waiting)", "Jobs", "Tokens"]));
     for (const t of m.tenants) tenants.appendChild(row([t.tenant, int(t.jobs), int(t.tokens)]));
     if (!m.tenants.length) tenants.appendChild(row(["nobody is waiting", "", ""]));
-    card.appendChild(tenants);
+    const tables = el("div", null, "tables");
+    tables.append(classes, tenants);
+    card.appendChild(tables);
     const pools = el("p", "Pools: " + (m.pools.length ? m.pools.map((p) => p.name).join(", ") : "– (pools come with the fleet issue)"), "muted small");
     card.appendChild(pools);
     return card;
