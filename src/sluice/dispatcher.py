@@ -30,6 +30,7 @@ from sluice.broker.base import Broker, EventType
 from sluice.core.errors import deadline_error, internal_error
 from sluice.core.job import Job, JobError, JobState
 from sluice.metrics import Metrics
+from sluice.outage import OutageLog
 from sluice.protocol import Assembler
 
 log = logging.getLogger("sluice.worker")
@@ -110,6 +111,8 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.running: dict[str, asyncio.Task[None]] = {}
+        self._claims_outage = OutageLog(log, "claims")
+        self._heartbeat_outage = OutageLog(log, "heartbeat")
         #: claimed jobs waiting for a slot with room, in the order they began to wait
         self._waiting: dict[str, Job] = {}
         self._capacity = asyncio.Event()
@@ -225,10 +228,11 @@ class Dispatcher:
                 job = await self.broker.claim(self.worker_id, models, timeout=CLAIM_WAIT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("claim failed; retrying")
+            except Exception as exc:
+                self._claims_outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
+            self._claims_outage.ok()
             if job is None:
                 continue
             # Running (leased, deadline-checked, cancellable) from now on, before it has a slot; it
@@ -401,10 +405,11 @@ class Dispatcher:
                 self.apply_draining(await self.broker.draining())
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("heartbeat failed")
+            except Exception as exc:
+                self._heartbeat_outage.failed(exc)
                 await asyncio.sleep(self.heartbeat_s)
                 continue
+            self._heartbeat_outage.ok()
             for job_id in abort:
                 task = self.running.get(job_id)
                 if task is not None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from sluice.broker.base import Broker
 from sluice.core.job import Job
+from sluice.outage import OutageLog
 from sluice.views import job_view
 from sluice.webhooks import DeliveryAttempt, WebhookSender
 
@@ -55,6 +56,7 @@ class WebhookDelivery:
         self._sender = WebhookSender(allow_private=allow_private)
         self._loop: asyncio.Task[None] | None = None
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._outage = OutageLog(log, "webhook delivery")
 
     async def start(self) -> None:
         await self._sender.__aenter__()
@@ -74,10 +76,11 @@ class WebhookDelivery:
                 ids = await self.broker.ended_callbacks(self.worker_id, timeout=FETCH_WAIT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("fetching webhooks failed")
+            except Exception as exc:
+                self._outage.failed(exc)
                 await asyncio.sleep(1.0)
                 continue
+            self._outage.ok()
             for job_id in ids:
                 task = asyncio.create_task(self.deliver(job_id), name=f"webhook-{job_id}")
                 self._deliveries.add(task)

@@ -76,6 +76,7 @@ from sluice.core.errors import (
 )
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
 from sluice.core.policy import Candidate
+from sluice.outage import OutageLog
 from sluice.core.ratelimit import TenantLimits
 from sluice.views import job_view
 
@@ -271,15 +272,16 @@ class RedisBroker(Broker):
 
     async def _maintain_forever(self) -> None:
         lock_ms = int(MAINTAIN_INTERVAL_S * 1000)
+        upkeep = OutageLog(log, "broker upkeep")
         while True:
             await asyncio.sleep(MAINTAIN_INTERVAL_S)
             try:
                 if await self._io(self._redis.set(self.keys.maintain_lock, "1", nx=True, px=lock_ms)):
                     await self.maintain()
-            except BrokerUnavailable as exc:
-                log.warning("broker upkeep skipped: %s", exc)
-            except Exception:
-                log.exception("broker upkeep failed")
+            except Exception as exc:
+                upkeep.failed(exc)
+            else:
+                upkeep.ok()
 
     # --- gateway side -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from redis.typing import KeyT, StreamIdT
 from sluice.broker.base import Event, EventType
 from sluice.broker.redis_keys import EVENT_DATA, EVENT_TYPE, WAKE_FIELD
 from sluice.broker.signal import Signal
+from sluice.outage import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class StreamHub:
 
     async def _run(self) -> None:
         backoff = 0.05
+        reads = OutageLog(log, "event stream reads", _TRANSIENT)
         while True:
             if not self._subs:
                 self._has_subs.clear()
@@ -151,13 +153,14 @@ class StreamHub:
                     )
                 check_cancelled()
             except _TRANSIENT as exc:
-                log.warning("event stream read failed (%s); retrying in %.2f s", exc, backoff)
+                reads.failed(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             finally:
                 self._blocking = False
             backoff = 0.05
+            reads.ok()
             for key, entries in reply or []:
                 if key == self._wake_key:
                     self._wake_id = entries[-1][0]
@@ -201,6 +204,7 @@ class AbortListener:
     async def _run(self) -> None:
         backoff = 0.05
         first = True
+        channel = OutageLog(log, "abort channel", _TRANSIENT)
         while True:
             pubsub = self._client.pubsub()
             try:
@@ -211,6 +215,7 @@ class AbortListener:
                     self._signal.notify()
                 first = False
                 backoff = 0.05
+                channel.ok()
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_BLOCK_S)
                     check_cancelled()
@@ -218,7 +223,7 @@ class AbortListener:
                         self._signal.notify()
             except _TRANSIENT as exc:
                 self._ready.clear()
-                log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)
+                channel.failed(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:
