@@ -192,8 +192,8 @@ class Settings(_Strict):
     max_concurrency: int = Field(
         default=8,
         ge=1,
-        description="sequences a backend runs at once when it does not set its own: the engine's batch size, e.g. "
-        "vLLM's `--max-num-seqs` or llama-server's `-np`",
+        description="sequences a backend runs at once when it does not set its own: the engine's batch "
+        "size, e.g. vLLM's `--max-num-seqs` or llama-server's `-np`",
     )
     classes: list[ClassConfig] = Field(
         default_factory=lambda: list(DEFAULT_CLASSES),

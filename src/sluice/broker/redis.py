@@ -76,8 +76,8 @@ from sluice.core.errors import (
 )
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
 from sluice.core.policy import Candidate
-from sluice.outage import OutageLog
 from sluice.core.ratelimit import TenantLimits
+from sluice.outage import OutageLog
 from sluice.views import job_view
 
 __all__ = ["BrokerUnavailable", "RedisBroker", "Script"]
