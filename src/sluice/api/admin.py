@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse
 from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
+from sluice.api.openapi import ADMIN, errors
 from sluice.config import KeyGrant
 from sluice.views import job_view
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(*ADMIN))
 Admin = Annotated[Caller, Depends(admin)]
 
 
@@ -104,7 +105,7 @@ def _store_enabled(request: Request) -> Gateway:
     return gw
 
 
-@router.post("/keys", status_code=201)
+@router.post("/keys", status_code=201, responses=errors(400))
 async def create_key(request: Request, body: KeyGrant, _: Admin) -> JSONResponse:
     gw = _store_enabled(request)
     names = [c.name for c in gw.settings.classes]
@@ -116,7 +117,7 @@ async def create_key(request: Request, body: KeyGrant, _: Admin) -> JSONResponse
     return JSONResponse({"key": key, "key_sha256": digest, "tenant": body.tenant}, status_code=201)
 
 
-@router.get("/keys")
+@router.get("/keys", responses=errors(400))
 async def list_keys(request: Request, _: Admin) -> JSONResponse:
     gw = _store_enabled(request)
     data = [
@@ -126,7 +127,7 @@ async def list_keys(request: Request, _: Admin) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.delete("/keys/{key_sha256}")
+@router.delete("/keys/{key_sha256}", responses=errors(400))
 async def delete_key(request: Request, key_sha256: str, _: Admin) -> JSONResponse:
     gw = _store_enabled(request)
     if not await gw.broker.delete_key(key_sha256):

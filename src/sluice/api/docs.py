@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from sluice.api.auth import KeyRing, bearer
 from sluice.api.gateway import gateway
+from sluice.api.openapi import document
 
 router = APIRouter(include_in_schema=False)
 
@@ -75,7 +76,7 @@ def without_admin(schema: dict[str, Any]) -> dict[str, Any]:
 def description(app: FastAPI, *, admin: bool) -> dict[str, Any]:
     """The OpenAPI description of ``app``: every route for an admin, all but the admin routes for
     anyone else (the second built once)."""
-    full = app.openapi()  # built once by FastAPI
+    full = document(app)  # built once
     if admin:
         return full
     public: dict[str, Any] | None = getattr(app.state, "openapi_public", None)

@@ -8,21 +8,31 @@ with keys it needs an admin key (401 without a key, 404 for other keys, as ``/ad
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sluice.api.auth import KeyRing, admin
 from sluice.api.gateway import gateway
+from sluice.api.openapi import KEYED, errors, plain_text
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=errors())
 async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    responses={
+        503: {
+            "description": "Not ready: the broker is unreachable, or no backend serves a model yet.",
+            "content": {"application/json": {"schema": {}}},
+        },
+        **errors(),
+    },
+)
 async def readyz(request: Request) -> JSONResponse:
     gw = gateway(request)
     try:
@@ -45,7 +55,11 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "models": served})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={**errors(*KEYED, 404), **plain_text("Prometheus' text exposition format.")},
+)
 async def metrics(request: Request) -> Response:
     gw = gateway(request)
     keyring: KeyRing = request.app.state.keyring

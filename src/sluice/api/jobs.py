@@ -16,6 +16,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
+from sluice.api.openapi import ADMIT, KEYED, errors, events
 from sluice.api.relay import KeyRevoked, bounded, key_check, revocable, while_connected
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.core.job import Endpoint, Job, JobState
@@ -37,7 +38,17 @@ async def view(gw: Gateway, job: Job) -> dict[str, Any]:
     return out
 
 
-@router.post("/v1/jobs", status_code=202)
+@router.post(
+    "/v1/jobs",
+    status_code=202,
+    responses={
+        200: {
+            "description": "A repeat of an earlier request with the same Idempotency-Key: its job.",
+            "content": {"application/json": {"schema": {}}},
+        },
+        **errors(*KEYED, *ADMIT),
+    },
+)
 async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONResponse:
     gw = gateway(request)
     data = body.model_dump(exclude_none=True, mode="json")
@@ -61,7 +72,7 @@ async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONRespon
     return JSONResponse(payload, status_code=200 if admission.duplicate else 202, headers=headers)
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", responses=errors(*KEYED, 400, 404, 429))
 async def get_job(
     request: Request,
     job_id: str,
@@ -111,7 +122,14 @@ def _after(request: Request) -> int:
     return after
 
 
-@router.get("/v1/jobs/{job_id}/events")
+@router.get(
+    "/v1/jobs/{job_id}/events",
+    response_class=EventSourceResponse,
+    responses={
+        **errors(*KEYED, 400, 404, 429),
+        **events("The job's events (queued, started, token, retry, done, error), each with its id."),
+    },
+)
 async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResponse:
     gw = gateway(request)
     await own_job(gw, who, job_id)
@@ -131,7 +149,7 @@ async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResp
     return EventSourceResponse(stream(), ping=PING_S, sep="\n")
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete("/v1/jobs/{job_id}", responses=errors(*KEYED, 404, 405, 409))
 async def cancel_job(request: Request, job_id: str, who: Who) -> JSONResponse:
     gw = gateway(request)
     before = await own_job(gw, who, job_id)
@@ -150,7 +168,7 @@ async def cancel_job(request: Request, job_id: str, who: Who) -> JSONResponse:
 # --- the article's endpoints, so its clients can switch without changes -------------------------
 
 
-@router.post("/submit", tags=["article"])
+@router.post("/submit", tags=["article"], responses=errors(*KEYED, *ADMIT))
 async def submit(request: Request, body: SubmitRequest, who: Who) -> JSONResponse:
     gw = gateway(request)
     data = body.model_dump(exclude_none=True, mode="json")
@@ -161,7 +179,7 @@ async def submit(request: Request, body: SubmitRequest, who: Who) -> JSONRespons
     return JSONResponse({"job_id": admission.job.id, "status": "queued"}, headers=rate_headers(admission))
 
 
-@router.get("/result/{job_id}", tags=["article"])
+@router.get("/result/{job_id}", tags=["article"], responses=errors(*KEYED, 404))
 async def result(request: Request, job_id: str, who: Who) -> JSONResponse:
     job = await own_job(gateway(request), who, job_id)
     if job.state is JobState.SUCCEEDED and job.result:

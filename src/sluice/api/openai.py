@@ -12,6 +12,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import client_retry, gateway, rate_headers
+from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import answer, key_check, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
 from sluice.core.job import Endpoint
@@ -57,19 +58,33 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
         return response
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={
+        **errors(*KEYED, *ADMIT, *ANSWER),
+        **events("With stream: true: chat.completion.chunk objects, then [DONE]."),
+    },
+)
 async def chat_completions(request: Request, body: ChatRequest, who: Who) -> Response:
     return await _complete(request, who, Endpoint.CHAT, body.model_dump(exclude_none=True, mode="json"))
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={
+        **errors(*KEYED, *ADMIT, *ANSWER),
+        **events("With stream: true: text_completion objects, then [DONE]."),
+    },
+)
 async def completions(request: Request, body: CompletionRequest, who: Who) -> Response:
     return await _complete(
         request, who, Endpoint.COMPLETIONS, body.model_dump(exclude_none=True, mode="json")
     )
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(*KEYED))
 async def models(request: Request, who: Who) -> JSONResponse:
     served = await gateway(request).broker.served_models()
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "sluice"} for m in sorted(served)]

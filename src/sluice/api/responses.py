@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
+from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
     KeyCheck,
     KeyRevoked,
@@ -200,7 +201,18 @@ def _headers(job: Job) -> dict[str, str]:
     return {"x-sluice-job-id": job.id}
 
 
-@router.post("/v1/responses", response_model=None)
+#: What a response's events are, when sent as a stream.
+_EVENTS = (
+    "The response's typed events (response.created, response.output_text.delta, ..., "
+    "response.completed), each with its sequence_number."
+)
+
+
+@router.post(
+    "/v1/responses",
+    response_model=None,
+    responses={**errors(*KEYED, *ADMIT, *ANSWER), **events("With stream: true: " + _EVENTS)},
+)
 async def create_response(request: Request, body: ResponseRequest, who: Who) -> Response:
     gw = gateway(request)
     sent = body.model_dump(exclude_none=True, mode="json")
@@ -245,7 +257,11 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
     return JSONResponse(response_object(finished), headers=headers)
 
 
-@router.get("/v1/responses/{response_id}", response_model=None)
+@router.get(
+    "/v1/responses/{response_id}",
+    response_model=None,
+    responses={**errors(*KEYED, 400, 404, 405, 429), **events("With stream=true: " + _EVENTS)},
+)
 async def get_response(
     request: Request,
     response_id: str,
@@ -286,7 +302,7 @@ def _last_event_id(request: Request) -> int:
     return int(raw)
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel", responses=errors(*KEYED, 400, 404))
 async def cancel_response(request: Request, response_id: str, who: Who) -> JSONResponse:
     gw = gateway(request)
     job = await _own(gw, who, response_id)
@@ -303,7 +319,7 @@ async def cancel_response(request: Request, response_id: str, who: Who) -> JSONR
     return JSONResponse(response_object(job), headers=_headers(job))
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", responses=errors(*KEYED, 404, 405))
 async def delete_response(request: Request, response_id: str, who: Who) -> JSONResponse:
     gw = gateway(request)
     job = await _own(gw, who, response_id)
