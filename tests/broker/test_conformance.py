@@ -14,6 +14,7 @@ from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Refused
 from sluice.core.job import JobError, JobState
+from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
 from tests.broker.brokers import empty_redis, make_settings
 from tests.helpers import FakeClock, make_job
@@ -359,6 +360,83 @@ async def test_registry(broker: Broker, clock: FakeClock) -> None:
     assert await broker.served_models() == {"m": 4}
     clock.advance(60)  # no heartbeat for longer than a lease: the worker is presumed dead
     assert await broker.served_models() == {}
+
+
+async def test_what_workers_know_of_their_models_counts_while_they_live(
+    broker: Broker, clock: FakeClock
+) -> None:
+    await broker.register("w1", {"m": 4})
+    await broker.describe_models("w1", {"m": ModelInfo(created=100, context_window=4096)})
+    await broker.register("w2", {"m": 2, "x": 1})
+    learned = ModelInfo(created=50, context_window=8192, output_tokens=99, output_samples=7)
+    await broker.describe_models("w2", {"m": learned, "x": ModelInfo(created=7)})
+    info = await broker.model_info()
+    assert info == {
+        "m": ModelInfo(created=50, context_window=4096, output_tokens=99, output_samples=7),
+        "x": ModelInfo(created=7),
+    }
+    # A newer account replaces the worker's previous one.
+    await broker.describe_models("w2", {"m": learned})
+    assert set(await broker.model_info()) == {"m"}
+    await broker.unregister("w2")
+    assert await broker.model_info() == {"m": ModelInfo(created=100, context_window=4096)}
+    clock.advance(60)  # no heartbeat for longer than a lease: what the worker said goes with it
+    assert await broker.model_info() == {}
+
+
+async def test_a_tenants_jobs_are_listed_newest_first_in_pages(broker: Broker, clock: FakeClock) -> None:
+    mine = []
+    for _ in range(5):
+        mine.append(make_job(clock, tenant="a"))
+        await broker.admit(mine[-1])
+        clock.advance(0.01)  # little: a queue standing long would refuse the next
+    theirs = make_job(clock, tenant="b")
+    await broker.admit(theirs)
+    newest_first = [j.id for j in reversed(mine)]
+
+    first = await broker.list_jobs("a", 2)
+    assert [j.id for j in first.jobs] == newest_first[:2] and first.has_more
+    second = await broker.list_jobs("a", 2, after=first.jobs[-1].id)
+    assert [j.id for j in second.jobs] == newest_first[2:4] and second.has_more
+    last = await broker.list_jobs("a", 2, after=second.jobs[-1].id)
+    assert [j.id for j in last.jobs] == newest_first[4:] and not last.has_more
+    whole = await broker.list_jobs("a", 5)
+    assert [j.id for j in whole.jobs] == newest_first and not whole.has_more
+    assert whole.jobs[0].state is JobState.QUEUED and whole.jobs[0].tenant == "a"
+
+    # Only one's own jobs; another tenant's id, or an unknown one, is no cursor.
+    assert [j.id for j in (await broker.list_jobs("b", 10)).jobs] == [theirs.id]
+    assert (await broker.list_jobs("a", 10, after=theirs.id)).jobs == []
+    assert (await broker.list_jobs("a", 10, after="job_unknown")).jobs == []
+    assert (await broker.list_jobs("nobody", 10)).jobs == []
+
+
+async def test_jobs_of_the_same_instant_list_in_one_order(broker: Broker, clock: FakeClock) -> None:
+    jobs = [make_job(clock, tenant="a") for _ in range(4)]
+    for job in jobs:
+        await broker.admit(job)
+    expected = sorted((j.id for j in jobs), reverse=True)
+    assert [j.id for j in (await broker.list_jobs("a", 10)).jobs] == expected
+    page = await broker.list_jobs("a", 2)
+    rest = await broker.list_jobs("a", 2, after=page.jobs[-1].id)
+    assert [j.id for j in [*page.jobs, *rest.jobs]] == expected
+
+
+async def test_an_expired_job_leaves_the_list(broker: Broker, clock: FakeClock) -> None:
+    old = make_job(clock, tenant="a")
+    await broker.admit(old)
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.finish(old.id, W, JobState.SUCCEEDED, result={"ok": True})
+    clock.advance(1.0)
+    new = make_job(clock, tenant="a")
+    await broker.admit(new)
+    assert [j.id for j in (await broker.list_jobs("a", 1)).jobs] == [new.id]
+    assert (await broker.list_jobs("a", 1)).has_more
+    clock.advance(61)  # past the result TTL
+    await broker.maintain()
+    page = await broker.list_jobs("a", 10)
+    assert [j.id for j in page.jobs] == [new.id] and not page.has_more
+    assert (await broker.list_jobs("a", 1)).has_more is False
 
 
 async def test_position(broker: Broker, clock: FakeClock) -> None:

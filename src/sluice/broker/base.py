@@ -20,6 +20,7 @@ from typing import Any
 from sluice.core.admission import QueueLimits
 from sluice.core.capacity import DrainRate
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.model_info import ModelInfo
 from sluice.core.policy import CoDelPolicy, QueuePolicy
 from sluice.core.ratelimit import RateStatus, TenantLimits
 from sluice.core.scheduler import DEFAULT_CLASSES, ClassSpec
@@ -93,6 +94,19 @@ class Admission:
     estimated_start_s: float
     #: the caller's rate-limit standing after this admission, for the x-ratelimit-* headers
     rate: RateStatus | None = None
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """One page of a tenant's jobs, newest first (:meth:`Broker.list_jobs`).
+
+    Attributes:
+        jobs: the jobs of the page, newest first.
+        has_more: whether older jobs follow the page's last one.
+    """
+
+    jobs: list[Job]
+    has_more: bool
 
 
 @dataclass(frozen=True)
@@ -211,6 +225,12 @@ class Broker(ABC):
         """Per model: queue depth, running jobs, slots and drain rate."""
 
     @abstractmethod
+    async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
+        """The tenant's jobs whose records are still kept, newest first (by ``created_at``, then
+        id), at most ``limit`` of them, starting after the job ``after`` (the previous page's last
+        job); a job ``after`` that is not the tenant's, or is gone, gives an empty page."""
+
+    @abstractmethod
     async def queue_breakdown(self, top_tenants: int) -> dict[str, QueueBreakdown]:
         """Per model with a queue: its queued jobs and tokens by priority class, and the
         ``top_tenants`` tenants with the most jobs queued. Read without a lock: each count is exact
@@ -242,6 +262,16 @@ class Broker(ABC):
     @abstractmethod
     async def served_models(self) -> dict[str, int]:
         """Models some live worker serves, with their total slots."""
+
+    @abstractmethod
+    async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
+        """Keep what a registered worker knows of the models it serves, replacing its previous
+        account; it counts while the worker's registration does."""
+
+    @abstractmethod
+    async def model_info(self) -> dict[str, ModelInfo]:
+        """What the live workers know of each model they serve, several workers' accounts of a
+        model merged (:func:`sluice.core.model_info.merge`)."""
 
     async def claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
         """Take the next job of one of ``models`` (in dispatch order), waiting at most ``timeout``.

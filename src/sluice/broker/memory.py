@@ -18,6 +18,7 @@ from sluice.broker.base import (
     ClassDepth,
     Event,
     EventType,
+    JobPage,
     ModelStats,
     QueueBreakdown,
     TenantDepth,
@@ -27,6 +28,7 @@ from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.errors import cancelled_error, deadline_error, unfinishable_error, worker_lost_error
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.model_info import ModelInfo, merge
 from sluice.core.policy import Candidate, PolicyState
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
 from sluice.core.scheduler import ClassScheduler, Entry
@@ -96,6 +98,10 @@ class MemoryBroker(Broker):
         #: (tenant, Idempotency-Key) → the job it names, for as long as that job's record is kept
         self._idempotency: dict[tuple[str, str], str] = {}
         self._workers: dict[str, tuple[dict[str, int], float]] = {}
+        #: what each worker knows of its models (``describe_models``)
+        self._model_info: dict[str, dict[str, ModelInfo]] = {}
+        #: each tenant's kept jobs, job id → created_at, for ``list_jobs``
+        self._tenant_jobs: dict[str, dict[str, float]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._ttl: list[tuple[float, str]] = []
         self._dead: dict[str, float] = {}
@@ -252,6 +258,7 @@ class MemoryBroker(Broker):
         tenant.queued += 1
         job.state = JobState.QUEUED
         rec = self._records[job.id] = _Record(job, bucket=None if limits is None else limits.bucket_id)
+        self._tenant_jobs.setdefault(job.tenant, {})[job.id] = job.created_at
         q.push(job.priority, self._entry(job))
         heapq.heappush(self._deadlines, (job.deadline, job.id))
         if idem is not None:
@@ -400,9 +407,35 @@ class MemoryBroker(Broker):
 
     async def unregister(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._model_info.pop(worker_id, None)
 
     async def served_models(self) -> dict[str, int]:
         return self._slots()
+
+    async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
+        self._model_info[worker_id] = dict(models)
+
+    async def model_info(self) -> dict[str, ModelInfo]:
+        now = self.now()
+        accounts: dict[str, list[ModelInfo]] = {}
+        for worker_id, models in self._model_info.items():
+            registered = self._workers.get(worker_id)
+            if registered is None or registered[1] < now:
+                continue
+            for model, info in models.items():
+                accounts.setdefault(model, []).append(info)
+        return {model: merge(infos) for model, infos in accounts.items()}
+
+    async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
+        kept = self._tenant_jobs.get(tenant, {})
+        order = sorted(kept, key=lambda job_id: (kept[job_id], job_id), reverse=True)
+        start = 0
+        if after is not None:
+            if after not in kept:
+                return JobPage([], False)
+            start = order.index(after) + 1
+        page = order[start : start + limit]
+        return JobPage([self._records[job_id].job for job_id in page], start + limit < len(order))
 
     def _pop(self, models: Sequence[str]) -> Job | None:
         now = self.now()
@@ -631,6 +664,11 @@ class MemoryBroker(Broker):
     def _drop_record(self, job_id: str) -> None:
         """Forget a job, and the idempotency key that names it: a key lives as long as its job."""
         rec = self._records.pop(job_id, None)
+        if rec is not None:
+            kept = self._tenant_jobs.get(rec.job.tenant, {})
+            kept.pop(job_id, None)
+            if not kept:
+                self._tenant_jobs.pop(rec.job.tenant, None)
         if rec is not None and rec.job.idempotency_key:
             idem = (rec.job.tenant, rec.job.idempotency_key)
             if self._idempotency.get(idem) == job_id:

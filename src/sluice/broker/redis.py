@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from sluice.broker.base import (
     ClassDepth,
     Event,
     EventType,
+    JobPage,
     ModelStats,
     QueueBreakdown,
     TenantDepth,
@@ -75,6 +77,7 @@ from sluice.core.errors import (
     worker_lost_error,
 )
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
+from sluice.core.model_info import ModelInfo, merge
 from sluice.core.policy import Candidate
 from sluice.core.ratelimit import TenantLimits
 from sluice.outage import OutageLog
@@ -333,6 +336,7 @@ class RedisBroker(Broker):
         reply = AdmitReply.from_reply(await self._call("admit", keys, args))
         if reply.outcome is AdmitOutcome.QUEUED:
             assert reply.tenant is not None
+            await self._list_job(job, now)
             rate = reply.tenant.limiter(job.tenant).status(now)
             return Admission(job, False, reply.position, reply.estimated_start_s, rate)
         if reply.outcome is not AdmitOutcome.REFUSED:
@@ -353,6 +357,44 @@ class RedisBroker(Broker):
         candidate = Candidate(job.cost, job.priority, now, job.deadline, refusal.view, queue, drain)
         self.settings.policy.admit(candidate, refusal.policy)
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
+
+    async def _list_job(self, job: Job, now: float) -> None:
+        """Add an admitted job to its tenant's list, which then lives at least as long as the job's
+        record can (NX sets a first expiry, GT only ever lengthens it)."""
+        key = self.keys.tenant_jobs(job.tenant)
+        ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(key, {job.id: job.created_at})
+            pipe.pexpire(key, ttl_ms, nx=True)
+            pipe.pexpire(key, ttl_ms, gt=True)
+            await self._io(pipe.execute())
+
+    async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
+        key = self.keys.tenant_jobs(tenant)
+        start = 0
+        if after is not None:
+            rank = await self._batch.call(("ZREVRANK", key, after))
+            if rank is None:
+                return JobPage([], False)
+            start = int(rank) + 1
+        jobs: list[Job] = []
+        gone: list[str] = []
+        # One more than the page, to know whether more follow; members whose record expired are
+        # dropped from the list and the next ones read in their place.
+        while len(jobs) <= limit:
+            want = limit + 1 - len(jobs)
+            ids: list[str] = await self._batch.call(("ZREVRANGE", key, start, start + want - 1))
+            if not ids:
+                break
+            start += len(ids)
+            for job_id, job in zip(ids, await asyncio.gather(*(self.get(i) for i in ids)), strict=True):
+                if job is None:
+                    gone.append(job_id)
+                else:
+                    jobs.append(job)
+        if gone:
+            await self._batch.call(("ZREM", key, *gone))
+        return JobPage(jobs[:limit], len(jobs) > limit)
 
     async def _record(self, job_id: str) -> dict[str, str]:
         return pairs(await self._batch.call(("HGETALL", self.keys.job(job_id))))
@@ -624,6 +666,26 @@ class RedisBroker(Broker):
 
     async def unregister(self, worker_id: str) -> None:
         await self._workers("unregister", worker_id)
+        await self._batch.call(("HDEL", self.keys.model_info, worker_id))
+
+    async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
+        described = {model: info.to_dict() for model, info in sorted(models.items())}
+        await self._batch.call(("HSET", self.keys.model_info, worker_id, to_json(described)))
+
+    async def model_info(self) -> dict[str, ModelInfo]:
+        k = self.keys
+        live, described = await asyncio.gather(
+            self._batch.call(("ZRANGEBYSCORE", k.workers, self._now(), "+inf")),
+            self._batch.call(("HGETALL", k.model_info)),
+        )
+        accounts: dict[str, list[ModelInfo]] = {}
+        for worker_id, raw in pairs(described).items():
+            if worker_id not in live:
+                continue
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                for model, info in json.loads(raw).items():
+                    accounts.setdefault(model, []).append(ModelInfo.from_dict(info))
+        return {model: merge(infos) for model, infos in accounts.items()}
 
     async def served_models(self) -> dict[str, int]:
         return {model: n for model, n in capacity_slots(await self._workers("list")).items() if n > 0}

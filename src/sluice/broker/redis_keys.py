@@ -192,6 +192,18 @@ class QueueKeys:
         key itself expires when no gateway renews any of them (connect.lua)."""
         return f"{self.prefix}conns:{part(key_sha256)}"
 
+    def tenant_jobs(self, tenant: str) -> str:
+        """Zset: a tenant's jobs, job id → created_at, to list them newest first. Trimmed as they
+        expire: a member whose record is gone is dropped when a listing meets it, and the key
+        lives no longer than the record of the newest job in it."""
+        return f"{self.prefix}tjobs:{part(tenant)}"
+
+    @property
+    def model_info(self) -> str:
+        """Hash: worker id → JSON ``{model: ModelInfo}``, what each worker knows of the models it
+        serves; read for the live workers only (``workers``)."""
+        return f"{self.prefix}minfo"
+
 
 # --- fields of the job record (QueueKeys.job) ---------------------------------------------------------
 
