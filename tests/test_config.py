@@ -102,7 +102,15 @@ def test_missing_config_file(tmp_path: Path) -> None:
 
 def test_unset_default_follows_lowered_cap() -> None:
     s = load_settings(overrides={"max_tokens_cap": 64, "max_timeout_s": 10}, environ={})
-    assert s.default_max_tokens == 64 and s.default_timeout_s == 10
+    assert s.default_timeout_s == 10
+    # default_max_tokens is unset by default: such a request has no limit, whatever the cap.
+    assert s.default_max_tokens is None
+    assert (
+        load_settings(
+            overrides={"max_tokens_cap": 64, "default_max_tokens": 32}, environ={}
+        ).default_max_tokens
+        == 32
+    )
 
 
 def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

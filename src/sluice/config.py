@@ -263,10 +263,12 @@ class Settings(_Strict):
         gt=0,
         description="the longest deadline a request may ask for (seconds); longer ones are capped",
     )
-    default_max_tokens: int = Field(
-        default=512,
+    default_max_tokens: int | None = Field(
+        default=None,
         ge=1,
-        description="max_tokens of a request that sets none; follows a lower `max_tokens_cap` unless set",
+        description="max_tokens of a request that sets none; unset: such a request reaches the engine "
+        "without a limit (the engine decides), and is charged what the model's answers have been "
+        "measured to need, within its context window",
     )
     max_tokens_cap: int = Field(
         default=4096, ge=1, description="the most max_tokens a request may ask for; more is a 400"
@@ -426,7 +428,8 @@ class Settings(_Strict):
             ("default_timeout_s", "max_timeout_s"),
             ("default_max_tokens", "max_tokens_cap"),
         ):
-            if getattr(self, default) > getattr(self, cap):
+            value = getattr(self, default)
+            if value is not None and value > getattr(self, cap):
                 if default in self.model_fields_set:
                     raise ValueError(f"{default} must not exceed {cap}")
                 object.__setattr__(self, default, getattr(self, cap))

@@ -12,6 +12,15 @@ token budget: its lease is renewed, its deadline watched and a cancel reaches it
 never hands it out a second time. A job that waits holds back new claims only for the backends it
 could run on, so that it is next in when room frees; models served elsewhere are claimed as before.
 Claims are made only for models with a backend that has room.
+
+A failed attempt is retried (on another backend if there is one) only while the job's deadline
+leaves time: no attempt starts after it, and no backoff or backend cooldown is waited out past it.
+A job that gives up after several attempts says how many in its error, and the HTTP answer then
+tells the client not to retry it again (``x-should-retry: false``).
+
+The dispatcher also tells the broker what it knows of each model it serves (``ModelInfo``): what
+the engines' model lists say, and how long the answers of requests without a length limit were
+(:class:`~sluice.core.output_lengths.OutputLengths`), from which the gateway estimates their cost.
 """
 
 from __future__ import annotations
@@ -23,12 +32,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluice.backends.base import Backend, BackendError, public_name
 from sluice.broker.base import Broker, EventType
 from sluice.core.errors import deadline_error, internal_error
 from sluice.core.job import Job, JobError, JobState
+from sluice.core.model_info import ModelInfo, merge
+from sluice.core.output_lengths import OutputLengths
 from sluice.metrics import Metrics
 from sluice.outage import OutageLog
 from sluice.protocol import Assembler
@@ -52,6 +63,8 @@ class _Slots:
     failures: int = 0
 
     draining: bool = False
+    #: whether the engine's model list was read (``Backend.model_info`` holds what it said)
+    described: bool = False
 
     def available(self, now: float) -> bool:
         return (
@@ -111,6 +124,11 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.running: dict[str, asyncio.Task[None]] = {}
+        #: per model: the answers' lengths of finished jobs whose engine decided their length
+        self.output_lengths: dict[str, OutputLengths] = {}
+        #: per model: when this dispatcher first served it (the creation time of a model whose
+        #: engine gives none)
+        self._first_seen: dict[str, int] = {}
         self._claims_outage = OutageLog(log, "claims")
         self._heartbeat_outage = OutageLog(log, "heartbeat")
         #: claimed jobs waiting for a slot with room, in the order they began to wait
@@ -125,9 +143,11 @@ class Dispatcher:
             if not s.backend.models:
                 try:
                     s.backend.models = await s.backend.discover_models()
+                    s.described = True
                 except BackendError as exc:
                     log.warning("backend %s: %s; will retry", s.backend.name, exc.detail)
         await self.broker.register(self.worker_id, self.capacity())
+        await self.broker.describe_models(self.worker_id, self.model_info())
         self._tasks = [
             asyncio.create_task(self._dispatch_forever(), name="dispatch"),
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
@@ -172,6 +192,35 @@ class Dispatcher:
 
     def models(self) -> list[str]:
         return sorted(self.capacity())
+
+    def model_info(self) -> dict[str, ModelInfo]:
+        """What this dispatcher knows of each model it serves: its engines' accounts merged, the
+        time it first served the model where no engine gives a creation time, and the answers'
+        lengths it measured."""
+        out: dict[str, ModelInfo] = {}
+        now = int(self.clock())
+        for model in self.capacity():
+            engines = merge(
+                s.backend.model_info[model]
+                for s in self.slots
+                if model in s.backend.models and model in s.backend.model_info
+            )
+            created = engines.created or self._first_seen.setdefault(model, now)
+            learned = self.output_lengths.get(model) or OutputLengths()
+            out[model] = replace(
+                engines, created=created, output_tokens=learned.estimate, output_samples=learned.samples
+            )
+        return out
+
+    def _learn(self, job: Job, usage: dict[str, object] | None) -> None:
+        """Count a finished job's answer length, if the engine decided it (the request set no
+        limit): that is what a request without a limit is expected to generate."""
+        if usage is None or "max_tokens" in job.body or "max_completion_tokens" in job.body:
+            return
+        tokens = usage.get("completion_tokens")
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            lengths = self.output_lengths.setdefault(job.model, OutputLengths())
+            lengths.observe(tokens / max(job.sequences, 1))
 
     # --- dispatch -----------------------------------------------------------------------------
 
@@ -295,17 +344,24 @@ class Dispatcher:
                     label = held.label
                     self._release(held, job)
                     held = None
-                    if not exc.retryable or attempts >= job.max_attempts:
-                        await self._finish(job, JobState.FAILED, attempts, backend, error=_job_error(exc))
+                    retry_at = self._retry_at(job, attempts) if exc.retryable else None
+                    if retry_at is None or attempts >= job.max_attempts:
+                        error = _job_error(exc, attempts)
+                        await self._finish(job, JobState.FAILED, attempts, backend, error=error)
                         return
                     await self.broker.publish(
                         job.id,
                         EventType.RETRY,
                         {"attempt": attempts, "reason": exc.message, "backend": label},
                     )
-                    held = await self._reacquire(job, tried, attempts)
-                    if held is not None:
-                        attempts += 1
+                    held = await self._reacquire(job, tried, retry_at)
+                    if held is None:
+                        # The deadline came before a backend could take the job again: what
+                        # stopped it is the engine's failure.
+                        error = _job_error(exc, attempts)
+                        await self._finish(job, JobState.FAILED, attempts, backend, error=error)
+                        return
+                    attempts += 1
                     continue
                 except TimeoutError:
                     break
@@ -341,8 +397,20 @@ class Dispatcher:
             if held is not None:
                 self._release(held, job)
 
-    async def _reacquire(self, job: Job, tried: set[str], attempts: int) -> _Slots | None:
-        await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempts - 1), 2.0))
+    def _retry_at(self, job: Job, attempts: int) -> float | None:
+        """When the job's next attempt may start (clock time): after the backoff, and once some
+        backend of its model is out of its cooldown; None when that is not before the deadline."""
+        backoff = min(self.retry_backoff_s * 2 ** (attempts - 1), 2.0)
+        serving = [s for s in self.slots if job.model in s.backend.models and not s.draining]
+        if not serving:
+            return None
+        mono = time.monotonic()
+        cooldown = min(max(s.cooldown_until - mono, 0.0) for s in serving)
+        at = self.clock() + max(backoff, cooldown)
+        return at if at < job.deadline else None
+
+    async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> _Slots | None:
+        await asyncio.sleep(max(retry_at - self.clock(), 0.0))
         return await self._acquire(job, exclude=tried)
 
     async def _generate(self, job: Job, backend: Backend) -> Assembler:
@@ -393,6 +461,8 @@ class Dispatcher:
             log_outcome(done)
             if self.metrics:
                 self.metrics.observe_job(done)
+            if state is JobState.SUCCEEDED:
+                self._learn(job, usage)
 
     # --- heartbeat ----------------------------------------------------------------------------
 
@@ -401,6 +471,7 @@ class Dispatcher:
             await self.broker.wait_abort_signal(self.heartbeat_s)
             try:
                 await self.broker.register(self.worker_id, self.capacity())
+                await self.broker.describe_models(self.worker_id, self.model_info())
                 abort = await self.broker.heartbeat(self.worker_id, list(self.running))
                 self.apply_draining(await self.broker.draining())
             except asyncio.CancelledError:
@@ -421,13 +492,23 @@ class Dispatcher:
             if not s.backend.models:
                 with contextlib.suppress(BackendError):
                     s.backend.models = await s.backend.discover_models()
+                    s.described = True
                     if s.backend.models:
                         log.info("backend %s serves %s", s.backend.name, ", ".join(s.backend.models))
                         self._capacity.set()
+            elif not s.described:
+                # Models configured, not listed: the engine's list still says what it knows of
+                # them (their context window), and the configured names stay.
+                with contextlib.suppress(BackendError):
+                    await s.backend.discover_models()
+                    s.described = True
 
 
-def _job_error(exc: BackendError) -> JobError:
-    return JobError(exc.message, exc.type, exc.code)
+def _job_error(exc: BackendError, attempts: int = 1) -> JobError:
+    """The job's error for the engine's failure; after several attempts it says how many (the
+    client is then told not to retry: Sluice did)."""
+    message = exc.message if attempts <= 1 else f"{exc.message} (gave up after {attempts} attempts)"
+    return JobError(message, exc.type, exc.code, exc.param)
 
 
 def log_outcome(job: Job) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from sluice.core.cost import estimate_chat_tokens, estimate_prompt_tokens
 from sluice.core.job import Endpoint
+from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
 from sluice.core.request import JobPlan, RequestedJob, RequestLimits, RequestRejected, plan_job
 
@@ -149,10 +150,54 @@ def test_max_tokens_out_of_bounds_is_refused(name: str, value: int, message: str
     assert r.message == f"'{name}' must be {message}."
 
 
-def test_max_tokens_wins_over_max_completion_tokens() -> None:
-    assert plan(chat(max_tokens=7, max_completion_tokens=9)).engine_max_tokens == 7
-    # The newer name is not even read when the older one is set.
-    assert plan(chat(max_tokens=7, max_completion_tokens=0)).engine_max_tokens == 7
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    # As vLLM reads them: the newer name first.
+    assert plan(chat(max_tokens=7, max_completion_tokens=9)).engine_max_tokens == 9
+    assert plan(chat(max_tokens=9, max_completion_tokens=7)).max_tokens == 7
+    # Each one sent is checked, whichever wins.
+    r = rejected(chat(max_tokens=0, max_completion_tokens=9))
+    assert (r.code, r.param) == ("invalid_value", "max_tokens")
+
+
+# --- no limit: the engine decides, and the cost is an estimate ----------------------------------
+
+UNLIMITED = replace(LIMITS, default_max_tokens=None, max_prompt_tokens=10_000)
+
+
+def test_without_a_limit_or_a_default_the_engine_gets_none() -> None:
+    p = plan(chat(), limits=UNLIMITED)
+    assert p.engine_max_tokens is None
+    # Nothing known of the model: charged the most a request may ask for.
+    assert p.max_tokens == UNLIMITED.max_tokens_cap
+
+
+def test_without_a_limit_the_charge_is_what_answers_were_measured_to_need() -> None:
+    measured = ModelInfo(context_window=32_768, output_tokens=300, output_samples=10)
+    p = plan_job(chat(n=2), UNLIMITED, ANYONE, NOW, measured)
+    assert (p.engine_max_tokens, p.max_tokens, p.sequences) == (None, 600, 2)
+
+
+def test_without_a_limit_the_charge_stays_within_the_context_window() -> None:
+    prompt = estimate_chat_tokens(MSG)
+    small = ModelInfo(context_window=prompt + 50)
+    assert plan_job(chat(), UNLIMITED, ANYONE, NOW, small).max_tokens == 50
+    learned = ModelInfo(context_window=prompt + 50, output_tokens=3000, output_samples=5)
+    assert plan_job(chat(), UNLIMITED, ANYONE, NOW, learned).max_tokens == 50
+    # A prompt that fills the window is still charged a token: the engine will say it is too long.
+    full = ModelInfo(context_window=prompt)
+    assert plan_job(chat(), UNLIMITED, ANYONE, NOW, full).max_tokens == 1
+
+
+def test_without_a_limit_the_charge_stays_within_the_keys_tpm() -> None:
+    prompt = estimate_chat_tokens(MSG)
+    tight = TenantLimits("t", tpm=prompt + 100)
+    p = plan_job(chat(), UNLIMITED, tight, NOW, ModelInfo(context_window=32_768))
+    assert p.cost == prompt + 100
+
+
+def test_a_limit_asked_is_charged_as_asked_whatever_is_known() -> None:
+    measured = ModelInfo(context_window=100, output_tokens=5, output_samples=10)
+    assert plan_job(chat(max_tokens=70), UNLIMITED, ANYONE, NOW, measured).max_tokens == 70
 
 
 # --- messages and the prompt --------------------------------------------------------------------
@@ -278,6 +323,25 @@ def test_a_key_capped_below_the_default_gets_its_ceiling_by_default() -> None:
     ],
 )
 def test_the_deadline_is_the_asked_timeout_capped(fields: dict[str, Any], seconds: float) -> None:
+    assert plan(chat(**fields)).deadline == NOW + seconds
+
+
+@pytest.mark.parametrize(
+    ("fields", "seconds"),
+    [
+        ({"client_timeout_header": "600"}, 600.0),
+        ({"client_timeout_header": "30.0"}, 30.0),
+        ({"client_timeout_header": "1e9"}, 600.0),  # capped
+        ({"client_timeout_header": "soon"}, 120.0),  # the library's header is ignored, not refused
+        ({"client_timeout_header": "0"}, 120.0),
+        ({"client_timeout_header": "nan"}, 120.0),
+        ({"client_timeout_header": "30", "timeout_header": "7"}, 7.0),  # the client's own wins
+        ({"client_timeout_header": "30", "timeout_s": 5.0}, 5.0),
+    ],
+)
+def test_the_client_librarys_timeout_is_the_deadline_when_none_is_asked(
+    fields: dict[str, Any], seconds: float
+) -> None:
     assert plan(chat(**fields)).deadline == NOW + seconds
 
 

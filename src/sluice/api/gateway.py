@@ -20,6 +20,7 @@ from sluice.broker.base import Admission, Broker
 from sluice.config import Settings
 from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
+from sluice.core.model_info import ModelInfo
 from sluice.core.request import RequestedJob, RequestRejected, plan_job
 from sluice.metrics import Metrics
 from sluice.startup import EngineStartup
@@ -58,6 +59,7 @@ class Gateway:
     #: their leases are renewed while they last (``_renew_forever``)
     connections: dict[str, set[str]] = field(default_factory=dict)
     _served: tuple[float, dict[str, int]] = (0.0, {})
+    _info: tuple[float, dict[str, ModelInfo]] = (0.0, {})
     #: renews the leases of ``connections``; runs only while there are some
     _renewer: asyncio.Task[None] | None = None
     #: slots being given back (kept so that a release outlives the request that ended)
@@ -139,6 +141,15 @@ class Gateway:
             self._served = (now + SERVED_CACHE_S if served else 0.0, served)
         return self._served[1]
 
+    async def model_info(self) -> dict[str, ModelInfo]:
+        """What the workers know of the models they serve (context windows, answers' lengths), read
+        at most once per SERVED_CACHE_S, as the registry is."""
+        now = time.monotonic()
+        if now >= self._info[0]:
+            info = await self.broker.model_info()
+            self._info = (now + SERVED_CACHE_S if info else 0.0, info)
+        return self._info[1]
+
     def starting(self) -> APIError | None:
         """The answer for requests that need the local engine while it is not serving yet."""
         if self.startup is None or self.startup.ready:
@@ -216,18 +227,24 @@ class Gateway:
             priority_header=request.headers.get("x-priority"),
             timeout_s=opts.timeout,
             timeout_header=request.headers.get("x-request-timeout"),
+            client_timeout_header=client_timeout(request),
             tools=body.get("tools"),
             functions=body.get("functions"),
             response_format=body.get("response_format"),
         )
         now = time.time()
+        info = (await self.model_info()).get(model)
         try:
-            plan = plan_job(asked, s.request_limits(), caller.limits, now)
+            plan = plan_job(asked, s.request_limits(), caller.limits, now, info)
         except RequestRejected as rejected:
             raise APIError(rejected.status, rejected.message, rejected.code, param=rejected.param) from None
-        engine_body = {k: v for k, v in body.items() if k not in OWN_FIELDS and k != "max_completion_tokens"}
+        # The limits go to the engine as the client sent them (vLLM reads max_completion_tokens
+        # first); a request without one gets the server's default_max_tokens, if it has one, else
+        # none: the engine decides, as it would for the client.
+        engine_body = {k: v for k, v in body.items() if k not in OWN_FIELDS}
         engine_body["model"] = model
-        engine_body["max_tokens"] = plan.engine_max_tokens
+        if opts.max_tokens is None and opts.max_completion_tokens is None and plan.engine_max_tokens:
+            engine_body["max_tokens"] = plan.engine_max_tokens
         return Job(
             id=new_job_id(),
             model=model,
@@ -300,6 +317,12 @@ def client_retry(request: Request) -> int:
     # ASCII only: str.isdigit() also accepts '²', which int() refuses; and short: int() refuses
     # more than 4300 digits, and no client retries a billion times.
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
+
+
+def client_timeout(request: Request) -> str | None:
+    """The time-out the client's own library waits, as it sent it: openai-node's
+    ``x-stainless-timeout``, openai-python's ``x-stainless-read-timeout`` (seconds)."""
+    return request.headers.get("x-stainless-timeout") or request.headers.get("x-stainless-read-timeout")
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:

@@ -68,8 +68,38 @@ async def submit_job(request: Request, body: JobRequest, who: Who) -> JSONRespon
         "position": admission.position,
         "estimated_start_s": round(admission.estimated_start_s, 3),
     }
-    headers = {"Location": f"/v1/jobs/{job.id}", **rate_headers(admission)}
+    headers = {"Location": f"/v1/jobs/{job.id}", "x-sluice-job-id": job.id, **rate_headers(admission)}
     return JSONResponse(payload, status_code=200 if admission.duplicate else 202, headers=headers)
+
+
+#: The most jobs one page of ``GET /v1/jobs`` holds, and how many it holds unless told.
+MAX_PAGE = 100
+DEFAULT_PAGE = 20
+
+
+@router.get("/v1/jobs")
+async def list_jobs(
+    request: Request,
+    who: Who,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Jobs per page.")] = DEFAULT_PAGE,
+    after: Annotated[
+        str | None, Query(max_length=200, description="The last job id of the previous page.")
+    ] = None,
+) -> JSONResponse:
+    """The caller's own jobs (its tenant's) whose records are still kept, newest first, in
+    OpenAI's list shape; the next page starts ``after`` the last id of this one."""
+    gw = gateway(request)
+    page = await gw.broker.list_jobs(who.tenant, limit, after)
+    data = [await view(gw, job) for job in page.jobs]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": page.has_more,
+        }
+    )
 
 
 @router.get("/v1/jobs/{job_id}", responses=errors(*KEYED, 400, 404, 429))

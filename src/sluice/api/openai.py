@@ -1,7 +1,15 @@
-"""The OpenAI-compatible synchronous API: the request is queued and scheduled like any job."""
+"""The OpenAI-compatible synchronous API: the request is queued and scheduled like any job.
+
+A streamed answer's headers wait until the engine has taken the job (its first token, or its end)
+for up to ACCEPT_WAIT_S: a request the engine refuses before any token is then an error with its
+proper status (the engine's 400 and the parameter it names), which an SDK raises as such, rather
+than an HTTP 200 whose stream holds an error. A job still queued after that wait streams as
+before, and an error after the first token is an error event in the stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -13,13 +21,39 @@ from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
-from sluice.api.relay import answer, key_check, openai_stream, wait_for_client
+from sluice.api.relay import answer, failure, key_check, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
-from sluice.core.job import Endpoint
+from sluice.broker.base import Broker, EventType
+from sluice.core.job import Endpoint, Job
+from sluice.core.model_info import ModelInfo
 
 router = APIRouter(tags=["openai"])
 
 PING_S = 15
+
+#: How long a stream's headers wait for the engine to take the job (its first token, or its end).
+ACCEPT_WAIT_S = 5.0
+
+
+async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAIT_S) -> None:
+    """Return once the engine has taken ``job`` (its first token, or its successful end), or after
+    ``within_s`` seconds; raise the job's failure as an :class:`APIError` if it ended without an
+    answer before that, so that it is answered with its status rather than inside a stream.
+    Retried attempts before the first token are waited through."""
+    events = broker.events(job.id)
+    try:
+        async with asyncio.timeout(within_s):
+            async for event in events:
+                if event.type in (EventType.TOKEN, EventType.DONE):
+                    return
+                if event.type is EventType.ERROR:
+                    error = failure(await broker.get(job.id) or job)
+                    error.job_id = job.id
+                    raise error
+    except TimeoutError:
+        return
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:
@@ -34,6 +68,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
         if body.get("stream"):
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
             held = stack.pop_all()  # the stream's generator releases the connection when it ends
             return EventSourceResponse(
                 openai_stream(
@@ -86,6 +121,32 @@ async def completions(request: Request, body: CompletionRequest, who: Who) -> Re
 
 @router.get("/v1/models", responses=errors(*KEYED))
 async def models(request: Request, who: Who) -> JSONResponse:
-    served = await gateway(request).broker.served_models()
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "sluice"} for m in sorted(served)]
+    gw = gateway(request)
+    served = await gw.broker.served_models()
+    info = await gw.broker.model_info()
+    data = [model_object(m, info.get(m)) for m in sorted(served)]
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str, who: Who) -> JSONResponse:
+    gw = gateway(request)
+    if model_id not in await gw.broker.served_models():
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist or is not served right now.",
+            "model_not_found",
+            param="model",
+        )
+    return JSONResponse(model_object(model_id, (await gw.broker.model_info()).get(model_id)))
+
+
+def model_object(name: str, info: ModelInfo | None) -> dict[str, Any]:
+    """OpenAI's model object for a served model, with the context window as vLLM reports it
+    (``max_model_len``) where the engine gave one; ``created`` is the engine's, or when a worker
+    first served the model."""
+    info = info or ModelInfo()
+    out: dict[str, Any] = {"id": name, "object": "model", "created": info.created, "owned_by": "sluice"}
+    if info.context_window is not None:
+        out["max_model_len"] = info.context_window
+    return out

@@ -18,7 +18,7 @@ from sluice.api import auth
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
-from sluice.protocol import chunk
+from sluice.protocol import chunk, error_body
 
 T = TypeVar("T")
 
@@ -69,17 +69,20 @@ async def wait_for_client(request: Request, broker: Broker, job: Job) -> Job | N
 
 
 def failure(job: Job) -> APIError:
-    """The HTTP error for a job that ended without a result."""
+    """The HTTP error for a job that ended without a result. An engine's refusal is a 400 with the
+    parameter it named; an engine failure a 502, which tells the client not to retry once Sluice
+    has retried it already (the SDKs would retry every one of Sluice's attempts again)."""
     err = job.error
     message = err.message if err else f"The job ended in state {job.state.value}."
     code = err.code if err else None
     if job.state is JobState.EXPIRED:
-        return APIError(504, message, code or "deadline_exceeded", type="timeout", should_retry=False)
+        return APIError(504, message, code or "deadline_exceeded", should_retry=False)
     if job.state is JobState.CANCELLED:
         return APIError(409, message, code or "cancelled", should_retry=False)
     if err is not None and err.type == "invalid_request_error":
-        return APIError(400, message, code)
-    return APIError(502, message, code or "engine_error", type="server_error")
+        return APIError(400, message, code, param=err.param)
+    retried = job.attempts > 1
+    return APIError(502, message, code or "engine_error", should_retry=False if retried else None)
 
 
 def answer(job: Job | None) -> JSONResponse:
@@ -200,7 +203,8 @@ async def openai_stream(
                 # Tokens already sent cannot be taken back: end this stream with an error.
                 finished = True
                 err = {"message": "The engine failed mid-answer; retry the request.", "code": "engine_error"}
-                yield {"data": json.dumps({"error": {**err, "type": "server_error"}})}
+                yield {"data": json.dumps({"error": {**err, "type": "server_error", "param": None}})}
+                yield {"data": "[DONE]"}
                 await cancel_quietly(broker, job.id)
                 return
             elif event.type is EventType.DONE:
@@ -213,11 +217,8 @@ async def openai_stream(
                 finished = True
                 final = await broker.get(job.id)
                 error = failure(final or job)
-                yield {
-                    "data": json.dumps(
-                        {"error": {"message": error.message, "type": error.type, "code": error.code}}
-                    )
-                }
+                yield {"data": json.dumps(error_body(error.message, error.type, error.code, error.param))}
+                yield {"data": "[DONE]"}
                 return
     except KeyRevoked:
         yield {"data": json.dumps({"error": REVOKED})}

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sluice.core.job import Job
+from sluice.core.model_info import ModelInfo
 
 
 def public_name(name: str, index: int) -> str:
@@ -32,6 +33,7 @@ class BackendError(Exception):
         status: the engine's HTTP status, when it answered.
         detail: what the operator's log is told, which may name the engine's address; unset: the
             message.
+        param: the parameter the engine refused, as its error names it.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class BackendError(Exception):
         type: str = "server_error",
         code: str | None = "engine_error",
         detail: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -51,6 +54,7 @@ class BackendError(Exception):
         self.status = status
         self.type = type
         self.code = code
+        self.param = param
 
 
 class Backend(ABC):
@@ -63,6 +67,9 @@ class Backend(ABC):
         max_inflight_tokens: optional budget of in-flight cost (prompt + max_tokens) on this engine,
             e.g. its KV-cache size in tokens, so long requests do not cause preemption.
         models: the models it serves; empty means "ask the engine" (``/v1/models``).
+
+    ``model_info`` holds what the engine's model list says of each model it serves (its context
+    window, when it was created); :meth:`discover_models` fills it.
     """
 
     def __init__(
@@ -79,10 +86,12 @@ class Backend(ABC):
         self.max_concurrency = max_concurrency
         self.max_inflight_tokens = max_inflight_tokens
         self.models: list[str] = list(models or [])
+        self.model_info: dict[str, ModelInfo] = {}
 
     @abstractmethod
     async def discover_models(self) -> list[str]:
-        """The models the engine lists; raises :class:`BackendError` when it cannot be reached."""
+        """The models the engine lists, and what it says of them into ``model_info``; raises
+        :class:`BackendError` when it cannot be reached."""
 
     @abstractmethod
     def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:

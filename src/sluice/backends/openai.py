@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +12,7 @@ import httpx
 
 from sluice.backends.base import Backend, BackendError
 from sluice.core.job import Job
+from sluice.core.model_info import ModelInfo
 
 # Errors the engine may recover from, or that another engine may not have.
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -61,11 +64,34 @@ class OpenAIBackend(Backend):
             r = await self._client.get("/v1/models", timeout=5.0)
             r.raise_for_status()
             data = r.json().get("data", [])
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            listed = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
             raise BackendError(
                 "cannot list the engine's models", retryable=True, detail=f"cannot list models: {exc}"
             ) from exc
-        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        now = int(time.time())
+        info = {m["id"]: _model_info(m, self.model_info.get(m["id"]), now) for m in listed}
+        if len(info) == 1:
+            # llama-server serves one model, and says its context per slot in /props only (or in
+            # its model list's meta, in newer builds).
+            (name, one), entry = next(iter(info.items())), listed[0]
+            if _positive(entry.get("max_model_len")) is None and _meta(entry, "n_ctx") is None:
+                window = await self._props_context()
+                if window is not None:
+                    info[name] = ModelInfo(one.created, window)
+        self.model_info = info
+        return list(info)
+
+    async def _props_context(self) -> int | None:
+        """llama-server's context per slot, from ``/props``; None where the engine has no such page."""
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+            r = await self._client.get("/props", timeout=2.0)
+            if r.status_code == 200:
+                props = r.json()
+                settings = props.get("default_generation_settings")
+                found = settings.get("n_ctx") if isinstance(settings, dict) else None
+                return _positive(found) or _positive(props.get("n_ctx"))
+        return None
 
     async def healthy(self) -> bool:
         try:
@@ -165,15 +191,55 @@ def _message(data: Any) -> str:
 
 
 def _status_error(status: int, raw: bytes) -> BackendError:
+    param = None
     try:
-        message = _message(json.loads(raw))
+        data = json.loads(raw)
+        message = _message(data)
+        param = _param(data)
     except ValueError:
         message = raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
     if status in RETRYABLE_STATUS or status >= 500:
         return BackendError(f"engine answered {status}: {message}", retryable=True, status=status)
     # The engine refused the request itself (context too long, bad parameter): the client's fault.
     return BackendError(
-        message, retryable=False, status=status, type="invalid_request_error", code="engine_rejected"
+        message,
+        retryable=False,
+        status=status,
+        type="invalid_request_error",
+        code="engine_rejected",
+        param=param,
+    )
+
+
+def _param(data: Any) -> str | None:
+    """The parameter an engine's error names (OpenAI's ``error.param``), if it names one."""
+    err = data.get("error") if isinstance(data, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    return param if isinstance(param, str) and param else None
+
+
+def _positive(value: Any) -> int | None:
+    """A count an engine reports: a positive integer, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _meta(entry: dict[str, Any], name: str) -> int | None:
+    """A count from llama-server's ``meta`` of a model list entry."""
+    meta = entry.get("meta")
+    return _positive(meta.get(name)) if isinstance(meta, dict) else None
+
+
+def _model_info(entry: dict[str, Any], known: ModelInfo | None, now: int) -> ModelInfo:
+    """What a ``/v1/models`` entry says of its model. The context window is vLLM's
+    ``max_model_len``, else llama-server's context per slot (``meta.n_ctx``), else the context it
+    was trained for (``meta.n_ctx_train``). The creation time is the one first seen: engines
+    (vLLM, llama-server) answer the time of the call, so a later listing would move it."""
+    first_seen = known.created if known is not None else 0
+    return ModelInfo(
+        created=first_seen or _positive(entry.get("created")) or now,
+        context_window=(
+            _positive(entry.get("max_model_len")) or _meta(entry, "n_ctx") or _meta(entry, "n_ctx_train")
+        ),
     )
 
 

@@ -19,7 +19,7 @@ WORKER_LOST_ATTEMPTS = "{attempts}"
 
 def deadline_error() -> JobError:
     """Why a job expired: its deadline passed, queued or running."""
-    return JobError("The job's deadline passed before it could finish.", "timeout", "deadline_exceeded")
+    return JobError("The job's deadline passed before it could finish.", "server_error", "deadline_exceeded")
 
 
 def unfinishable_error(left_s: float | str) -> JobError:
@@ -28,14 +28,14 @@ def unfinishable_error(left_s: float | str) -> JobError:
     left = left_s if isinstance(left_s, str) else f"{left_s:.1f}"
     return JobError(
         f"Dropped before dispatch: {left} s were left before the deadline, less than the generation needs.",
-        "timeout",
+        "server_error",
         "deadline_exceeded",
     )
 
 
 def cancelled_error() -> JobError:
     """Why a job was cancelled: its client asked (explicitly, or by hanging up a synchronous call)."""
-    return JobError("The job was cancelled.", "cancelled", "cancelled")
+    return JobError("The job was cancelled.", "invalid_request_error", "cancelled")
 
 
 def internal_error() -> JobError:

@@ -41,14 +41,19 @@ class Endpoint(StrEnum):
 
 @dataclass
 class JobError:
-    """An error in OpenAI's shape: ``{"message", "type", "code"}``."""
+    """An error in OpenAI's shape: ``{"message", "type", "code"}``, and ``param`` where the error
+    is about one (the engine's word on which parameter it refused)."""
 
     message: str
     type: str = "server_error"
     code: str | None = None
+    param: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"message": self.message, "type": self.type, "code": self.code}
+        out: dict[str, Any] = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            out["param"] = self.param
+        return out
 
 
 def new_job_id() -> str:

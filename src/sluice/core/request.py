@@ -20,6 +20,7 @@ from sluice.core.cost import (
     prompt_count,
 )
 from sluice.core.job import Endpoint
+from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "plan_job",
     "priority",
     "prompt_tokens",
+    "reserved_tokens",
     "sequences_per_prompt",
     "timeout_s",
 ]
@@ -50,12 +52,16 @@ class RequestedJob:
         best_of: the body's ``best_of`` as sent (any JSON value: it is checked here): how many
             sequences the engine generates per prompt to return the best ``n`` of them.
         max_tokens: the body's ``max_tokens``.
-        max_completion_tokens: the body's ``max_completion_tokens``, read only when ``max_tokens``
-            is absent (OpenAI's newer name for the same limit).
+        max_completion_tokens: the body's ``max_completion_tokens`` (OpenAI's newer name for the
+            same limit); it wins over ``max_tokens`` when both are set, as in vLLM.
         priority: the body's ``priority``; it wins over the header.
         priority_header: the ``X-Priority`` header.
         timeout_s: the body's ``timeout`` (seconds); it wins over the header.
         timeout_header: the ``X-Request-Timeout`` header, unparsed: its text is checked here.
+        client_timeout_header: the time-out the client library itself waits, unparsed: the
+            official SDKs send it as ``x-stainless-timeout`` (openai-node) or
+            ``x-stainless-read-timeout`` (openai-python), in seconds. Used when neither the body
+            nor X-Request-Timeout sets one; a value that is not a positive number is ignored.
         tools: the body's ``tools`` (chat), as sent: their definitions are prompt text too.
         functions: the body's ``functions`` (chat; the older name for tools), as sent.
         response_format: the body's ``response_format``, as sent: its ``json_schema`` counts.
@@ -72,6 +78,7 @@ class RequestedJob:
     priority_header: str | None = None
     timeout_s: float | None = None
     timeout_header: str | None = None
+    client_timeout_header: str | None = None
     tools: Any = None
     functions: Any = None
     response_format: Any = None
@@ -86,8 +93,11 @@ class RequestLimits:
         default_priority: the class of a request that names none (a key's ceiling may lower it).
         max_n: the most choices (``n``) one request may ask for, and the most sequences
             (``best_of``) it may have generated per prompt.
-        default_max_tokens: ``max_tokens`` of a request that sets none.
-        max_tokens_cap: the most ``max_tokens`` (per choice) a request may ask for.
+        default_max_tokens: ``max_tokens`` of a request that sets none; None: such a request
+            reaches the engine without a limit, and the engine decides.
+        max_tokens_cap: the most ``max_tokens`` (per choice) a request may ask for; also the most
+            a request without a limit is charged per sequence before its model's answers have
+            been measured.
         max_messages: the most chat messages one request may carry.
         max_prompt_tokens: the longest prompt taken, in estimated tokens: everything the engine
             reads (a completions prompt list's prompts together), counted once.
@@ -98,7 +108,7 @@ class RequestLimits:
     classes: tuple[str, ...]
     default_priority: str
     max_n: int
-    default_max_tokens: int
+    default_max_tokens: int | None
     max_tokens_cap: int
     max_messages: int
     max_prompt_tokens: int
@@ -112,9 +122,12 @@ class JobPlan:
 
     Attributes:
         priority: the job's priority class.
-        engine_max_tokens: the ``max_tokens`` the engine is asked for, per sequence.
-        max_tokens: the most tokens the job may generate in all: ``engine_max_tokens`` times
-            ``sequences`` (the job's ``max_tokens``, what admission reserves).
+        engine_max_tokens: the limit per sequence the engine is given: the request's own
+            (``max_completion_tokens``, else ``max_tokens``), else the server's
+            ``default_max_tokens``; None: none, the engine decides.
+        max_tokens: the tokens the job is charged for generating, in all: per sequence
+            (:func:`reserved_tokens`: ``engine_max_tokens``, or an estimate when there is none)
+            times ``sequences`` (the job's ``max_tokens``, what admission reserves).
         prompt_tokens: the prompt tokens the engine reads for the job: every prompt's estimate
             times the sequences generated from it (each sequence reads its prompt).
         deadline: when nobody waits for the answer any more (seconds since the epoch).
@@ -124,7 +137,7 @@ class JobPlan:
     """
 
     priority: str
-    engine_max_tokens: int
+    engine_max_tokens: int | None
     max_tokens: int
     prompt_tokens: int
     deadline: float
@@ -157,24 +170,33 @@ class RequestRejected(Exception):
         self.param = param
 
 
-def plan_job(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits, now: float) -> JobPlan:
-    """The job ``asked`` makes, under ``limits`` and the caller's ``tenant`` limits, created at ``now``.
+def plan_job(
+    asked: RequestedJob,
+    limits: RequestLimits,
+    tenant: TenantLimits,
+    now: float,
+    model: ModelInfo | None = None,
+) -> JobPlan:
+    """The job ``asked`` makes, under ``limits`` and the caller's ``tenant`` limits, created at
+    ``now``, for a model the workers describe as ``model`` (None: nothing known of it).
 
     The checks run in a fixed order, so that a request with several faults always hears of the same
     one first: ``n``, ``best_of``, ``max_tokens``, the messages' count, the prompt's length, the
     priority, the time-out. Raises :class:`RequestRejected` at the first fault.
 
     A job runs ``sequences`` sequences (prompts times ``max(n, best_of)``), and its cost counts
-    them all: each reads its prompt and may generate ``max_tokens``.
+    them all: each reads its prompt and may generate ``max_tokens`` (or what
+    :func:`reserved_tokens` expects of a request without a limit).
     """
     width = sequences_per_prompt(asked, limits)
     engine_max_tokens = max_tokens(asked, limits)
     prompt = prompt_tokens(asked, limits)
     sequences = width * (prompt_count(asked.prompt) if asked.endpoint is Endpoint.COMPLETIONS else 1)
+    per_sequence = reserved_tokens(engine_max_tokens, prompt, limits, tenant, model)
     return JobPlan(
         priority=priority(asked, limits, tenant),
         engine_max_tokens=engine_max_tokens,
-        max_tokens=engine_max_tokens * sequences,
+        max_tokens=per_sequence * sequences,
         prompt_tokens=prompt * width,
         deadline=now + timeout_s(asked, limits),
         sequences=sequences,
@@ -214,9 +236,11 @@ def best_of(asked: RequestedJob, limits: RequestLimits) -> int | None:
     return value
 
 
-def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
-    """The ``max_tokens`` per choice: the request's (``max_tokens``, else ``max_completion_tokens``),
-    within 1 and ``max_tokens_cap``, or ``default_max_tokens`` when it sets neither."""
+def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int | None:
+    """The limit per choice: the request's (``max_completion_tokens``, else ``max_tokens``, as vLLM
+    reads them), or ``default_max_tokens`` when it sets neither (None: no limit). Each one the
+    request sets must be within 1 and ``max_tokens_cap``."""
+    limit: int | None = None
     for name, value in (
         ("max_tokens", asked.max_tokens),
         ("max_completion_tokens", asked.max_completion_tokens),
@@ -232,8 +256,32 @@ def max_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
                 "invalid_value",
                 param=name,
             )
-        return int(value)
-    return limits.default_max_tokens
+        limit = int(value)  # the later name wins
+    return limit if limit is not None else limits.default_max_tokens
+
+
+def reserved_tokens(
+    limit: int | None,
+    prompt: int,
+    limits: RequestLimits,
+    tenant: TenantLimits,
+    model: ModelInfo | None = None,
+) -> int:
+    """The tokens one sequence is charged for generating: its ``limit``; without one, what the
+    model's answers have been measured to need (``ModelInfo.output_tokens``), or ``max_tokens_cap``
+    before that, never more than the model's context window leaves after the ``prompt``, nor more
+    than the key's ``tpm`` leaves (a charge it could never pay would refuse every such request:
+    real usage above the charge is taken at settlement instead). At least one."""
+    if limit is not None:
+        return limit
+    guess = limits.max_tokens_cap
+    if model is not None and model.output_tokens is not None:
+        guess = model.output_tokens
+    if model is not None and model.context_window is not None:
+        guess = min(guess, model.context_window - prompt)
+    if tenant.tpm is not None:
+        guess = min(guess, tenant.tpm - prompt)
+    return max(guess, 1)
 
 
 def prompt_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
@@ -299,8 +347,9 @@ def priority(asked: RequestedJob, limits: RequestLimits, tenant: TenantLimits) -
 
 def timeout_s(asked: RequestedJob, limits: RequestLimits) -> float:
     """Seconds until the job's deadline: the body's ``timeout``, else the ``X-Request-Timeout``
-    header (which must be a positive, finite number), else ``default_timeout_s``; at most
-    ``max_timeout_s``."""
+    header (which must be a positive, finite number), else the client library's own time-out
+    (``client_timeout_header``: the client waits that long, and no longer), else
+    ``default_timeout_s``; at most ``max_timeout_s``."""
     value = asked.timeout_s
     if value is None and asked.timeout_header is not None:
         try:
@@ -312,4 +361,16 @@ def timeout_s(asked: RequestedJob, limits: RequestLimits) -> float:
             raise RequestRejected(
                 400, "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
             )
+    if value is None and asked.client_timeout_header is not None:
+        value = _seconds(asked.client_timeout_header)
     return min(value or limits.default_timeout_s, limits.max_timeout_s)
+
+
+def _seconds(text: str) -> float | None:
+    """A positive, finite number of seconds, or None: a header the client did not write itself
+    (its library did) is read when it makes sense and ignored otherwise, never refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value > 0 and math.isfinite(value) else None
