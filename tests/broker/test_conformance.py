@@ -162,6 +162,34 @@ async def test_queue_full_by_tokens(broker: Broker, clock: FakeClock) -> None:
     assert info.value.code == "queue_full"
 
 
+async def test_at_a_bound_the_heaviest_backlog_gives_way(broker: Broker, clock: FakeClock) -> None:
+    """fq_codel's rule at the door: a full queue takes a light tenant's job in place of the newest
+    job of the tenant with the most queued, which ends as failed (code ``evicted``, heard by its
+    waiters); the heavy tenant's own new jobs, and a tenant not much lighter, are refused."""
+    heavy = [make_job(clock, model="small", tenant="heavy") for _ in range(3)]
+    for job in heavy:
+        await broker.admit(job)
+    light = make_job(clock, model="small", tenant="light")
+    waiter = asyncio.create_task(broker.wait(heavy[2].id, 5.0))
+    adm = await broker.admit(light)
+    assert not adm.duplicate and adm.position == 1  # behind the heavy tenant's head only
+    evicted = await asyncio.wait_for(waiter, 5.0)
+    assert evicted is not None and evicted.state is JobState.FAILED
+    assert evicted.error is not None and evicted.error.code == "evicted"
+    assert (await drain_events(broker, heavy[2].id))[-1].type is EventType.ERROR
+    assert (await broker.stats())["small"].queued_jobs == 3
+    with pytest.raises(Refused) as own:
+        await broker.admit(make_job(clock, model="small", tenant="heavy"))
+    assert own.value.code == "queue_full"
+    with pytest.raises(Refused):  # light 1, heavy 2: not two more, so nobody gives way
+        await broker.admit(make_job(clock, model="small", tenant="light"))
+    third = make_job(clock, model="small", tenant="third")
+    await broker.admit(third)
+    assert (await broker.get(heavy[1].id)).state is JobState.FAILED  # type: ignore[union-attr]
+    claimed = [await broker.claim(W, ["small"], timeout=1.0) for _ in range(4)]
+    assert sorted(j.id for j in claimed if j) == sorted([heavy[0].id, light.id, third.id])
+
+
 async def test_idempotency(broker: Broker, clock: FakeClock) -> None:
     first = make_job(clock, idempotency_key="k1")
     await broker.admit(first)
@@ -737,11 +765,12 @@ async def test_jobs_held_back_by_a_tenants_cap_are_not_ahead_of_others(
     # The capped tenant's own jobs are all ahead of its next one.
     own = await broker.admit(make_job(clock, tenant="capped", max_tokens=4000, priority="low"), capped)
     assert own.position == 49 + 2
-    # A tenant without a cap has all its queued work ahead of others, as before.
+    # A tenant without a cap that queued three jobs at once: in the fair order only its head job
+    # (tied with the newcomer's start tag, and in the heap first) goes before a newcomer's.
     for _ in range(3):
         await broker.admit(make_job(clock, tenant="free", max_tokens=4000), TenantLimits("free"))
     later = await broker.admit(make_job(clock, tenant="later", timeout=300), TenantLimits("later"))
-    assert later.position == 1 + 3 and later.estimated_start_s == pytest.approx((30 + 3 * 4010) / 1600)
+    assert later.position == 1 + 1 and later.estimated_start_s == pytest.approx((30 + 4010) / 1600)
 
 
 async def test_a_capped_tenant_counts_as_far_as_its_cap_lets_it_run(broker: Broker, clock: FakeClock) -> None:
@@ -754,18 +783,24 @@ async def test_a_capped_tenant_counts_as_far_as_its_cap_lets_it_run(broker: Brok
     assert running is not None and running.tenant == "c"
     for max_tokens, priority in ((490, "normal"), (1990, "normal"), (2990, "normal"), (90, "high")):
         await broker.admit(make_job(clock, tenant="c", max_tokens=max_tokens, priority=priority), three)
-    # Ahead of a normal job: the high one (100) and the first normal one (500).
+    # A newcomer's job goes before all of c's normal ones (c has had its share: its first job ran),
+    # so only c's high one (100) is ahead of it.
+    adm = await broker.admit(make_job(clock, tenant="o", max_tokens=4990), TenantLimits("o"))
+    assert adm.position == 1 and adm.estimated_start_s == pytest.approx(100 / 1600)
+    # o's next job comes after its first (5000) and after all of c's normal ones in the fair order,
+    # but c may start only one of those (the room its high one leaves): its high one (100), o's
+    # first job and c's first normal one (500).
     adm = await broker.admit(make_job(clock, tenant="o", max_tokens=90), TenantLimits("o"))
-    assert adm.position == 2 and adm.estimated_start_s == pytest.approx(600 / 1600)
+    assert adm.position == 3 and adm.estimated_start_s == pytest.approx(5600 / 1600)
     # Ahead of a high job: only the high one, though room is left for one more.
     high = await broker.admit(make_job(clock, tenant="h", max_tokens=90, priority="high"))
     assert high.position == 1 and high.estimated_start_s == pytest.approx(100 / 1600)
     await broker.finish(running.id, W, JobState.SUCCEEDED, result={})
     # Room for three now: its high one, then its first two normal ones (500 and 2000); with h's
-    # and o's jobs, five ahead.
+    # and o's jobs, six ahead of a low one.
     after = await broker.admit(make_job(clock, tenant="a", max_tokens=90, priority="low"))
-    assert after.position == 5
-    assert after.estimated_start_s == pytest.approx((100 + 100 + 500 + 2000 + 100) / 1600)
+    assert after.position == 6
+    assert after.estimated_start_s == pytest.approx((100 + 100 + 5000 + 100 + 500 + 2000) / 1600)
 
 
 # --- jobs that cannot finish in time are not dispatched ------------------------------

@@ -19,6 +19,7 @@ from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Bounds, QueueLimits, Refused
 from sluice.core.job import JobState
 from sluice.core.policy import CapPolicy, CoDelPolicy, DeadlinePolicy, FifoPolicy, QueuePolicy
+from sluice.core.ratelimit import TenantLimits
 from tests.helpers import FakeClock, make_job
 
 POLICIES: dict[str, QueuePolicy] = {
@@ -125,5 +126,79 @@ async def test_policy_decides_the_same_on_both_brokers(redis_url: str, name: str
         ), seen
         if name == "codel":
             assert standing_seen == {"slow rise", "interval"}, standing_seen
+    finally:
+        await redis.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_fair_admission_and_eviction_decide_the_same_on_both_brokers(redis_url: str, seed: int) -> None:
+    """The fair order's view of a job (its tenant's place in virtual time, other tenants' caps) and
+    the eviction at a bound, on a small queue that a heavy tenant keeps full: every answer the same,
+    every job in the same state at the end, and evictions happened."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    settings = BrokerSettings(
+        default_limits=QueueLimits(model=Bounds(max_jobs=12), classes={"normal": Bounds(max_tokens=900)}),
+        lease_s=60.0,
+        drain_prior_per_slot=100.0,
+        policy=POLICIES["deadline"],
+        clock=clock,
+    )
+    memory = MemoryBroker(settings)
+    redis = RedisBroker(redis_url, settings)
+    brokers: tuple[Broker, Broker] = (memory, redis)
+    limits = {
+        "heavy": TenantLimits("heavy", max_concurrent=2),
+        "mid": TenantLimits("mid"),
+        "light": TenantLimits("light", weight=2.0),
+    }
+    running: list[str] = []
+    ids: list[str] = []
+    try:
+        for b in brokers:
+            await b.register("w", {"m": 3})
+        for step in range(200):
+            for _ in range(rng.choice([0, 1, 2, 4])):
+                tenant = rng.choices(["heavy", "mid", "light"], weights=[6, 2, 1])[0]
+                job = make_job(
+                    clock,
+                    model="m",
+                    tenant=tenant,
+                    priority=rng.choice(["high", "normal", "normal", "normal"]),
+                    prompt_tokens=10,
+                    max_tokens=rng.choice([10, 40, 90]),
+                    timeout=rng.choice([60, 60, 3]),
+                )
+                job.weight = limits[tenant].weight
+                outcomes = []
+                for b in brokers:
+                    try:
+                        outcomes.append(_outcome(await b.admit(copy.deepcopy(job), limits[tenant])))
+                    except Refused as exc:
+                        outcomes.append(_outcome(exc))
+                assert outcomes[0] == outcomes[1], f"step {step}"
+                ids.append(job.id)
+            keep = []
+            for job_id in running:
+                if rng.random() < 0.3:
+                    for b in brokers:
+                        await b.finish(job_id, "w", JobState.SUCCEEDED, result={}, usage={"total_tokens": 30})
+                else:
+                    keep.append(job_id)
+            running = keep
+            while len(running) < 3:
+                got = [await b.claim("w", ["m"], timeout=0.01) for b in brokers]
+                assert [j.id if j else None for j in got] == [j.id if j else None for j in got[::-1]]
+                if got[0] is None:
+                    break
+                running.append(got[0].id)
+            clock.advance(rng.choice([0.05, 0.1, 0.2]))
+        states = []
+        for b in brokers:
+            jobs = [await b.get(i) for i in ids]
+            states.append([(j.state, j.error.code if j.error else None) if j else None for j in jobs])
+        assert states[0] == states[1]
+        evicted = sum(1 for s in states[0] if s and s[1] == "evicted")
+        assert evicted > 5, evicted
     finally:
         await redis.close()

@@ -166,20 +166,21 @@ def test_admit_reply_duplicate_and_retried() -> None:
 
 
 def test_admit_reply_refused() -> None:
-    raw = [0, 10, 300, 4, 120, 6, 180, 240, "97.5", 3, 2, *TENANT, 1, "1800000000.5", "", "1.25", ""]
+    raw = [0, 10, 300, 4, 120, 6, 180, 240, "97.5", 3, 2, *TENANT, 1, "1800000000.5", "", "1.25", "", 30]
     reply = AdmitReply.from_reply(raw)
     assert reply.outcome is AdmitOutcome.REFUSED and reply.tenant is not None
     assert reply.tenant.queued == 2 and reply.tenant.max_concurrent == 1
     refusal = reply.refusal
     assert refusal is not None
-    assert refusal.view == QueueView(10, 300, 4, 120, 6, 180, running=1, runnable_tokens=240)
+    assert refusal.view == QueueView(10, 300, 4, 120, 6, 180, running=1, runnable_tokens=240, victim_tokens=30)
     assert (refusal.per_slot, refusal.samples, refusal.slots) == (97.5, 3, 2)
     assert refusal.policy == PolicyState(1800000000.5, None, 1.25, None)
     drain = refusal.drain(50.0)
     assert (drain.prior_per_slot, drain.per_slot, drain.samples, drain.slots) == (50.0, 97.5, 3, 2)
-    # No codel state: limit_s is 0, as PolicyState's default.
-    empty = AdmitReply.from_reply([*raw[:-4], "", "", "", ""])
+    # No codel state: limit_s is 0, as PolicyState's default; no victim.
+    empty = AdmitReply.from_reply([*raw[:-5], "", "", "", "", ""])
     assert empty.refusal is not None and empty.refusal.policy == PolicyState()
+    assert empty.refusal.view.victim_tokens is None
 
 
 def test_job_reply() -> None:

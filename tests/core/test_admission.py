@@ -174,3 +174,36 @@ def test_codel_observes_the_work_a_job_at_the_tail_waits_for() -> None:
         policy.admit(candidate, state)
     assert state.standing_since is None and state.above_since is None
     assert QueueView(1, 10, 1, 10, 1, 10).tail_tokens == 10  # nothing held back: every queued token
+
+
+# --- at a bound, the heaviest backlog gives way ------------------------------------------------
+
+
+def test_at_a_bound_the_newest_job_of_a_much_heavier_backlog_gives_way() -> None:
+    limits = QueueLimits(model=Bounds(max_jobs=10, max_tokens=1000))
+    full = QueueView(10, 1000, 10, 1000, 1, 100, victim_tokens=100)
+    ok = check(cost=100, priority="normal", now=0, deadline=60, view=full, limits=limits, drain=measured())
+    assert ok.evict and ok.position == 1
+    # Nobody much heavier: the job itself is refused.
+    with pytest.raises(Refused) as info:
+        check(
+            cost=100,
+            priority="normal",
+            now=0,
+            deadline=60,
+            view=QueueView(10, 1000, 10, 1000, 1, 100),
+            limits=limits,
+            drain=measured(),
+        )
+    assert info.value.code == "queue_full"
+    # The victim's job is too small to make room for this one's tokens: refused too.
+    with pytest.raises(Refused):
+        check(cost=200, priority="normal", now=0, deadline=60, view=full, limits=limits, drain=measured())
+    # Room enough: nobody is evicted.
+    roomy = QueueView(5, 500, 5, 500, 1, 100, victim_tokens=100)
+    ok = check(cost=100, priority="normal", now=0, deadline=60, view=roomy, limits=limits, drain=measured())
+    assert not ok.evict
+    # A job the queue takes in another's place still has to meet its deadline.
+    with pytest.raises(Refused) as late:
+        check(cost=100, priority="normal", now=0, deadline=1, view=full, limits=limits, drain=measured())
+    assert late.value.code == "deadline_unmeetable"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sluice.core.scheduler import ClassScheduler, ClassSpec, Entry, FairQueue
+from sluice.core.scheduler import Backlog, ClassScheduler, ClassSpec, Entry, FairQueue, work_before
 
 
 def drain(q: FairQueue) -> list[str]:
@@ -143,3 +143,78 @@ def test_blocked_tenants_are_passed_over_in_order() -> None:
     assert q.pop(blocked={"a"}).job_id == "b1"  # type: ignore[union-attr]
     assert not q.has_eligible(blocked={"a"}) and q.pop(blocked={"a"}) is None
     assert [q.pop().job_id for _ in range(2)] == ["a0", "a1"]  # type: ignore[union-attr]
+
+
+# --- where the fair order puts a new job: what admission counts as ahead ---------------------
+
+
+def _backlog(jobs: int, tokens: int, tag: float, head: int = 100, weight: float = 1.0) -> Backlog:
+    return Backlog("u", jobs, tokens, tag, head, weight, "newest", 100)
+
+
+def test_work_before_counts_the_jobs_whose_start_tags_come_first() -> None:
+    ten = _backlog(10, 1000, tag=500.0)  # tags 500, 600, ..., 1400
+    assert work_before(ten, 499.0) == (0, 0)
+    assert work_before(ten, 500.0) == (1, 100)  # a tie: its head is in the heap already
+    assert work_before(ten, 550.0) == (1, 100)
+    assert work_before(ten, 600.0) == (1, 100)  # the second one starts at 600, not before
+    assert work_before(ten, 601.0) == (2, 200)
+    assert work_before(ten, 1401.0) == (10, 1000)
+    assert work_before(ten, 10**6) == (10, 1000)
+    # A weight of 2 halves the virtual time each job takes: twice the jobs before the same tag.
+    assert work_before(_backlog(10, 1000, tag=500.0, weight=2.0), 601.0) == (3, 300)
+    # Uneven costs: the head is exact, the rest spread evenly.
+    assert work_before(_backlog(3, 1100, tag=0.0, head=1000), 1.0) == (1, 1000)
+    assert work_before(_backlog(3, 1100, tag=0.0, head=1000), 1099.0) == (3, 1100)
+    assert work_before(_backlog(3, 1100, tag=0.0, head=1000), 700.0) == (2, 1050)
+
+
+def test_a_light_tenant_lands_near_the_head_whatever_a_heavy_one_queued() -> None:
+    s = ClassScheduler()
+    for i in range(100):
+        s.push("normal", Entry(f"h{i}", "heavy", 100))
+    for _ in range(5):
+        s.pop()
+    light = s.fair_view("normal", "light", {})
+    # Nothing is ahead: the heavy tenant's next job starts one job after the virtual time, which
+    # is where the light one's starts.
+    assert (light.ahead_jobs, light.ahead_tokens) == (0, 0)
+    assert light.runnable_tokens == 95 * 100
+    # The heavy tenant's own next job waits for all its own, and it is the backlog that gives way.
+    heavy = s.fair_view("normal", "heavy", {})
+    assert (heavy.ahead_jobs, heavy.ahead_tokens) == (95, 9500)
+    assert light.victim is not None and light.victim.tenant == "heavy" and light.victim.newest_id == "h99"
+    assert heavy.victim is None
+    # A higher class is ahead whatever its tenants.
+    s.push("high", Entry("x", "other", 40))
+    assert s.fair_view("normal", "light", {}).ahead_tokens == 40
+    assert s.fair_view("high", "light", {}).ahead_tokens == 40
+
+
+def test_the_victim_is_only_a_much_heavier_backlog() -> None:
+    s = ClassScheduler()
+    for i in range(3):
+        s.push("normal", Entry(f"a{i}", "a", 10))
+    s.push("normal", Entry("b0", "b", 10))
+    assert s.fair_view("normal", "c", {}).victim.tenant == "a"  # type: ignore[union-attr]
+    assert s.fair_view("normal", "b", {}).victim.tenant == "a"  # type: ignore[union-attr]  # 3 >= 1 + 2
+    s.push("normal", Entry("b1", "b", 10))
+    assert s.fair_view("normal", "b", {}).victim is None  # 3 < 2 + 2: equals do not evict each other
+    # A tie in jobs goes to the larger backlog in tokens, then to the greater name.
+    s.push("normal", Entry("b2", "b", 20))
+    assert s.fair_view("normal", "c", {}).victim.tenant == "b"  # type: ignore[union-attr]
+    s.remove("normal", "b2", "b")
+    s.push("normal", Entry("b2", "b", 10))
+    assert s.fair_view("normal", "c", {}).victim.tenant == "b"  # type: ignore[union-attr]
+
+
+def test_a_capped_tenant_is_ahead_only_as_far_as_its_cap_lets_it_run() -> None:
+    s = ClassScheduler()
+    s.push("normal", Entry("o0", "o", 1000))  # o's next job starts at tag 1000
+    for i in range(4):
+        s.push("normal", Entry(f"c{i}", "c", 100))
+    both = s.fair_view("normal", "o", {})
+    assert (both.ahead_jobs, both.ahead_tokens) == (1 + 4, 1000 + 400)
+    capped = s.fair_view("normal", "o", {"c": 1})
+    assert (capped.ahead_jobs, capped.ahead_tokens) == (1 + 1, 1000 + 100)
+    assert capped.runnable_tokens == 1400 - 300

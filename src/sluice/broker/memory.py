@@ -26,12 +26,18 @@ from sluice.broker.base import (
 from sluice.broker.signal import Signal
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
-from sluice.core.errors import cancelled_error, deadline_error, unfinishable_error, worker_lost_error
+from sluice.core.errors import (
+    cancelled_error,
+    deadline_error,
+    evicted_error,
+    unfinishable_error,
+    worker_lost_error,
+)
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
 from sluice.core.policy import Candidate, PolicyState
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
-from sluice.core.scheduler import ClassScheduler, Entry
+from sluice.core.scheduler import Backlog, ClassScheduler, Entry
 from sluice.views import job_view
 
 MAINTAIN_INTERVAL_S = 0.1
@@ -243,7 +249,7 @@ class MemoryBroker(Broker):
         q = self._queue(job.model)
         try:
             admission.check_tenant(limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
-            view = self._view(q, job)
+            view, victim = self._view(q, job)
             queue = self.settings.limits_for(job.model)
             candidate = Candidate(job.cost, job.priority, now, job.deadline, view, queue, drain)
             state = self._policy_state.get(job.model)
@@ -254,6 +260,9 @@ class MemoryBroker(Broker):
             if tenant.idle:
                 del self._tenants[job.tenant]  # a refused first request leaves nothing behind
             raise
+        if ok.evict:
+            assert victim is not None
+            self._evict(q, job.priority, victim)
         limiter.take(job.cost, now)
         tenant.queued += 1
         job.state = JobState.QUEUED
@@ -276,34 +285,36 @@ class MemoryBroker(Broker):
             return None
         return t.limiters.get(rec.bucket)
 
-    def _view(self, q: ClassScheduler, job: Job) -> admission.QueueView:
-        """The model's queue as admission sees it for ``job``: every queued job counts for the
-        bounds, but the jobs other tenants hold back by their concurrency caps are not ahead of it
-        (``ClassScheduler.held_back``; admit.lua computes the same)."""
-        cls_q = q.queues[job.priority]
-        ahead_jobs, ahead_tokens = q.ahead(job.priority)
-        runnable = q.tokens
+    def _view(self, q: ClassScheduler, job: Job) -> tuple[admission.QueueView, Backlog | None]:
+        """The model's queue as admission sees it for ``job``, and the backlog that gives way when a
+        bound is reached: every queued job counts for the bounds, but ahead of it is only what the
+        fair order puts there, less the jobs other tenants hold back by their concurrency caps
+        (``ClassScheduler.fair_view``; admit.lua computes the same)."""
+        rooms = {}
         for name, t in self._tenants.items():
-            if name == job.tenant or not t.held_back:
-                continue  # a tenant's own jobs are all ahead of its next one
-            assert t.max_concurrent is not None
-            room = max(t.max_concurrent - t.running, 0)
-            above = True
-            for c, (jobs, tokens) in zip(q.classes, q.held_back(name, room), strict=True):
-                runnable -= tokens
-                if above:
-                    ahead_jobs, ahead_tokens = ahead_jobs - jobs, ahead_tokens - tokens
-                above = above and c.name != job.priority
-        return admission.QueueView(
+            if t.held_back:
+                assert t.max_concurrent is not None
+                rooms[name] = max(t.max_concurrent - t.running, 0)
+        fair = q.fair_view(job.priority, job.tenant, rooms)
+        cls_q = q.queues[job.priority]
+        view = admission.QueueView(
             q.jobs,
             q.tokens,
             cls_q.jobs,
             cls_q.tokens,
-            ahead_jobs,
-            ahead_tokens,
+            fair.ahead_jobs,
+            fair.ahead_tokens,
             self._running.get(job.model, 0),
-            runnable,
+            fair.runnable_tokens,
+            None if fair.victim is None else fair.victim.newest_cost,
         )
+        return view, fair.victim
+
+    def _evict(self, q: ClassScheduler, cls: str, victim: Backlog) -> None:
+        """The newest job of the heaviest backlog gives way (``Admitted.evict``): it ends as failed."""
+        rec = self._records[victim.newest_id]
+        q.remove(cls, victim.newest_id, victim.tenant)
+        self._settle(rec, JobState.FAILED, evicted_error())
 
     async def get(self, job_id: str) -> Job | None:
         rec = self._records.get(job_id)

@@ -76,6 +76,7 @@ from sluice.core.errors import (
     unfinishable_error,
     worker_lost_error,
 )
+    evicted_error,
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
 from sluice.core.policy import Candidate
@@ -113,6 +114,7 @@ _EXPIRED = to_json(deadline_error().to_dict())
 _CANCELLED = to_json(cancelled_error().to_dict())
 _UNFINISHABLE = to_json(unfinishable_error(UNFINISHABLE_LEFT).to_dict())
 _WORKER_LOST = to_json(worker_lost_error(WORKER_LOST_ATTEMPTS).to_dict())
+_EVICTED = to_json(evicted_error().to_dict())
 
 SCRIPT_NAMES = (
     "admit",
@@ -363,6 +365,7 @@ class RedisBroker(Broker):
         record can (NX sets a first expiry, GT only ever lengthens it)."""
         key = self.keys.tenant_jobs(job.tenant)
         ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
+            k.results,
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.zadd(key, {job.id: job.created_at})
             pipe.pexpire(key, ttl_ms, nx=True)
@@ -380,6 +383,9 @@ class RedisBroker(Broker):
         jobs: list[Job] = []
         gone: list[str] = []
         # One more than the page, to know whether more follow; members whose record expired are
+            repr(float(self.settings.result_ttl_s)),
+            STREAM_MAXLEN,
+            _EVICTED,
         # dropped from the list and the next ones read in their place.
         while len(jobs) <= limit:
             want = limit + 1 - len(jobs)

@@ -356,7 +356,7 @@ class AdmitReply:
         {2, first job id}
         {3}
         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
-            runnable_tokens, per_slot, samples, slots, T..., running, S...}
+            runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens}
     """
 
     #: what the script did
@@ -390,8 +390,17 @@ class AdmitReply:
         tenant_end = 11 + w
         running = int(reply[tenant_end])
         above, standing, limit, refused = map(_opt, reply[tenant_end + 1 : tenant_end + 5])
+        victim = _opt_int(reply[tenant_end + 5])
         view = QueueView(
-            model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, running, runnable
+            model_jobs,
+            model_tokens,
+            class_jobs,
+            class_tokens,
+            ahead_jobs,
+            ahead_tokens,
+            running,
+            runnable,
+            victim,
         )
         refusal = AdmitRefusal(
             view,

@@ -52,6 +52,10 @@ class QueueView:
         runnable_tokens: the cost a job joining the queue's tail would wait for: ``model_tokens``
             less the jobs held back by other tenants' caps, in every class. codel observes the
             queue's delay on it. None: ``model_tokens`` (nothing held back).
+        victim_tokens: the cost of the job that gives way when a bound is reached: the newest of
+            the tenant with the most jobs queued in the job's class, when that tenant has at least
+            two more there than the job's own (``ClassScheduler.fair_view``). None: no tenant is
+            that much heavier, and the job itself is refused.
     """
 
     model_jobs: int
@@ -62,6 +66,7 @@ class QueueView:
     ahead_tokens: int
     running: int = 0
     runnable_tokens: int | None = None
+    victim_tokens: int | None = None
 
     @property
     def tail_tokens(self) -> int:
@@ -93,8 +98,18 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Admitted:
+    """A job the queue takes.
+
+    Attributes:
+        position: the jobs that would be dispatched before it.
+        estimated_start_s: the predicted wait before it starts.
+        evict: a bound was reached, and the newest job of the heaviest backlog (``QueueView``'s
+            victim) gives way to it: the broker ends that job as failed (``evicted_error``).
+    """
+
     position: int
     estimated_start_s: float
+    evict: bool = False
 
 
 def clamp_retry_after(seconds: float) -> float:
@@ -103,29 +118,44 @@ def clamp_retry_after(seconds: float) -> float:
     return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
 
 
-def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits, drain: DrainRate) -> None:
-    """The hard bounds on queued jobs and tokens, of the model and of the job's class."""
+def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits, drain: DrainRate) -> bool:
+    """The hard bounds on queued jobs and tokens, of the model and of the job's class.
+
+    When a bound is reached, the heaviest backlog gives way, as fq_codel drops from its fattest
+    flow: if the view has a victim (a tenant with at least two more jobs queued in the class than
+    the job's own) and evicting its newest job makes room, the job is taken and True returned;
+    otherwise it is refused. A light tenant is never the one turned away by a queue a heavy one
+    filled, and a bound stays a bound.
+    """
     rate = drain.rate
     avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
 
-    def over(bounds: Bounds, jobs: int, tokens: int, scope: str) -> None:
-        excess_tokens = 0.0
+    def excess(bounds: Bounds, jobs: int, tokens: int) -> float:
+        out = 0.0
         if bounds.max_jobs is not None and jobs + 1 > bounds.max_jobs:
-            excess_tokens = (jobs + 1 - bounds.max_jobs) * avg_cost
+            out = (jobs + 1 - bounds.max_jobs) * avg_cost
         if bounds.max_tokens is not None and tokens + cost > bounds.max_tokens:
-            excess_tokens = max(excess_tokens, tokens + cost - bounds.max_tokens)
-        if excess_tokens > 0:
-            raise Refused(
-                429,
-                "queue_full",
-                f"The {scope} queue is full; retry later.",
-                clamp_retry_after(excess_tokens / rate),
-            )
+            out = max(out, tokens + cost - bounds.max_tokens)
+        return out
 
-    over(limits.model, view.model_jobs, view.model_tokens, "model's")
-    class_bounds = limits.classes.get(priority)
-    if class_bounds is not None:
-        over(class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's")
+    class_bounds = limits.classes.get(priority, Bounds())
+    scopes = (
+        (limits.model, view.model_jobs, view.model_tokens, "model's"),
+        (class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's"),
+    )
+    over = [(excess(b, jobs, tokens), scope) for b, jobs, tokens, scope in scopes]
+    if all(e <= 0 for e, _ in over):
+        return False
+    victim = view.victim_tokens
+    if victim is not None and all(excess(b, jobs - 1, tokens - victim) <= 0 for b, jobs, tokens, _ in scopes):
+        return True
+    excess_tokens, scope = next((e, scope) for e, scope in over if e > 0)
+    raise Refused(
+        429,
+        "queue_full",
+        f"The {scope} queue is full; retry later.",
+        clamp_retry_after(excess_tokens / rate),
+    )
 
 
 def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:

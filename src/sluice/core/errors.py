@@ -52,3 +52,14 @@ def worker_lost_error(attempts: int | str) -> JobError:
         "server_error",
         "attempts_exhausted",
     )
+
+
+def evicted_error() -> JobError:
+    """Why a queued job failed: a bound of its queue was reached, and as the newest job of the
+    tenant with the most queued it gave way to another tenant's (``admission.check_bounds``)."""
+    return JobError(
+        "Evicted from the full queue: this tenant had the most jobs waiting, and its newest gave way "
+        "to another tenant's request; retry later.",
+        "server_error",
+        "evicted",
+    )

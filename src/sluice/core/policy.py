@@ -31,6 +31,7 @@ and replays them here to build the same refusal.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -119,12 +120,13 @@ class QueuePolicy(ABC):
         return self.name
 
 
-def _admitted(c: Candidate) -> Admitted:
-    return Admitted(position=c.view.ahead_jobs, estimated_start_s=c.drain.wait_s(c.view.ahead_tokens))
+def _admitted(c: Candidate, evict: bool) -> Admitted:
+    return Admitted(c.view.ahead_jobs, c.drain.wait_s(c.view.ahead_tokens), evict)
 
 
-def _deadline(c: Candidate) -> Admitted:
-    return check_deadline(cost=c.cost, now=c.now, deadline=c.deadline, view=c.view, drain=c.drain)
+def _deadline(c: Candidate, evict: bool) -> Admitted:
+    ok = check_deadline(cost=c.cost, now=c.now, deadline=c.deadline, view=c.view, drain=c.drain)
+    return dataclasses.replace(ok, evict=evict)
 
 
 class CapPolicy(QueuePolicy):
@@ -134,7 +136,7 @@ class CapPolicy(QueuePolicy):
     kind = 1
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
-        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        evict = check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         slots = c.drain.slots
         if c.view.running + c.view.model_jobs >= slots:
             # A slot frees, on average, every service time / slots.
@@ -144,7 +146,7 @@ class CapPolicy(QueuePolicy):
                 f"All {slots} slots of this model are busy; retry later.",
                 clamp_retry_after(c.drain.service_s(c.cost) / max(slots, 1)),
             )
-        return _admitted(c)
+        return _admitted(c, evict)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class FifoPolicy(QueuePolicy):
     kind: ClassVar[int] = 2
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
-        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        evict = check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         if c.view.model_jobs >= self.max_queued:
             avg = c.view.model_tokens / c.view.model_jobs
             raise Refused(
@@ -165,7 +167,7 @@ class FifoPolicy(QueuePolicy):
                 f"The model's queue holds its limit of {self.max_queued} jobs; retry later.",
                 clamp_retry_after((c.view.model_jobs + 1 - self.max_queued) * avg / c.drain.rate),
             )
-        return _admitted(c)
+        return _admitted(c, evict)
 
     def lua_args(self) -> list[str]:
         return [str(self.kind), str(self.max_queued), "0", "0", "0", "0"]
@@ -181,8 +183,7 @@ class DeadlinePolicy(QueuePolicy):
     kind = 3
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
-        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
-        return _deadline(c)
+        return _deadline(c, check_bounds(c.cost, c.priority, c.view, c.limits, c.drain))
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ class CoDelPolicy(QueuePolicy):
         return target + excess * math.pow(0.5, max(now - state.standing_since, 0.0) / self.half_life_s)
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
-        check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
+        evict = check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         # Before the first job finishes the rate is the configured prior: a guess, but the onset of
         # an overload is exactly when the interval must start counting.
         target = self.target(c)
@@ -272,7 +273,7 @@ class CoDelPolicy(QueuePolicy):
                 # When the work queued ahead now has started: the queue is then younger than you.
                 clamp_retry_after(wait),
             )
-        return _deadline(c)
+        return _deadline(c, evict)
 
     def lua_args(self) -> list[str]:
         nums = (self.target_s, self.interval_s, self.early_s, self.burst_rise, self.half_life_s)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -41,6 +42,53 @@ class Entry:
     tenant: str
     cost: int
     weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """One tenant's queued jobs in one class, as admission reads them (``lua/admit.lua`` reads the
+    same from the tenant's list and the state hash).
+
+    Attributes:
+        tenant: whose.
+        jobs, tokens: how many jobs it has queued in the class, and their cost.
+        tag: the start tag (virtual time) of its head job.
+        head_cost, head_weight: its head job's cost and weight; the weight stands for all its jobs'
+            in :func:`work_before`.
+        newest_id, newest_cost: its newest job, the one that gives way when a bound is reached.
+    """
+
+    tenant: str
+    jobs: int
+    tokens: int
+    tag: float
+    head_cost: int
+    head_weight: float
+    newest_id: str
+    newest_cost: int
+
+    @property
+    def span(self) -> float:
+        """The virtual time its jobs take, one after the other (at its head job's weight)."""
+        return self.tokens / self.head_weight
+
+
+def work_before(b: Backlog, start: float) -> tuple[int, int]:
+    """The jobs and tokens of backlog ``b`` that start before a job whose start tag is ``start``:
+    those whose own start tags are lower, and its head job on a tie (it is in the heap already).
+
+    Between its head and its tail the tags are taken as evenly spaced, so that this costs the same
+    whatever the backlog's length (``admit.lua`` computes it in the same operations, for the same
+    numbers): exact for jobs of one cost, and at most one job off otherwise.
+    """
+    if b.jobs == 0 or b.tag > start:
+        return 0, 0
+    if b.jobs == 1 or b.tag + b.span <= start:
+        return b.jobs, b.tokens
+    n = min(max(math.ceil((start - b.tag) * b.jobs / b.span - 1e-9), 1), b.jobs)
+    if n == b.jobs:
+        return b.jobs, b.tokens
+    return n, b.head_cost + math.floor((b.tokens - b.head_cost) * (n - 1) / (b.jobs - 1) + 0.5)
 
 
 @dataclass
@@ -158,6 +206,35 @@ class FairQueue:
         kept = sum(e.cost for e in itertools.islice(t.jobs, room))
         return len(t.jobs) - room, t.tokens - kept
 
+    def backlogs(self) -> list[Backlog]:
+        """Every tenant with jobs queued here."""
+        out = []
+        for name, t in self._tenants.items():
+            if t.jobs:
+                head, newest = t.jobs[0], t.jobs[-1]
+                out.append(
+                    Backlog(
+                        name, len(t.jobs), t.tokens, t.tag, head.cost, head.weight, newest.job_id, newest.cost
+                    )
+                )
+        return out
+
+    def start_tag(self, tenant: str) -> float:
+        """The start tag a job of ``tenant`` pushed now would get: after its queued jobs (their span
+        at its head job's weight, as :func:`work_before` counts them), else the virtual time or,
+        if later, the finish tag of its last dispatched job."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            return self.vtime
+        if t.jobs:
+            return t.tag + t.tokens / t.jobs[0].weight
+        return max(self.vtime, t.finish)
+
+    def head_tokens(self, tenant: str, n: int) -> int:
+        """The cost of the first ``n`` jobs of ``tenant`` queued here."""
+        t = self._tenants.get(tenant)
+        return 0 if t is None else sum(e.cost for e in itertools.islice(t.jobs, n))
+
     def tenant_jobs(self, tenant: str) -> int:
         """How many jobs of ``tenant`` are queued here."""
         t = self._tenants.get(tenant)
@@ -187,6 +264,28 @@ class FairQueue:
     def __iter__(self) -> Iterator[Entry]:
         for t in self._tenants.values():
             yield from t.jobs
+
+
+@dataclass(frozen=True, slots=True)
+class FairView:
+    """Where the fair order would put a job of one tenant joining its class now (see
+    :meth:`ClassScheduler.fair_view`).
+
+    Attributes:
+        ahead_jobs, ahead_tokens: the work that would start before it: the classes above, its own
+            tenant's jobs in its class, and of every other tenant in its class the jobs whose start
+            tags fall before its own (:func:`work_before`); less, everywhere, the jobs other tenants
+            hold back by their concurrency caps.
+        runnable_tokens: every queued job's cost, less the jobs held back by other tenants' caps.
+        victim: the tenant of its class with the most jobs queued there (the most tokens, then the
+            greatest name, on a tie), when that is at least two more than its own tenant has there:
+            the backlog that gives way when a bound is reached. None: no tenant is that much heavier.
+    """
+
+    ahead_jobs: int
+    ahead_tokens: int
+    runnable_tokens: int
+    victim: Backlog | None
 
 
 class ClassScheduler:
@@ -270,6 +369,54 @@ class ClassScheduler:
             out.append(q.held_back(tenant, room))
             room = max(room - n, 0)
         return out
+
+    def fair_view(self, cls: str, tenant: str, rooms: Mapping[str, int]) -> FairView:
+        """The work ahead of a job of ``tenant`` joining class ``cls`` now, in the fair order.
+
+        ``rooms``: for each tenant that holds jobs back by its concurrency cap (more queued and
+        running than its cap), how many more it may start; its jobs beyond those, in
+        :meth:`held_back`'s order, are ahead of nobody else's. A light tenant's job lands near the
+        head of its class, whatever a heavy one has queued: only that backlog's head, and what it
+        has queued within the light tenant's share, is ahead of it.
+        """
+        runnable = self.tokens
+        ahead_jobs = ahead_tokens = 0
+        for c in self.classes:
+            if c.name == cls:
+                break
+            ahead_jobs += self.queues[c.name].jobs
+            ahead_tokens += self.queues[c.name].tokens
+        held: dict[str, int] = {}  # of each capped tenant: its jobs in cls held back
+        for name, room in rooms.items():
+            if name == tenant:
+                continue  # a tenant's own jobs are all ahead of its next one
+            above = True
+            for c, (jobs, tokens) in zip(self.classes, self.held_back(name, room), strict=True):
+                runnable -= tokens
+                if c.name == cls:
+                    above = False
+                    held[name] = jobs
+                elif above:
+                    ahead_jobs, ahead_tokens = ahead_jobs - jobs, ahead_tokens - tokens
+        q = self.queues[cls]
+        start = q.start_tag(tenant)
+        own = 0
+        victim: Backlog | None = None
+        for b in q.backlogs():
+            if b.tenant == tenant:
+                own = b.jobs
+                ahead_jobs, ahead_tokens = ahead_jobs + b.jobs, ahead_tokens + b.tokens
+                continue
+            jobs, tokens = work_before(b, start)
+            kept = b.jobs - held.get(b.tenant, 0)
+            if kept < jobs:  # it may start only its first `kept`: FairQueue.held_back's count
+                jobs, tokens = kept, q.head_tokens(b.tenant, kept)
+            ahead_jobs, ahead_tokens = ahead_jobs + jobs, ahead_tokens + tokens
+            if victim is None or (b.jobs, b.tokens, b.tenant) > (victim.jobs, victim.tokens, victim.tenant):
+                victim = b
+        if victim is not None and victim.jobs < own + 2:
+            victim = None
+        return FairView(ahead_jobs, ahead_tokens, runnable, victim)
 
     def position(self, cls: str, job_id: str, tenant: str) -> int | None:
         own = self.queues[cls].position(job_id, tenant)

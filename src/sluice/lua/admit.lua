@@ -10,7 +10,7 @@
 -- KEYS[6]  state hash of the model  KEYS[7]  deadline zset      KEYS[8]  models set
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
--- KEYS[15] running hash             KEYS[16] capped set
+-- KEYS[15] running hash             KEYS[16] capped set           KEYS[17] results zset
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
 -- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
 -- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
@@ -20,25 +20,34 @@
 -- ARGV[15] the key's bucket id (TenantLimits.bucket_id)
 -- ARGV[16] rpm   ARGV[17] tpm   ARGV[18] max queued   ARGV[19] max concurrent   (-1: none)
 -- ARGV[20] the queue policy's kind  ARGV[21 .. 25] its five numbers (QueuePolicy.lua_args)
--- ARGV[26] number of classes n      ARGV[27 .. 26+n] class names, highest first
--- ARGV[27+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[26] result TTL s             ARGV[27] events kept per stream
+-- ARGV[28] error JSON of an evicted job (core.errors.evicted_error)
+-- ARGV[29] number of classes n      ARGV[30 .. 29+n] class names, highest first
+-- ARGV[30+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
---             runnable_tokens, per_slot, samples, slots, T..., running, S...}
+--             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens}
 --                                                    refused; T is the tenant before the checks,
 --                                                    S the policy state before them
 -- where T is the key's rpm, tpm and max queued, the tenant's max concurrent and queued jobs, the
 -- key's requests level, stamp, tokens level, stamp ('' for none), and S is codel's four fields
--- ('' for none; see _policy.lua). The ahead counts and runnable_tokens leave out the jobs other
--- tenants hold back by their concurrency caps (ClassScheduler.held_back, the memory broker's _view).
--- Reads the earlier job's record for idempotency, and the hashes and lists of the tenants in the
--- capped set (their keys built from the prefix, same slot).
+-- ('' for none; see _policy.lua). The ahead counts are the fair order's (ClassScheduler.fair_view,
+-- the memory broker's _view): the classes above, and in the job's class its tenant's jobs and
+-- those of other tenants that start before it (work_before); they and runnable_tokens leave out
+-- the jobs other tenants hold back by their concurrency caps (ClassScheduler.held_back).
+-- victim_tokens is the cost of the newest job of the heaviest backlog of the class ('' for none):
+-- when a bound is reached and evicting it makes room, that job ends as failed and this one is
+-- queued (admission.check_bounds).
+-- Reads the earlier job's record for idempotency, the hashes and lists of the tenants in the
+-- capped set and the lists of the tenants backlogged in the job's class (their keys built from the
+-- prefix, same slot).
 
 -- @include _keys.lua
 -- @include _state.lua
 -- @include _tenant.lua
+-- @include _job.lua
 -- @include _fairqueue.lua
 -- @include _workers.lua
 -- @include _policy.lua
@@ -46,7 +55,7 @@
 local job_k, tq_k, sched_k, idem_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
 local state_k, deadline_k, models_k, capacity_k = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local workers_k, wslots_k, marker_k, tenant_k = KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local blocked_k, running_k, capped_k = KEYS[14], KEYS[15], KEYS[16]
+local blocked_k, running_k, capped_k, results_k = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 
 local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -57,11 +66,14 @@ local limits_given, bucket = ARGV[14] == '1', ARGV[15]
 local given_limits = { ARGV[16], ARGV[17], ARGV[18], ARGV[19] } -- rpm, tpm, max queued, max concurrent
 local policy_kind, policy = tonumber(ARGV[20]), {}
 for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
-local ncls = tonumber(ARGV[26])
+local result_ttl, maxlen, evicted_error = tonumber(ARGV[26]), ARGV[27], ARGV[28]
+local ncls = tonumber(ARGV[29])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[26 + i] end
-local record_at = 27 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+for i = 1, ncls do classes[i] = ARGV[29 + i] end
+local record_at = 30 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 if redis.call('EXISTS', job_k) == 1 then return { 3 } end
 
@@ -182,26 +194,29 @@ local above = true
 for _, c in ipairs(classes) do
   local j, k = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
   model_jobs, model_tokens = model_jobs + j, model_tokens + k
-  if above then ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + k end
   if c == cls then
     class_jobs, class_tokens, above = j, k, false
+  elseif above then
+    ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + k
   end
 end
 
--- The memory broker's _view: the jobs another tenant holds back by its concurrency cap are not
--- ahead of this one (ClassScheduler.held_back: beyond the first `room` it may start, its higher
--- classes first, its own order inside a class). Only tenants in the capped set can have any.
+-- ClassScheduler.fair_view. First the jobs another tenant holds back by its concurrency cap: they
+-- are not ahead of this one (ClassScheduler.held_back: beyond the first `room` it may start, its
+-- higher classes first, its own order inside a class). Only tenants in the capped set have any.
 local runnable_tokens = model_tokens
+local held_n, kept_k = {}, {} -- of a capped tenant: its jobs of this class held back; the cost of the rest
 for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
   if other ~= tenant then
     local o = redis.call('HMGET', tenant_key(P, other), 'r', 'mc')
     local cap = tonumber(o[2])
     if cap then
       local room = math.max(cap - (tonumber(o[1]) or 0), 0)
-      local is_ahead = true
+      local is_above = true
       for _, c in ipairs(classes) do
         local tq = tq_key(P, model, c, other)
         local n = redis.call('LLEN', tq)
+        if c == cls then is_above = false end
         if n > room then -- FairQueue.held_back
           local kept = 0
           if room > 0 then
@@ -211,13 +226,85 @@ for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
           end
           local held = st_num(st, f_work(tq), 0) - kept
           runnable_tokens = runnable_tokens - held
-          if is_ahead then ahead_jobs, ahead_tokens = ahead_jobs - (n - room), ahead_tokens - held end
+          if c == cls then
+            held_n[other], kept_k[other] = n - room, kept
+          elseif is_above then
+            ahead_jobs, ahead_tokens = ahead_jobs - (n - room), ahead_tokens - held
+          end
         end
         room = math.max(room - n, 0)
-        if c == cls then is_ahead = false end
       end
     end
   end
+end
+
+-- scheduler.work_before: the jobs and tokens of a backlog (n jobs of w tokens, its head at tag,
+-- of cost hc and weight hw) that start before a job whose start tag is `start`.
+local function work_before(n, w, tag, hc, hw, start)
+  if n == 0 or tag > start then return 0, 0 end
+  local span = w / hw
+  if n == 1 or tag + span <= start then return n, w end
+  local k = math.min(math.max(math.ceil((start - tag) * n / span - 1e-9), 1), n)
+  if k == n then return n, w end
+  return k, hc + math.floor((w - hc) * (k - 1) / (n - 1) + 0.5)
+end
+
+-- Python's order of str: by code point, which is UTF-8's byte order (Lua's < follows the locale).
+local function name_after(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x > y end
+  end
+  return #a > #b
+end
+
+-- The head job's cost and weight of a tenant list.
+local function head_of(tq)
+  local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, 0)), 'cost', 'weight')
+  return tonumber(h[1]), tonumber(h[2]) or 1.0
+end
+
+-- FairQueue.start_tag of this job, then every other backlog of its class (FairQueue.backlogs).
+local vtime = st_num(st, f_vtime(cls), 0)
+local own = redis.call('LLEN', tq_k)
+local start
+if own > 0 then
+  local _, hw = head_of(tq_k)
+  start = st_num(st, f_tag(cls, tenant), vtime) + st_num(st, f_work(tq_k), 0) / hw
+  ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + st_num(st, f_work(tq_k), 0)
+else
+  start = math.max(vtime, st_num(st, f_finish(cls, tenant), vtime))
+end
+local victim, victim_n, victim_w = nil, 0, 0
+local seen = { [tenant] = true }
+for _, member in ipairs(redis.call('ZRANGE', sched_k, 0, -1)) do
+  local other = string.sub(member, 16)
+  if not seen[other] then
+    seen[other] = true
+    local tq = tq_key(P, model, cls, other)
+    local n = redis.call('LLEN', tq)
+    if n > 0 then
+      local w, tag = st_num(st, f_work(tq), 0), st_num(st, f_tag(cls, other), 0)
+      local jobs, tokens = 0, 0
+      if tag <= start then
+        local hc, hw = head_of(tq)
+        jobs, tokens = work_before(n, w, tag, hc, hw, start)
+      end
+      if held_n[other] and n - held_n[other] < jobs then
+        jobs, tokens = n - held_n[other], kept_k[other]
+      end
+      ahead_jobs, ahead_tokens = ahead_jobs + jobs, ahead_tokens + tokens
+      if victim == nil or n > victim_n or (n == victim_n and (w > victim_w
+          or (w == victim_w and name_after(other, victim)))) then
+        victim, victim_n, victim_w = other, n, w
+      end
+    end
+  end
+end
+local victim_id, victim_cost = nil, nil
+if victim and victim_n >= own + 2 then
+  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), -1)
+  victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
 end
 
 local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e')
@@ -244,14 +331,22 @@ local function over(max_jobs, max_tokens, jobs, tokens)
   return excess > 0
 end
 
+-- admission.check_bounds: over a bound, the newest job of the heaviest backlog gives way if that
+-- makes room, else the job is refused.
+local evict = false
+local bounded = over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
+    or over(class_max_jobs, class_max_tokens, class_jobs, class_tokens)
+if bounded and victim_cost then
+  evict = not (over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost)
+    or over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost))
+end
+
 local wait = ahead_tokens / rate -- DrainRate.wait_s
 local service = cost / math.max(slot_rate, 1e-3)
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy.
-local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
-    or over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
-    or over(class_max_jobs, class_max_tokens, class_jobs, class_tokens)
+local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq) or (bounded and not evict)
 if not refused then
   refused = policy_refuses(st, policy_kind, policy, now, now_s, {
     running = running, model_jobs = model_jobs, slots = slots, wait = wait,
@@ -267,7 +362,16 @@ if refused then
   for _, v in ipairs(before) do out[#out + 1] = v end
   out[#out + 1] = running
   for _, v in ipairs(policy_before) do out[#out + 1] = v end
+  out[#out + 1] = victim_cost or ''
   return out
+end
+
+if evict then -- MemoryBroker._evict
+  local vk = job_key(P, victim_id)
+  local vf = job_read(vk)
+  fq_remove(st, cls, tq_key(P, model, cls, victim), victim_id, victim_cost)
+  redis.call('ZREM', deadline_k, victim_id)
+  settle(victim_id, vf, 'failed', { 'error', evicted_error })
 end
 
 -- TenantLimiter.take, and one more job queued for the tenant.
