@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -64,12 +65,17 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def run_gateway(backends: list[str], **overrides: Any) -> AsyncIterator[Gateway]:
+    # The Batch API's files go to a directory of the test's own, never the user's.
+    files = tempfile.TemporaryDirectory(prefix="sluice-files-")
+    overrides.setdefault("files_dir", files.name)
     settings: Settings = load_settings(
         overrides={"backends": [{"url": u} for u in backends], "log_level": "warning", **overrides},
         environ={},
     )
     app = build_app(settings, dispatch=True)
-    async with run_app(app) as url:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(files.cleanup)
+        url = await stack.enter_async_context(run_app(app))
         # The dispatcher registers its models at start; wait until the gateway sees them.
         await wait_until(app.state.gateway.broker.served_models)
         yield Gateway(url, app)

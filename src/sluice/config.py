@@ -11,9 +11,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from sluice.broker.base import BrokerSettings
 from sluice.core import scheduler
@@ -158,6 +158,9 @@ class ModelConfig(_Strict):
 # Every default that feeds the core or the broker is read from their own defaults, never written
 # again here: a server configured with nothing runs exactly as they do by default, and the two
 # cannot drift apart (tests/test_config.py pins it).
+
+#: a batch's completion window: a number of seconds, minutes or hours (``24h``)
+CompletionWindow = Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,6}[smh]$")]
 
 #: the scheduler's default classes, as configuration
 DEFAULT_CLASSES = [ClassConfig(name=c.name, min_share=c.min_share) for c in scheduler.DEFAULT_CLASSES]
@@ -409,6 +412,38 @@ class Settings(_Strict):
         'llama-server\'s "context size exceeded ... try increasing it" means this one',
     )
 
+    files_dir: str | None = Field(
+        default=None,
+        description="the Batch API's files and batches with the embedded broker (`memory`): a directory "
+        "on the local disk that one process owns; unset: `files` in the user's data directory "
+        "(`~/.local/share/sluice/files` on Linux); with a Redis broker they live in that Redis",
+    )
+    max_file_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1024,
+        description="the largest file `POST /v1/files` takes (bytes); a larger one is a 413 before "
+        "anything is stored",
+    )
+    batch_max_lines: int = Field(
+        default=50_000, ge=1, description="the most requests (lines) one batch's input file may hold"
+    )
+    batch_class: str = Field(
+        default="batch",
+        description="the priority class batch lines run in; unless `classes` names it, it is added "
+        "below every configured class with no minimum share, and only batch lines may use it",
+    )
+    batch_max_inflight: int | None = Field(
+        default=None,
+        ge=1,
+        description="batch lines of one model queued or running at once, over every batch; unset: the "
+        "slots the model's workers have (the engines stay busy, the queue holds no batch backlog)",
+    )
+    batch_completion_windows: list[CompletionWindow] = Field(
+        default_factory=lambda: ["24h"],
+        description="the `completion_window` values a batch may ask for (a number and `s`, `m` or `h`); "
+        'OpenAI takes only `"24h"`',
+    )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         names = [c.name for c in self.classes]
@@ -467,6 +502,23 @@ class Settings(_Strict):
 
     def class_specs(self) -> list[ClassSpec]:
         return [ClassSpec(c.name, c.min_share) for c in self.classes]
+
+    def batch_files_dir(self) -> Path:
+        """Where the embedded store keeps the Batch API's files (``files_dir``)."""
+        if self.files_dir is not None:
+            return Path(self.files_dir)
+        from platformdirs import user_data_dir
+
+        return Path(user_data_dir("sluice")) / "files"
+
+    def queue_classes(self) -> list[ClassSpec]:
+        """The broker's classes: the configured ones, and below them the batch class (no minimum
+        share: it runs only on capacity no other class wants) unless it is configured already."""
+        specs = self.class_specs()
+        if self.batch_class not in {c.name for c in specs}:
+            specs.append(ClassSpec(self.batch_class, 0.0))
+        return specs
+
 
     def limits(self) -> tuple[dict[str, QueueLimits], QueueLimits]:
         classes = {

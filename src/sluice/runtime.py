@@ -34,6 +34,10 @@ from sluice.webhook_delivery import WebhookDelivery
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from sluice.api.auth import KeyRing
+    from sluice.api.gateway import Gateway
+    from sluice.batches import BatchRunner
+
 log = logging.getLogger("sluice.serve")
 
 
@@ -41,7 +45,7 @@ def broker_settings(settings: Settings) -> BrokerSettings:
     """What the broker needs of the settings: classes, queue bounds, lease, result TTL, policy."""
     per_model, default = settings.limits()
     return BrokerSettings(
-        classes=settings.class_specs(),
+        classes=settings.queue_classes(),
         limits=per_model,
         default_limits=default,
         lease_s=settings.lease_s,
@@ -216,6 +220,8 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
     async def lifespan() -> AsyncIterator[None]:
         await broker.start()
         started: list[asyncio.Task[None]] = []
+        await batches.store.start()
+        await batches.start()
         try:
             if pending is not None:
                 started.append(asyncio.create_task(_serve_when_ready(pending, broker, metrics, local)))
@@ -231,12 +237,22 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
             for task in started:
                 task.cancel()
             await asyncio.gather(*started, return_exceptions=True)
+            await batches.stop()
+            await batches.store.close()
             await broker.close()
 
     control = worker.dispatcher if worker is not None else local if pending is not None else None
-    return create_app(
-        Gateway(settings, broker, metrics, startup=pending.startup if pending is not None else None),
-        KeyRing(settings, broker),
-        backends=control,
-        lifespan=lifespan,
-    )
+    gw = Gateway(settings, broker, metrics, startup=pending.startup if pending is not None else None)
+    keyring = KeyRing(settings, broker)
+    batches = build_batch_runner(settings, gw, keyring)
+    app = create_app(gw, keyring, backends=control, lifespan=lifespan)
+    app.state.batches = batches
+    return app
+
+
+def build_batch_runner(settings: Settings, gateway: Gateway, keyring: KeyRing) -> BatchRunner:
+    """The Batch API's runner and its store: the broker's Redis, or ``files_dir`` on the local disk."""
+    from sluice.batches import BatchRunner
+    from sluice.filestore import create_store
+
+    return BatchRunner(create_store(settings.broker, settings.batch_files_dir()), gateway, keyring)

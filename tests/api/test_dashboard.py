@@ -258,6 +258,7 @@ async def test_load_refusals_and_retry_after_show(http: httpx.AsyncClient) -> No
             "high",
             "normal",
             "low",
+            "batch",  # the Batch API's, below every class
         ]
         assert model["drain_rate"] > 0 and model["pools"] == []
         points = (await http.get(url + "/dashboard/snapshot")).json()["point"]

@@ -9,12 +9,23 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import FastAPI
 
 from sluice import __version__
-from sluice.api import admin, dashboard, docs, errors, health, jobs, openai, responses, ws
+from sluice.api import (
+    admin,
+    batches,
+    dashboard,
+    docs,
+    errors,
+    files,
+    health,
+    jobs,
+    openai,
+    responses,
+    ws,
+)
 from sluice.api.admin import BackendControl
 from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
 from sluice.api.limits import BodySizeLimit
-from sluice.api.request_id import RequestId
 
 
 def create_app(
@@ -55,11 +66,12 @@ def create_app(
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(jobs.router)
     app.include_router(ws.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(docs.router)
-    app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes)
-    app.add_middleware(RequestId)  # outermost: every answer has one, the body limit's 413 too
+    app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, exempt=[files.UPLOAD_PATH])
     return app

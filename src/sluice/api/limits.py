@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,12 +15,14 @@ class _TooLarge(HTTPException):
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: Collection[str] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        #: paths whose routes count their own bodies against a cap of their own (file uploads)
+        self.exempt = frozenset(exempt)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
             await self.app(scope, receive, send)
             return
         error = APIError(413, f"The request body exceeds {self.max_bytes} bytes.", "request_too_large")
