@@ -73,10 +73,10 @@ from sluice.core.errors import (
     WORKER_LOST_ATTEMPTS,
     cancelled_error,
     deadline_error,
+    evicted_error,
     unfinishable_error,
     worker_lost_error,
 )
-    evicted_error,
 from sluice.core.job import TERMINAL_STATES, Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
 from sluice.core.policy import Candidate
@@ -111,10 +111,10 @@ BREAKDOWN_SCAN = 2000
 
 # The errors the scripts settle jobs with, as JSON; the scripts fill in the placeholders.
 _EXPIRED = to_json(deadline_error().to_dict())
+_EVICTED = to_json(evicted_error().to_dict())
 _CANCELLED = to_json(cancelled_error().to_dict())
 _UNFINISHABLE = to_json(unfinishable_error(UNFINISHABLE_LEFT).to_dict())
 _WORKER_LOST = to_json(worker_lost_error(WORKER_LOST_ATTEMPTS).to_dict())
-_EVICTED = to_json(evicted_error().to_dict())
 
 SCRIPT_NAMES = (
     "admit",
@@ -314,6 +314,7 @@ class RedisBroker(Broker):
             k.blocked,
             k.running,
             k.capped,
+            k.results,
         ]
         args: list[str | int | float] = [
             repr(float(now)),
@@ -331,6 +332,9 @@ class RedisBroker(Broker):
             repr(self._idempotency_ttl_s(job, now)) if job.idempotency_key else 0,
             *tenant_limit_args(limits),
             *self._policy_args,
+            repr(float(self.settings.result_ttl_s)),
+            STREAM_MAXLEN,
+            _EVICTED,
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
@@ -365,7 +369,6 @@ class RedisBroker(Broker):
         record can (NX sets a first expiry, GT only ever lengthens it)."""
         key = self.keys.tenant_jobs(job.tenant)
         ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
-            k.results,
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.zadd(key, {job.id: job.created_at})
             pipe.pexpire(key, ttl_ms, nx=True)
@@ -383,9 +386,6 @@ class RedisBroker(Broker):
         jobs: list[Job] = []
         gone: list[str] = []
         # One more than the page, to know whether more follow; members whose record expired are
-            repr(float(self.settings.result_ttl_s)),
-            STREAM_MAXLEN,
-            _EVICTED,
         # dropped from the list and the next ones read in their place.
         while len(jobs) <= limit:
             want = limit + 1 - len(jobs)
