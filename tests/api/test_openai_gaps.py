@@ -356,3 +356,22 @@ async def test_a_tenant_lists_its_own_jobs_newest_first(long_sim: str, http: htt
         assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
         bad = await http.get(g.url + "/v1/jobs", params={"limit": 0}, headers=a)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+async def test_a_repeated_refusal_hears_what_is_left_of_its_wait(http: httpx.AsyncClient) -> None:
+    keys = [{"key_sha256": hash_key("sk-q"), "tenant": "q", "max_queued": 1}]
+    async with fake_gateway("gate", keys=keys, max_concurrency=1) as (engine, g):
+        headers = {"Authorization": "Bearer sk-q"}
+        body = {"model": "fake", "messages": MSG, "max_tokens": 500}
+        running = await http.post(g.url + "/v1/jobs", json=body, headers=headers)
+        assert running.status_code == 202
+        await wait_until(lambda: engine.requests == 1)  # it holds the only slot
+        assert (await http.post(g.url + "/v1/jobs", json=body, headers=headers)).status_code == 202
+        first = await http.post(g.url + "/v1/jobs", json=body, headers=headers)
+        assert first.status_code == 429 and first.json()["error"]["code"] == "too_many_queued"
+        await asyncio.sleep(1.0)  # time passes; nothing starts or ends
+        again = await http.post(g.url + "/v1/jobs", json=body, headers=headers)
+        assert again.status_code == 429
+        waited, left = int(first.headers["retry-after-ms"]), int(again.headers["retry-after-ms"])
+        assert waited - 1600 <= left <= waited - 900
+        engine.gate.set()
