@@ -228,21 +228,6 @@ def _read_line(
 # --- what the API shows -----------------------------------------------------------------------
 
 
-def file_object(meta: FileMeta) -> dict[str, Any]:
-    """OpenAI's File object."""
-    return {
-        "id": meta.id,
-        "object": "file",
-        "bytes": meta.bytes,
-        "created_at": int(meta.created_at),
-        "filename": meta.filename,
-        "purpose": meta.purpose,
-        "status": "processed",
-        "expires_at": None,
-        "status_details": None,
-    }
-
-
 def new_batch(
     batch_id: str,
     caller: Caller,
@@ -521,7 +506,14 @@ class BatchRunner:
             if await self._budget(line.model) <= 0:
                 return
             run.lines.popleft()
-            if not await self._submit(run, line):
+            try:
+                submitted = await self._submit(run, line)
+            except BaseException:
+                # the broker or the store is away: the line is offered again (its idempotency key
+                # finds its job if it was queued after all)
+                run.lines.appendleft(line)
+                raise
+            if not submitted:
                 run.lines.appendleft(line)
                 return
 

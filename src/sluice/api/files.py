@@ -10,7 +10,7 @@ tenant that uploaded a file (or whose batch wrote it) sees it; another tenant's 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,8 +20,10 @@ from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import gateway
 from sluice.api.openapi import KEYED, errors
-from sluice.batches import BatchRunner, file_object
 from sluice.filestore.base import BatchStore, FileMeta, new_file_id
+
+if TYPE_CHECKING:
+    from sluice.batches import BatchRunner
 
 router = APIRouter(tags=["files"])
 
@@ -39,6 +41,21 @@ def batch_store(request: Request) -> BatchStore:
     if runner.store.unavailable is not None:
         raise APIError(503, f"The Batch API is off here: {runner.store.unavailable}.", "batches_unavailable")
     return runner.store
+
+
+def file_object(meta: FileMeta) -> dict[str, Any]:
+    """OpenAI's File object."""
+    return {
+        "id": meta.id,
+        "object": "file",
+        "bytes": meta.bytes,
+        "created_at": int(meta.created_at),
+        "filename": meta.filename,
+        "purpose": meta.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def _not_found(file_id: str) -> APIError:
