@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from sluice import runtime
 from sluice.api.auth import hash_key
-from sluice.api.dashboard import COOKIE, SESSION_S, DashboardAccess
+from sluice.api.dashboard import COOKIE, SESSION_S, DashboardAccess, _json
 from sluice.config import Settings, load_settings
 from sluice.dashboard import History, engine_state, histogram_quantile
 from sluice.metrics import Metrics
@@ -409,6 +409,13 @@ def test_histogram_quantile_as_prometheus() -> None:
     assert histogram_quantile(0.125, buckets, floor=0.08) == pytest.approx(0.09)
     assert histogram_quantile(0.99, [(1.0, 1.0), (math.inf, 5.0)]) == 1.0  # +Inf: the last bound
     assert histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_a_snapshot_is_always_json() -> None:
+    assert json.loads(_json({"a": [1.0, math.nan, {"b": math.inf}], "c": None})) == {
+        "a": [1.0, None, {"b": None}],
+        "c": None,
+    }
 
 
 def test_engine_states() -> None:

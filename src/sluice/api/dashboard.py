@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -186,8 +187,23 @@ async def asset(request: Request, name: str) -> Response:
     return Response((STATIC / name).read_bytes(), media_type=media_type, headers=HEADERS)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity made None: JSON has neither, and the page's parser
+    would refuse the whole snapshot for one."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _json(data: Mapping[str, Any]) -> str:
-    return json.dumps(data, allow_nan=False, separators=(",", ":"))
+    try:
+        return json.dumps(data, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite(data), allow_nan=False, separators=(",", ":"))
 
 
 @router.get("/snapshot")
