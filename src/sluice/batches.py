@@ -63,6 +63,9 @@ RETRY_S = 1.0
 SCAN_S = 1.0
 #: how long one wait on a job lasts before it is asked again (seconds)
 WAIT_S = 15.0
+#: after this long without interactive work on a model, batch lines may take its every slot
+#: (the headroom is kept again as soon as interactive work is seen)
+QUIET_S = 30.0
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 
@@ -348,6 +351,10 @@ class BatchRunner:
         self.owner = "runner-" + secrets.token_hex(8)
         self.runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
+        #: per model: the jobs queued or running that are not this runner's lines, as last read
+        self._interactive: dict[str, int] = {}
+        #: per model: when (monotonic) interactive work was last seen there
+        self._seen_interactive: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
 
     def poke(self) -> None:
@@ -476,6 +483,16 @@ class BatchRunner:
 
     async def _step(self) -> None:
         now = self.gateway.broker.now()
+        # the jobs other than this runner's lines that every model's queue holds and runs, read
+        # once a round for the budgets (the lines submitted during the round are counted as they go)
+        stats = await self.gateway.broker.stats() if self.runs else {}
+        self._interactive = {
+            model: max(s.running_jobs + s.queued_jobs - self._inflight(model), 0)
+            for model, s in stats.items()
+        }
+        for model, busy in self._interactive.items():
+            if busy:
+                self._seen_interactive[model] = time.monotonic()
         for run in sorted(self.runs.values(), key=lambda r: r.deadline):
             if not run.cancelling and await self.store.cancel_requested(run.id) is not None:
                 await self._start_cancelling(run)
@@ -493,12 +510,27 @@ class BatchRunner:
         )
 
     async def _budget(self, model: str) -> int:
+        """How many more lines of ``model`` may be submitted now: the slots that interactive work
+        leaves idle, less ``batch_headroom_slots`` kept free for its next arrivals (none after
+        QUIET_S without any), at most ``batch_max_inflight`` in all; lines already submitted count."""
+        served = await self.gateway.served_models()
+        if not served:
+            return 0  # no worker at all (one restarting): wait, rather than fail lines as unknown
+        slots = served.get(model)
+        if slots is None:
+            return 1 - self._inflight(model)  # unknown: its first line fails with the model's 404
+        mine = self._inflight(model)
+        interactive = self._interactive.get(model, 0)
+        headroom = self.settings.batch_headroom_slots
+        if headroom is None:
+            headroom = slots // 2
+        if time.monotonic() - self._seen_interactive.get(model, -math.inf) > QUIET_S:
+            headroom = 0  # nobody interactive for a while: the batch may fill the engine
+        room = slots - headroom - interactive
         cap = self.settings.batch_max_inflight
-        if cap is None:
-            served = await self.gateway.served_models()
-            # no worker at all (one restarting): wait, rather than fail lines as an unknown model
-            cap = served.get(model, 1 if served else 0)
-        return cap - self._inflight(model)
+        if cap is not None:
+            room = min(room, cap)
+        return room - mine
 
     async def _submit_some(self, run: _Run) -> None:
         while run.lines and time.monotonic() >= run.retry_at:

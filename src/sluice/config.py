@@ -435,8 +435,15 @@ class Settings(_Strict):
     batch_max_inflight: int | None = Field(
         default=None,
         ge=1,
-        description="batch lines of one model queued or running at once, over every batch; unset: the "
-        "slots the model's workers have (the engines stay busy, the queue holds no batch backlog)",
+        description="batch lines of one model queued or running at once, over every batch, at most; "
+        "unset: as many as the slots that interactive work and `batch_headroom_slots` leave idle",
+    )
+    batch_headroom_slots: int | None = Field(
+        default=None,
+        ge=0,
+        description="slots of each model that batch lines leave free for interactive arrivals, beyond "
+        "those interactive work holds, while there is any (none after 30 s without); unset: half the "
+        "model's slots",
     )
     batch_completion_windows: list[CompletionWindow] = Field(
         default_factory=lambda: ["24h"],

@@ -304,3 +304,49 @@ async def test_a_batch_past_its_window_expires_with_batch_expired_lines(tmp_path
         assert {line["custom_id"] for line in answered} | {e["custom_id"] for e in errors} == {
             f"r{i}" for i in range(30)
         }
+
+
+async def test_lines_run_in_the_batch_class_that_requests_cannot_name(
+    client: AsyncOpenAI, gateway: Gateway
+) -> None:
+    uploaded = await client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await finished(client, batch.id)
+    (line,) = await lines_of(client, done.output_file_id)
+    async with httpx.AsyncClient(headers={"authorization": "Bearer k"}) as http:  # the same caller
+        job = (await http.get(f"{gateway.url}/v1/jobs/{line['response']['request_id']}")).json()
+        assert job["priority"] == "batch"
+        assert job["timings"]["deadline"] == pytest.approx(done.expires_at, abs=1)  # the batch's own
+        r = await http.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "sim", "messages": [{"role": "user", "content": "x"}], "priority": "batch"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+async def test_the_queue_never_holds_a_batch_backlog(tmp_path: Path) -> None:
+    async with (
+        serve_in_background(preset("fast", model="sim", base_step_s=0.02)) as sim,
+        run_gateway([sim], files_dir=str(tmp_path / "files"), max_concurrency=2) as gw,
+        AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client,
+    ):
+        lines = [chat_line(f"r{i}", max_tokens=4) for i in range(30)]
+        uploaded = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        most = 0
+
+        async def done() -> bool:
+            nonlocal most
+            stats = (await gw.broker.stats()).get("sim")
+            if stats is not None:
+                most = max(most, stats.queued_jobs + stats.running_jobs)
+            return (await client.batches.retrieve(batch.id)).status in TERMINAL
+
+        await wait_until(done, timeout=60)
+        # the engine's two slots were kept busy, and nothing more waited in the queue
+        assert most == 2
+        assert (await client.batches.retrieve(batch.id)).status == "completed"
