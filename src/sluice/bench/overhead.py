@@ -15,15 +15,18 @@ so each row says what each process spent per request. Groups of rows:
 * ``flood``: ``--flood-connections`` (64) in front of a saturated 16-sequence engine (the
   ``article`` preset): answers and refusals per second, and the CPU of each refusal;
 * ``scaling``: Sluice on a real Redis (a ``redis-server`` started on a free port), with 1, 2, ...
-  gateways (``--gateways``) and as many workers; the load is spread over the gateways.
+  gateways (``--gateways``) and as many workers; the load is spread over the gateways;
+* ``clients``: the gateway's HTTP client to the engine alone (httpx, set up as in
+  :mod:`sluice.backends.openai`) against aiohttp's, each making the closed loop's requests from
+  this process: what the client costs per request (the ``load`` CPU).
 
-The engine for ``closed``, ``stream`` and ``scaling`` is the simulator with 256 slots and 1.25 ms
-steps (an 8-token answer in 10 ms), so that the engine is not the limit. The load generator is a
-minimal HTTP/1.1 client on uvloop in this process (its CPU is the ``load`` column).
+The engine for ``closed``, ``stream``, ``scaling`` and ``clients`` is the simulator with 256 slots
+and 1.25 ms steps (an 8-token answer in 10 ms), so that the engine is not the limit. The load
+generator is a minimal HTTP/1.1 client on uvloop in this process (its CPU is the ``load`` column).
 
 Writes ``LABEL.json`` (every row) to ``--out``, and ``LABEL.png`` with ``--plot`` (the ``bench``
-extra). ``--py-spy FILE`` records the Sluice gateway during its closed-loop row (py-spy's raw
-collapsed stacks) and prints the frames that take the most of its samples.
+extra). ``--py-spy DIR`` records the Sluice gateway during each of its rows (py-spy's raw
+collapsed stacks, ``DIR/ROW.txt``) and prints where its samples went: by library, by task, by frame.
 
 Usage: python -m sluice.bench.overhead [--seconds 10] [--connections 32] [--groups closed,stream,...]
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -42,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
@@ -54,7 +58,7 @@ from sluice.bench.broker_cycles import redis_server
 from sluice.bench.cli import free_port
 from sluice.sim.model import token_text
 
-GROUPS = ("closed", "stream", "flood", "scaling")
+GROUPS = ("closed", "stream", "flood", "scaling", "clients")
 TARGETS = ("engine", "passthrough", "sluice", "litellm")
 MODEL = "sim"
 # 256 slots, 1.25 ms per step whatever the batch: an 8-token answer in 10 ms, and 32 connections
@@ -328,15 +332,16 @@ class Window(NamedTuple):
     cpu_after: dict[str, float | None]
 
 
-async def _closed_loop(
-    urls: Sequence[str], load: Load, warmup_s: float, seconds: float, roles: dict[str, list[int]]
+Worker = Callable[[Tally, list[float]], Coroutine[Any, Any, None]]
+
+
+async def _windowed(
+    workers: Sequence[Worker], warmup_s: float, seconds: float, roles: dict[str, list[int]]
 ) -> Window:
+    """Run ``workers`` (each records into the tally what ends inside the window) and measure a window."""
     tally = Tally()
     window = [float("inf"), float("inf")]
-    tasks = [
-        asyncio.create_task(_connection(urls[i % len(urls)], load, tally, window))
-        for i in range(load.connections)
-    ]
+    tasks = [asyncio.create_task(worker(tally, window)) for worker in workers]
     try:
         await asyncio.sleep(warmup_s)
         before = _snapshot(roles)
@@ -369,8 +374,70 @@ def closed_loop(
     urls: Sequence[str], load: Load, warmup_s: float, seconds: float, roles: dict[str, list[int]]
 ) -> Window:
     """Run the closed loop against ``urls`` (connections spread round-robin) and measure one window."""
+    workers = [functools.partial(_connection, urls[i % len(urls)], load) for i in range(load.connections)]
     with asyncio.Runner(loop_factory=_new_loop) as runner:
-        return runner.run(_closed_loop(urls, load, warmup_s, seconds, roles))
+        return runner.run(_windowed(workers, warmup_s, seconds, roles))
+
+
+async def _client_requests(
+    url: str, library: str, load: Load, warmup_s: float, seconds: float, roles: dict[str, list[int]]
+) -> Window:
+    """The closed loop with a client library in place of the load generator's own HTTP client."""
+    body = json.loads(request_bytes(url, load).partition(b"\r\n\r\n")[2])
+    path = "/v1/chat/completions"
+    post: Callable[[], Awaitable[bytes]]
+    if library == "httpx":
+        # As the gateway's backend client is set up (sluice.backends.openai): no pool limit.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=FAST_SLOTS)
+        client = httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)
+
+        async def post() -> bytes:
+            answer = await client.post(path, json=body)
+            answer.raise_for_status()
+            return answer.content
+
+        close: Callable[[], Awaitable[None]] = client.aclose
+    else:
+        import aiohttp
+
+        session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
+
+        async def post() -> bytes:
+            async with session.post(path, json=body) as answer:
+                answer.raise_for_status()
+                return await answer.read()
+
+        close = session.close
+
+    async def worker(tally: Tally, window: list[float]) -> None:
+        while True:
+            start = time.perf_counter()
+            try:
+                text = await post()
+                json.loads(text)  # the gateway reads the answer as JSON too
+            except Exception:  # either library's errors: counted, and the loop goes on
+                if window[0] <= time.perf_counter() < window[1]:
+                    tally.errors += 1
+                await asyncio.sleep(0.01)
+                continue
+            end = time.perf_counter()
+            if window[0] <= end < window[1]:
+                tally.answered.append(end - start)
+                tally.ttft.append(end - start)
+                tally.tokens += text.count(TOKEN_MARK)
+
+    try:
+        return await _windowed([worker] * load.connections, warmup_s, seconds, roles)
+    finally:
+        await close()
+
+
+def client_requests(
+    url: str, library: str, load: Load, warmup_s: float, seconds: float, roles: dict[str, list[int]]
+) -> Window:
+    """``load.connections`` concurrent requests through ``library``'s client (httpx or aiohttp) alone."""
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        return runner.run(_client_requests(url, library, load, warmup_s, seconds, roles))
 
 
 # -- rows -------------------------------------------------------------------------------------------
@@ -509,10 +576,10 @@ class Spawner:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._files: list[IO[bytes]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self._logs / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop_all)
         self._files.append(log)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._procs.append(proc)
         return proc
 
@@ -595,11 +662,18 @@ def start_gateway(
         assert options.litellm_python is not None
         config = options.out / "litellm.yaml"
         model = {"model": f"openai/{MODEL}", "api_base": f"{engine}/v1", "api_key": "none"}
-        # JSON is YAML: no YAML writer needed here.
-        config.write_text(json.dumps({"model_list": [{"model_name": MODEL, "litellm_params": model}]}))
+        # Open, as Sluice is on loopback without keys: no master key, so no key check on a request.
+        general = {"dangerously_permit_weak_or_unset_master_key": True}
+        litellm_config = {
+            "model_list": [{"model_name": MODEL, "litellm_params": model}],
+            "general_settings": general,
+        }
+        config.write_text(json.dumps(litellm_config))  # JSON is YAML: no YAML writer needed here
         code = "import sys; from litellm import run_server; sys.exit(run_server())"
         argv = [options.litellm_python, "-c", code, "--config", str(config), "--port", str(port)]
-        proc, ready = spawner.start(target, argv), "/health/liveliness"
+        # Its own copy of the model price list, not one fetched from GitHub at start-up.
+        offline = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+        proc, ready = spawner.start(target, argv, offline), "/health/liveliness"
         command = "litellm --config litellm.yaml (openai/sim at ENGINE)"
     else:
         raise ValueError(f"unknown target {target!r}")
@@ -619,13 +693,16 @@ def _litellm_python(requested: str | None) -> str | None:
 
 @contextlib.contextmanager
 def py_spy(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
-    """Record ``pid`` with py-spy (raw collapsed stacks, 100 samples/s, not pausing it) while inside."""
+    """Record ``pid`` with py-spy (raw collapsed stacks, 100 samples/s) while inside."""
     if path is None:
         yield
         return
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    argv = [spy, "record", "--pid", str(pid), "--format", "raw", "--output", str(path), "--nonblocking"]
-    argv += ["--rate", "100", "--duration", str(max(1, round(seconds)))]
+    # Not --nonblocking: py-spy then pauses the gateway for each sample (a few µs, 100 times a second),
+    # but reads whole stacks; unpaused, it read a truncated stack for 40 % of the samples here.
+    argv = [spy, "record", "--pid", str(pid), "--format", "raw", "--output", str(path)]
+    # --function: one frame per function (not per line), so that a function's samples add up.
+    argv += ["--function", "--rate", "100", "--duration", str(max(1, round(seconds)))]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield
@@ -641,6 +718,14 @@ def py_spy(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
             )
 
 
+def _stacks(path: Path) -> Iterator[tuple[list[str], int]]:
+    """py-spy's raw collapsed stacks: each stack's frames, outermost first, and its sample count."""
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if stack and count_text.isdigit():
+            yield stack.split(";"), int(count_text)
+
+
 def top_frames(path: Path, limit: int = 25) -> list[tuple[str, float, float]]:
     """From py-spy's raw collapsed stacks: (frame, share of samples in it, share in it itself), top first.
 
@@ -649,12 +734,7 @@ def top_frames(path: Path, limit: int = 25) -> list[tuple[str, float, float]]:
     total_count: Counter[str] = Counter()
     self_count: Counter[str] = Counter()
     samples = 0
-    for line in path.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
+    for frames, count in _stacks(path):
         samples += count
         for frame in set(frames):
             total_count[frame] += count
@@ -663,6 +743,52 @@ def top_frames(path: Path, limit: int = 25) -> list[tuple[str, float, float]]:
         return []
     ranked = sorted(total_count, key=lambda f: (-self_count[f], -total_count[f]))[:limit]
     return [(f, total_count[f] / samples, self_count[f] / samples) for f in ranked]
+
+
+def _library(frame: str) -> str:
+    """A frame's library: ``sluice/api/x.py`` -> ``sluice/api``, ``httpx/_client.py`` -> ``httpx``."""
+    where = frame.rpartition(" (")[2].rstrip(")").rpartition(":")[0]
+    if where.startswith("<"):
+        return "<frozen>" if where.startswith("<frozen") else where
+    parts = where.split("/")
+    if parts[0] == "sluice" and len(parts) > 2:
+        return "/".join(parts[:2])
+    return parts[0].removesuffix(".py")
+
+
+def _task_root(frames: Sequence[str]) -> str:
+    """The first frame below the event loop: which task (or callback) a sample was spent in."""
+    in_loop = False
+    for frame in frames:
+        loop_frame = _library(frame) in ("asyncio", "uvloop")
+        if in_loop and not loop_frame:
+            return frame
+        in_loop = in_loop or loop_frame
+    return "(the event loop itself)"
+
+
+def shares_by(path: Path, key: Callable[[list[str]], str]) -> list[tuple[str, float]]:
+    """Share of samples per ``key(stack)``, largest first."""
+    counts: Counter[str] = Counter()
+    for frames, count in _stacks(path):
+        counts[key(frames)] += count
+    samples = sum(counts.values())
+    return [(k, n / samples) for k, n in counts.most_common()] if samples else []
+
+
+def print_profile(path: Path) -> None:
+    print(f"\npy-spy, the Sluice gateway ({path.stem}); shares of its samples")
+    print("\n| in its own code | library |\n|---|---|")
+    for library, share in shares_by(path, lambda frames: _library(frames[-1])):
+        if share >= 0.005:
+            print(f"| {share:.1%} | {library} |")
+    print("\n| in the task | task (first frame below the event loop) |\n|---|---|")
+    for root, share in shares_by(path, _task_root):
+        if share >= 0.005:
+            print(f"| {share:.1%} | `{root}` |")
+    print("\n| total | self | frame |\n|---|---|---|")
+    for frame, total, own in top_frames(path):
+        print(f"| {total:.1%} | {own:.1%} | `{frame}` |")
 
 
 # -- the groups -------------------------------------------------------------------------------------
@@ -680,8 +806,15 @@ def _measure(
     load: Load,
     roles: dict[str, list[int]],
     options: Options,
+    profile_pid: int | None = None,
 ) -> Row:
-    window = closed_loop(urls, load, options.warmup_s, options.seconds, roles)
+    """Measure one row; with ``--py-spy``, ``profile_pid`` (the Sluice gateway) is recorded meanwhile."""
+    record = None
+    if options.py_spy is not None and profile_pid is not None:
+        options.py_spy.mkdir(parents=True, exist_ok=True)
+        record = options.py_spy / (name.replace(" ", "-") + ".txt")
+    with py_spy(profile_pid or 0, options.warmup_s + options.seconds, record):
+        window = closed_loop(urls, load, options.warmup_s, options.seconds, roles)
     row = make_row(group, name, command, load, window)
     rows.append(row)
     print(f"  {name}: {row.answers_per_s:,.0f} answers/s, {row.refusals_per_s:,.0f} refusals/s", flush=True)
@@ -703,14 +836,13 @@ def run_fast_groups(spawner: Spawner, options: Options, rows: list[Row], note: N
             url, gateway_proc, command = start_gateway(spawner, target, engine, FAST_SLOTS, options)
             roles = {"gateway": [gateway_proc.pid], "engine": [engine_proc.pid]}
         print(f"{target}: {command}", flush=True)
+        spied = gateway_proc.pid if target == "sluice" and gateway_proc is not None else None
         if "closed" in options.groups:
-            profile = options.py_spy if target == "sluice" and gateway_proc is not None else None
-            with py_spy(gateway_proc.pid if gateway_proc else 0, options.seconds + options.warmup_s, profile):
-                _measure(rows, "closed", target, command, [url], short, roles, options)
+            _measure(rows, "closed", target, command, [url], short, roles, options, spied)
         if "stream" in options.groups:
             for load in streams:
                 name = f"{target} streamed {load.max_tokens}"
-                _measure(rows, "stream", name, command, [url], load, roles, options)
+                _measure(rows, "stream", name, command, [url], load, roles, options, spied)
         if gateway_proc is not None:
             spawner.stop(gateway_proc)
     spawner.stop(engine_proc)
@@ -732,7 +864,8 @@ def run_flood(spawner: Spawner, options: Options, rows: list[Row], note: Note) -
             url, gateway_proc, command = start_gateway(spawner, target, engine, FLOOD_SLOTS, options)
             roles = {"gateway": [gateway_proc.pid], "engine": [engine_proc.pid]}
         print(f"flood {target}: {command}", flush=True)
-        _measure(rows, "flood", f"{target} flooded", command, [url], load, roles, options)
+        spied = gateway_proc.pid if target == "sluice" and gateway_proc is not None else None
+        _measure(rows, "flood", f"{target} flooded", command, [url], load, roles, options, spied)
         if gateway_proc is not None:
             spawner.stop(gateway_proc)
     spawner.stop(engine_proc)
@@ -794,6 +927,23 @@ def run_scaling(spawner: Spawner, options: Options, rows: list[Row], note: Note)
     spawner.stop(engine_proc)
 
 
+def run_clients(spawner: Spawner, options: Options, rows: list[Row], note: Note) -> None:
+    """``clients``: the HTTP client to the engine alone, httpx (the gateway's) and aiohttp, here."""
+    engine, engine_proc = start_engine(spawner, "clients-engine", FAST_ENGINE)
+    load = Load(options.connections, options.tokens, stream=False)
+    for library in ("httpx", "aiohttp"):
+        if importlib.util.find_spec(library) is None:
+            note(f"clients: {library} is not installed, its row is left out (pip install 'sluice[bench]')")
+            continue
+        command = f"{load.connections} concurrent POSTs through one {library} client, in this process"
+        print(f"clients: {command}", flush=True)
+        window = client_requests(
+            engine, library, load, options.warmup_s, options.seconds, {"engine": [engine_proc.pid]}
+        )
+        rows.append(make_row("clients", f"{library} client alone", command, load, window))
+    spawner.stop(engine_proc)
+
+
 def run(options: Options) -> tuple[list[Row], list[str]]:
     """Run the chosen groups; every row measured, and the notes on what was left out."""
     rows: list[Row] = []
@@ -814,6 +964,8 @@ def run(options: Options) -> tuple[list[Row], list[str]]:
                 run_flood(spawner, options, rows, notes.append)
             if "scaling" in options.groups:
                 run_scaling(spawner, options, rows, notes.append)
+            if "clients" in options.groups:
+                run_clients(spawner, options, rows, notes.append)
         except RuntimeError:
             for log in sorted(logs.iterdir()):
                 tail = log.read_text(errors="replace")[-2000:]
@@ -886,11 +1038,22 @@ COLUMNS: dict[str, list[Column]] = {
     ],
 }
 
+COLUMNS["clients"] = [
+    ("answers/s", lambda r: _f(r.answers_per_s, 0)),
+    ("p50 / p99 ms", lambda r: _pair(r.p50_ms, r.p99_ms)),
+    ("client CPU ms/req", lambda r: _f(r.cpu_ms_per_request("load"))),
+    ("engine CPU ms/req", lambda r: _f(r.cpu_ms_per_request("engine"))),
+    ("client cores", lambda r: _f(r.cores("load"))),
+    ("errors", lambda r: str(r.errors)),
+    ("load avg", _load_average),
+]
+
 TITLES = {
     "closed": "Closed loop, short non-streaming requests",
     "stream": "Streamed",
     "flood": "Flood: in front of a saturated 16-sequence engine",
     "scaling": "Gateways on Redis",
+    "clients": "The HTTP client to the engine alone",
 }
 
 
@@ -964,6 +1127,8 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     axes[1].set_title("gateway CPU ms per request")
     # A scaling row's name starts with its gateway count ("2 gateways on Redis").
     axes[2].plot([int(r.name.split()[0]) for r in scaling], [r.answers_per_s for r in scaling], marker="o")
+    axes[2].set_ylim(bottom=0)
+    axes[2].set_xticks([int(r.name.split()[0]) for r in scaling])
     axes[2].set_title("answers/s by gateways on Redis")
     axes[2].set_xlabel("gateways (+ as many workers)")
     fig.tight_layout()
@@ -1022,7 +1187,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--label", default="overhead", help="name of the output files (overhead)")
     parser.add_argument("--plot", action="store_true", help="write LABEL.png too (needs matplotlib)")
     parser.add_argument(
-        "--py-spy", type=Path, help="record the Sluice gateway's closed-loop row with py-spy here"
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="record the Sluice gateway's rows with py-spy in DIR/ROW.txt",
     )
     args = parser.parse_args(argv)
     return Options(
@@ -1071,10 +1239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:
             print(exc)
     if options.py_spy is not None and options.py_spy.exists():
-        print(f"\npy-spy, the Sluice gateway under the closed loop ({options.py_spy}):")
-        print("| total | self | frame |\n|---|---|---|")
-        for frame, total, own in top_frames(options.py_spy):
-            print(f"| {total:.1%} | {own:.1%} | `{frame}` |")
+        for record in sorted(options.py_spy.glob("*.txt")):
+            print_profile(record)
     return 0
 
 
