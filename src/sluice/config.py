@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from sluice.broker.base import BrokerSettings
+from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS
 from sluice.core import scheduler
 from sluice.core.admission import Bounds, QueueLimits
 from sluice.core.job import Job
@@ -185,7 +186,21 @@ class Settings(_Strict):
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     broker: str = Field(
         default="memory",
-        description="where the queue lives: `memory` (in the process, lost with it) or a `redis://` URL",
+        description="where the queue lives: `memory` (in the process, lost with it) or Redis: "
+        "`redis://HOST:PORT`, `redis+sentinel://HOST:PORT,.../MASTER` or `redis+cluster://HOST:PORT,...` "
+        "(docs/redis.md)",
+    )
+    redis_min_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="Redis replicas that must have an admission, a settlement or a cancel (`WAIT`) before "
+        "it is answered; when fewer confirm in time the answer is 503 with Retry-After; unset: 1 with "
+        "Sentinel or Cluster, 0 with one Redis",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=DEFAULT_WAIT_TIMEOUT_MS,
+        ge=1,
+        description="how long a write waits for those replicas (milliseconds)",
     )
     backends: list[BackendConfig] = Field(
         default_factory=list,

@@ -56,7 +56,12 @@ def broker_settings(settings: Settings) -> BrokerSettings:
 
 
 def build_broker(settings: Settings) -> Broker:
-    return create_broker(settings.broker, broker_settings(settings))
+    return create_broker(
+        settings.broker,
+        broker_settings(settings),
+        min_replicas=settings.redis_min_replicas,
+        wait_timeout_ms=settings.redis_wait_timeout_ms,
+    )
 
 
 def build_backends(settings: Settings) -> list[Backend]:

@@ -12,7 +12,9 @@ Connections (``redis_pipe``): commands and scripts go out in pipelines, one per 
 :class:`BrokerUnavailable` in about a second, never a hang; a second pool serves the blocking claim
 (``BZPOPMIN`` on the models' wake-up markers, at most 10 s per block) and the abort subscription;
 each process follows all the job streams it is asked for with one multiplexed reader
-(``redis_events``).
+(``redis_events``). With Sentinel or Cluster (``redis_topology``) every pool connects to wherever
+the primary is now, and the writes in :data:`DURABLE_SCRIPTS` are answered only once a replica has
+them (docs/redis.md).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ from sluice.broker.redis_codec import (
 )
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
 from sluice.broker.redis_keys import JobField, QueueKeys, queued_jobs_field, queued_tokens_field
-from sluice.broker.redis_pipe import Batcher, Script, make_pool, translate
+from sluice.broker.redis_pipe import Batcher, Script, make_locator, make_pool, translate
+from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS, durability_for, parse_broker_url
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
 from sluice.core.errors import (
@@ -133,6 +136,12 @@ SCRIPT_NAMES = (
     "connect",
 )
 
+#: The scripts whose writes must reach the replicas the durability setting asks for before they are
+#: answered (``WAIT``): an accepted job, a settled one and a cancel are never lost in a failover.
+#: Claims need not wait: a claim lost with the primary leaves its job queued on the new one, and the
+#: lease token fences the worker that had it (its heartbeat is told to abort, its finish refused).
+DURABLE_SCRIPTS = frozenset({"admit", "finish", "cancel"})
+
 
 @dataclass(frozen=True)
 class _ClaimPlan:
@@ -154,7 +163,9 @@ class RedisBroker(Broker):
     processes share one queue.
 
     Args:
-        url: ``redis://``, ``rediss://`` or ``unix://`` URL of a standalone (or Sentinel-promoted) master.
+        url: ``redis://``, ``rediss://`` or ``unix://`` URL of one Redis, ``redis+sentinel://`` of the
+            sentinels and the master's name, or ``redis+cluster://`` of some cluster nodes
+            (``redis_topology``).
         settings: the broker settings; they travel to the scripts with every call.
         queue: the queue's name: the hash tag of all its keys, so several queues can share one Redis.
         max_connections: size of the command pool; callers beyond it wait up to ``pool_timeout_s``.
@@ -162,6 +173,10 @@ class RedisBroker(Broker):
         socket_timeout_s: longest wait for a command's answer.
         connect_timeout_s: longest wait for a TCP connection.
         blocking_connections: size of the pool for blocking claims (one per concurrent ``claim``).
+        min_replicas: replicas that must confirm an admission, settlement or cancel before it is
+            answered (``WAIT``); None: 1 with Sentinel or Cluster, 0 with one Redis.
+        wait_timeout_ms: how long they have; when fewer confirm, the call raises
+            :class:`BrokerUnavailable`.
     """
 
     def __init__(
@@ -175,10 +190,16 @@ class RedisBroker(Broker):
         socket_timeout_s: float = 2.0,
         connect_timeout_s: float = 0.5,
         blocking_connections: int = 16,
+        min_replicas: int | None = None,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
     ) -> None:
         super().__init__(settings or BrokerSettings())
         self.url = url
         self.keys = QueueKeys(queue)
+        self.topology = parse_broker_url(url)
+        self.durability = durability_for(self.topology, min_replicas, wait_timeout_ms)
+        # With Sentinel or Cluster, one locator finds the primary for all three pools.
+        self._locator = make_locator(self.topology, connect_timeout_s, self.keys.prefix)
         # One immediate retry on a fresh connection absorbs a Redis restart (every pooled
         # connection is dead then); timeouts are not retried, as the command may have run.
         retry = Retry(NoBackoff(), 1, (RedisConnectionError,))
@@ -197,7 +218,8 @@ class RedisBroker(Broker):
         self._timeout = socket_timeout_s
         self._redis = Redis.from_pool(
             make_pool(
-                url,
+                self.topology,
+                self._locator,
                 max_connections=max_connections,
                 timeout=pool_timeout_s,
                 socket_timeout=None,
@@ -206,7 +228,8 @@ class RedisBroker(Broker):
         )
         self._blocking = Redis.from_pool(
             make_pool(
-                url,
+                self.topology,
+                self._locator,
                 max_connections=blocking_connections + 1,
                 timeout=pool_timeout_s,
                 socket_timeout=None,
@@ -214,10 +237,12 @@ class RedisBroker(Broker):
             )
         )
         self._reader = Redis.from_pool(
-            make_pool(url, max_connections=1, timeout=None, socket_timeout=None, **common)
+            make_pool(
+                self.topology, self._locator, max_connections=1, timeout=None, socket_timeout=None, **common
+            )
         )
         self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
-        self._batch = Batcher(self._redis, timeout=socket_timeout_s)
+        self._batch = Batcher(self._redis, timeout=socket_timeout_s, durability=self.durability)
         self._hub = StreamHub(self._reader, self._redis, self.keys.wake(secrets.token_hex(8)))
         self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
         self._tokens: dict[tuple[str, str], str] = {}
@@ -234,6 +259,27 @@ class RedisBroker(Broker):
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._maintain_forever(), name="redis-broker-maintain")
+            await self._check_replicas()
+
+    async def _check_replicas(self) -> None:
+        """Say at start when the primary has fewer replicas than every durable write will wait for:
+        each of those writes would then be answered 503 after the WAIT timeout."""
+        if not self.durability.on:
+            return
+        try:
+            info = await self._io(self._redis.info("replication"))
+        except BrokerUnavailable as exc:
+            log.warning("could not count the Redis primary's replicas: %s", exc)
+            return
+        connected = int(info.get("connected_slaves", 0))
+        if connected < self.durability.replicas:
+            log.warning(
+                "the Redis primary (%s) has %d replica(s) connected, and every admission waits for %d: "
+                "they will be refused (503) until enough replicas are up (redis_min_replicas)",
+                self.topology.describe(),
+                connected,
+                self.durability.replicas,
+            )
 
     async def close(self) -> None:
         await stop_task(self._task)
@@ -245,6 +291,8 @@ class RedisBroker(Broker):
         await self._batch.drain()
         for client in (self._redis, self._blocking, self._reader):
             await client.aclose()
+        if self._locator is not None:
+            await self._locator.aclose()
 
     async def ping(self) -> bool:
         """Whether Redis answers now (for readiness probes)."""
@@ -255,9 +303,12 @@ class RedisBroker(Broker):
 
     async def _call(self, name: str, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
         """Run a script, in the next pipeline. It runs whole even if the caller is cancelled (a
-        client hung up): a state change is applied entirely or not at all."""
+        client hung up): a state change is applied entirely or not at all. The durable scripts are
+        answered once the replicas that the durability asks for have the change."""
         script = self.scripts[name]
-        return await self._batch.call(script.command(keys, args), script=script)
+        return await self._batch.call(
+            script.command(keys, args), script=script, durable=name in DURABLE_SCRIPTS
+        )
 
     async def _io(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
         """A command outside the pipelines (blocking reads, stats), with the same error mapping;

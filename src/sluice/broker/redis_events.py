@@ -3,7 +3,8 @@ process follows, and one pub/sub subscription for abort signals.
 
 Each runs on its own connection without a socket timeout (a block longer than the socket timeout
 ends in a spurious TimeoutError, redis-py#2807) but with an asyncio timeout above its block time, so
-that a connection that died silently is noticed; each reconnects by itself.
+that a connection that died silently is noticed; each reconnects by itself, to wherever the
+primary is after a failover (the connection asks its locator, ``redis_pipe``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from redis.asyncio import Redis
+from redis.exceptions import ClusterDownError, MasterDownError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import KeyT, StreamIdT
@@ -36,7 +38,18 @@ READ_COUNT = 500
 #: The wake-up stream of a reader only needs its newest entry.
 WAKE_TTL_MS = 60_000
 
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+# What a lost connection or a failover looks like (a connection to a primary that was demoted or
+# whose slot moved is closed and raises RedisConnectionError, see redis_pipe): read again.
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    TimeoutError,
+    ClusterDownError,
+    MasterDownError,
+    TryAgainError,
+    ReadOnlyError,
+)
 
 
 def check_cancelled() -> None:

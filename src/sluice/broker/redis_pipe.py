@@ -4,10 +4,18 @@ On a small machine the client's work per command (redis-py's asyncio call path, 
 each way) costs more than the scripts themselves. So commands issued by concurrent callers in one
 event-loop turn go out as one pipeline (ioredis calls this auto-pipelining), and commands are packed
 by hiredis in C rather than by redis-py's Python loop.
+
+Where the connections go (``redis_topology``): to the URL's one Redis; or, with Sentinel or Cluster,
+to an address a :class:`Locator` looks up whenever a connection is made, and forgets when a
+connection to it fails, a primary turns out to be a replica (READONLY) or the slot has moved
+(MOVED): after a failover the next connection goes to the new primary by itself. A durable write
+(:class:`~sluice.broker.redis_topology.Durability`) is followed, in the same pipeline and on the same
+connection, by ``WAIT`` for the replicas, and answered only when enough of them have it.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hashlib
 import logging
@@ -18,12 +26,17 @@ from typing import Any, cast
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, Connection
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import AskError, NoScriptError, ReadOnlyError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.base import BrokerUnavailable
+from sluice.broker.redis_topology import Durability, Kind, Topology
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +51,12 @@ _UNAVAILABLE_CODES = ("OOM", "MISCONF", "NOREPLICAS", "MASTERDOWN", "CLUSTERDOWN
 def unavailable(exc: BaseException) -> bool:
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError | TryAgainError | OSError):
         return True
-    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _UNAVAILABLE_CODES
+    if not isinstance(exc, ResponseError):
+        return False
+    # redis-py takes the code off the message of the errors it has a class for (OOM, CLUSTERDOWN,
+    # MASTERDOWN...) and keeps it in status_code; the others keep it in their text.
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code in _UNAVAILABLE_CODES
 
 
 def translate(exc: BaseException) -> BaseException:
@@ -66,14 +84,206 @@ class _HiredisPacking(AbstractConnection):
 _PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
-def make_pool(url: str, **kwargs: Any) -> BlockingConnectionPool:
-    """A ``BlockingConnectionPool`` for ``url`` whose connections pack commands with hiredis."""
-    pool = BlockingConnectionPool.from_url(url, **kwargs)
-    base = pool.connection_class  # TCP, TLS or Unix socket, as the URL says
+def _packing(base: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``base`` (TCP, TLS, Unix socket, located) with commands packed by hiredis."""
     fast = _PACKING.get(base)
     if fast is None:
         fast = _PACKING[base] = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
-    pool.connection_class = fast
+    return fast
+
+
+Address = tuple[str, int]
+
+
+class Locator(abc.ABC):
+    """Where the Redis that the broker writes to is now: looked up when a connection is made,
+    remembered until a connection to it fails, and shared by all the pools of one broker, so that
+    one lookup serves every connection made after a failover.
+
+    Attributes:
+        current: the address last found; None until found, and after it failed.
+    """
+
+    def __init__(self) -> None:
+        self.current: Address | None = None
+        self._last: Address | None = None
+        self._lock = asyncio.Lock()
+
+    async def locate(self) -> Address:
+        current = self.current
+        if current is not None:
+            return current
+        async with self._lock:  # one lookup at a time: a pool reconnecting at once asks once
+            if self.current is None:
+                found = await self._discover()
+                if found != self._last:
+                    log.info("Redis primary at %s:%s", *found)
+                    self._last = found
+                self.current = found
+            return self.current
+
+    def forget(self, address: Address) -> None:
+        """A connection to ``address`` failed: look again for the next one."""
+        if self.current == address:
+            self.current = None
+
+    def redirect(self, address: Address) -> None:
+        """Redis said where to go (MOVED)."""
+        self.current = address
+
+    async def aclose(self) -> None:
+        """Close what the lookups keep open."""
+
+    @abc.abstractmethod
+    async def _discover(self) -> Address:
+        """The address now; :class:`RedisConnectionError` when none is known."""
+
+
+def _lookup_kwargs(timeout_s: float, username: str | None, password: str | None) -> dict[str, Any]:
+    """Connections that ask where the primary is: short timeouts and no retries, since the next
+    node in the list is the retry."""
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "protocol": 2,
+        "decode_responses": True,
+        "username": username,
+        "password": password,
+    }
+
+
+class SentinelLocator(Locator):
+    """The primary that the sentinels name (redis-py's ``Sentinel.discover_master``: the first
+    sentinel that answers and sees the master up, not subjectively or objectively down)."""
+
+    def __init__(self, topology: Topology, timeout_s: float) -> None:
+        super().__init__()
+        self._service = topology.service
+        kwargs = _lookup_kwargs(timeout_s, topology.sentinel_username, topology.sentinel_password)
+        self._sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=kwargs)  # type: ignore[no-untyped-call]
+
+    async def _discover(self) -> Address:
+        host, port = await self._sentinel.discover_master(self._service)
+        return str(host), int(port)
+
+    async def aclose(self) -> None:
+        await self._sentinel.aclose()
+
+
+class ClusterLocator(Locator):
+    """The master of one hash slot, the queue's (every key of a queue is in it), as ``CLUSTER
+    SLOTS`` on the first node that answers says. Nodes learnt from an answer join the list to ask,
+    so the URL's few nodes need not stay up."""
+
+    def __init__(self, topology: Topology, timeout_s: float, key: str) -> None:
+        super().__init__()
+        self.slot = key_slot(key.encode())
+        self._nodes: list[Address] = list(topology.nodes)
+        self._kwargs = _lookup_kwargs(timeout_s, topology.username, topology.password)
+
+    async def _discover(self) -> Address:
+        failures = []
+        for host, port in list(self._nodes):
+            client = Redis(host=host, port=port, **self._kwargs)
+            try:
+                ranges = await client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+            except (RedisError, OSError) as exc:
+                failures.append(f"{host}:{port}: {exc}")
+                continue
+            finally:
+                await client.aclose()
+            master = None
+            for start, end, *nodes in cast(list[list[Any]], ranges):
+                addresses = [(str(n[0]) or host, int(n[1])) for n in nodes]  # "" is the node asked
+                for address in addresses:
+                    if address not in self._nodes:
+                        self._nodes.append(address)
+                if int(start) <= self.slot <= int(end) and addresses:
+                    master = addresses[0]
+            if master is not None:
+                return master
+            failures.append(f"{host}:{port}: slot {self.slot} is not served")
+        raise RedisConnectionError(
+            f"no cluster node knows the master of slot {self.slot}: {'; '.join(failures)}"
+        )
+
+
+class _LocatedConnection(Connection):
+    """A TCP connection to wherever its :class:`Locator` says the primary is now."""
+
+    def __init__(self, *, locator: Locator, **kwargs: Any) -> None:
+        self.locator = locator
+        super().__init__(**kwargs)
+
+    @property
+    def address(self) -> Address:
+        return self.host, self.port
+
+    async def _connect(self) -> None:
+        self.host, self.port = await self.locator.locate()
+        try:
+            await super()._connect()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self.locator.forget(self.address)
+            raise
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except (RedisConnectionError, RedisTimeoutError):
+            self.locator.forget(self.address)
+            raise
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except AskError as exc:  # MOVED (or ASK): the slot is another master's now; nothing ran
+            self.locator.redirect(exc.node_addr)
+            await self.disconnect()
+            raise RedisConnectionError(f"the queue's slot moved to {exc.host}:{exc.port}") from exc
+        except ReadOnlyError as exc:  # the primary was demoted; the write did not run
+            self.locator.forget(self.address)
+            await self.disconnect()
+            raise RedisConnectionError("the primary has become a replica") from exc
+        except (RedisConnectionError, RedisTimeoutError):
+            self.locator.forget(self.address)
+            raise
+
+    def should_reconnect(self) -> bool:
+        # Asked as the connection goes back to the pool: one to a former primary is closed then.
+        current = self.locator.current
+        moved = self.is_connected and current is not None and current != self.address
+        return bool(super().should_reconnect() or moved)  # type: ignore[no-untyped-call]
+
+
+def make_locator(topology: Topology, timeout_s: float, key: str) -> Locator | None:
+    """The locator a topology needs (None for a single Redis); ``key`` names the queue's slot."""
+    if topology.kind is Kind.SENTINEL:
+        return SentinelLocator(topology, timeout_s)
+    if topology.kind is Kind.CLUSTER:
+        return ClusterLocator(topology, timeout_s, key)
+    return None
+
+
+def make_pool(
+    topology: Topology | str, locator: Locator | None = None, **kwargs: Any
+) -> BlockingConnectionPool:
+    """A ``BlockingConnectionPool`` whose connections pack commands with hiredis: to a single
+    Redis's URL, or wherever ``locator`` finds the primary."""
+    if isinstance(topology, str):
+        url = topology
+    elif topology.kind is Kind.SINGLE:
+        url = topology.url
+    else:
+        if locator is None:
+            raise ValueError(f"{topology.describe()} needs a locator")
+        kwargs.update(db=topology.db, username=topology.username, password=topology.password)
+        return BlockingConnectionPool(
+            connection_class=_packing(_LocatedConnection), locator=locator, **kwargs
+        )
+    pool = BlockingConnectionPool.from_url(url, **kwargs)
+    pool.connection_class = _packing(pool.connection_class)  # TCP, TLS or Unix socket, as the URL says
     return pool
 
 
@@ -113,6 +323,7 @@ class _Entry:
     script: Script | None
     future: asyncio.Future[Any]
     orphan: Callable[[Any], None] | None
+    durable: bool = False
 
     def succeed(self, reply: Any) -> None:
         if not self.future.done():
@@ -131,11 +342,17 @@ class Batcher:
     Every command submitted is sent, even if its caller is cancelled meanwhile: a state change is
     applied whole or, if Redis fails, not at all, never cut off by a client that hung up. A caller
     that wants the reply of a command it gave up on (a claim) passes ``orphan``.
+
+    A ``durable`` command, when ``durability`` asks for replicas, is answered only once that many
+    have it: a pipeline with one ends in ``WAIT`` (on the same connection, so it covers every write
+    before it), and when fewer replicas confirm in time its durable commands fail with
+    :class:`BrokerUnavailable`; they did run on the primary, which may yet lose them.
     """
 
-    def __init__(self, client: Redis, timeout: float) -> None:
+    def __init__(self, client: Redis, timeout: float, durability: Durability | None = None) -> None:
         self._client = client
         self._timeout = timeout
+        self._durability = durability if durability is not None and durability.on else None
         self._pending: list[_Entry] = []
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
@@ -146,10 +363,11 @@ class Batcher:
         *,
         script: Script | None = None,
         orphan: Callable[[Any], None] | None = None,
+        durable: bool = False,
     ) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append(_Entry(command, script, future, orphan))
+        self._pending.append(_Entry(command, script, future, orphan, durable))
         if len(self._pending) >= MAX_BATCH:
             self._flush()
         elif not self._scheduled:
@@ -157,10 +375,12 @@ class Batcher:
             loop.call_soon(self._flush)
         return future
 
-    async def call(self, command: tuple[Any, ...], *, script: Script | None = None) -> Any:
+    async def call(
+        self, command: tuple[Any, ...], *, script: Script | None = None, durable: bool = False
+    ) -> Any:
         """Submit and wait; an outage raises :class:`BrokerUnavailable`."""
         try:
-            return await self.submit(command, script=script)
+            return await self.submit(command, script=script, durable=durable)
         except (RedisError, OSError) as exc:
             raise translate(exc) from exc
 
@@ -172,13 +392,20 @@ class Batcher:
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
-    async def _send(self, batch: list[_Entry], retried: bool = False) -> None:
+    async def _send(self, batch: list[_Entry], retried: bool = False, deadline: float | None = None) -> None:
+        """Send ``batch`` and settle its futures, all within one deadline: the command timeout, plus
+        the WAIT timeout for a durable batch, for the round trip, loading scripts a new or restarted
+        primary lacks, and sending their commands again."""
+        wait = self._durability if any(e.durable for e in batch) else None
+        budget = self._timeout + (wait.timeout_s if wait is not None else 0.0)
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + budget
         try:
-            async with asyncio.timeout(self._timeout):  # one timer per batch, not one per reply
-                replies = await self._roundtrip(batch)
+            async with asyncio.timeout_at(deadline):  # one timer per batch, not one per reply
+                replies, short = await self._roundtrip(batch, wait)
         except Exception as exc:  # the connection failed: the whole batch shares the outcome
             if isinstance(exc, TimeoutError):
-                exc = RedisTimeoutError(f"no answer within {self._timeout} s")
+                exc = RedisTimeoutError(f"no answer within {budget} s")
             for entry in batch:
                 entry.fail(exc)
             return
@@ -188,26 +415,38 @@ class Batcher:
                 missing.append(entry)
             elif isinstance(reply, BaseException):
                 entry.fail(reply)
+            elif entry.durable and short is not None:
+                entry.fail(short)
             else:
                 entry.succeed(reply)
-        if missing:  # a restarted Redis forgot the scripts: load them and send those again
+        if missing:  # a restarted or promoted Redis lacks the scripts: load them, send those again
             try:
-                for script in {cast(Script, e.script) for e in missing}:
-                    await self._client.script_load(script.source)
+                async with asyncio.timeout_at(deadline):
+                    for script in {cast(Script, e.script) for e in missing}:
+                        await self._client.script_load(script.source)
             except Exception as exc:
+                if isinstance(exc, TimeoutError):
+                    exc = RedisTimeoutError(f"no answer within {budget} s")
                 for entry in missing:
                     entry.fail(exc)
                 return
-            await self._send(missing, retried=True)
+            await self._send(missing, retried=True, deadline=deadline)
 
-    async def _roundtrip(self, batch: list[_Entry]) -> list[Any]:
+    async def _roundtrip(
+        self, batch: list[_Entry], wait: Durability | None
+    ) -> tuple[list[Any], BrokerUnavailable | None]:
         """One write of every command, then their raw replies (no response callbacks: callers get
         lists as Redis sends them). redis-py's own pipeline costs more than the scripts it carries.
+        With ``wait``, the batch ends in ``WAIT``, and the second value is the error its durable
+        commands get when fewer replicas than asked confirmed them (None when enough did).
 
         A connection that turns out dead before any reply came back (Redis restarted) is replaced
         and the batch sent once more: nothing of it can have run on the new server."""
         pool = self._client.connection_pool
-        payload = b"".join(hiredis.pack_command(e.command) for e in batch)
+        commands = [e.command for e in batch]
+        if wait is not None:
+            commands.append(("WAIT", wait.replicas, wait.timeout_ms))
+        payload = b"".join(hiredis.pack_command(c) for c in commands)
         for attempt in (1, 2):
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             replies: list[Any] = []
@@ -218,7 +457,13 @@ class Batcher:
                         replies.append(await conn.read_response())
                     except ResponseError as exc:
                         replies.append(exc)
-                return replies
+                if wait is None:
+                    return replies, None
+                try:
+                    acked: Any = await conn.read_response()
+                except ResponseError as exc:
+                    acked = exc
+                return replies, _short(acked, wait)
             except RedisConnectionError:
                 await conn.disconnect()
                 if replies or attempt == 2:
@@ -236,3 +481,14 @@ class Batcher:
             self._flush()
         if self._inflight:
             await asyncio.wait(self._inflight, timeout=timeout)
+
+
+def _short(acked: Any, wait: Durability) -> BrokerUnavailable | None:
+    """None when ``WAIT``'s reply counts enough replicas; else the error the durable writes get."""
+    if isinstance(acked, int) and acked >= wait.replicas:
+        return None
+    if isinstance(acked, BaseException):
+        return BrokerUnavailable(f"Redis could not confirm the write on a replica: {acked}")
+    return BrokerUnavailable(
+        f"the write reached {acked} of the {wait.replicas} replica(s) it needs within {wait.timeout_ms} ms"
+    )

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.broker.redis_topology import SCHEMES
 from sluice.config import BackendConfig, ConfigError, Settings, load_settings
 
 
@@ -43,6 +44,8 @@ class Flag:
 #: what every role reads: where the queue is, how it logs, how long results stay
 COMMON = (
     Flag("--broker", "broker", str),
+    Flag("--redis-min-replicas", "redis_min_replicas", int),
+    Flag("--redis-wait-timeout", "redis_wait_timeout_ms", int),
     Flag("--result-ttl", "result_ttl_s", float),
     Flag("--log-level", "log_level", str),
     Flag("--log-format", "log_format", str),
@@ -147,7 +150,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=overrides)
 
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: the broker URLs of a shared Redis: one Redis, Sentinel, Cluster (docs/redis.md)
+REDIS_SCHEMES = SCHEMES
 
 
 def shared_settings(args: argparse.Namespace, role: str) -> Settings:
