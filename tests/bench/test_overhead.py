@@ -32,7 +32,7 @@ def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixtu
     expected |= {f"{t} flooded" for t in targets if t != "passthrough"}
     expected |= {"httpx client alone", "aiohttp client alone"}
     if HAVE_REDIS:
-        expected |= {"1 gateway on Redis", "2 gateways on Redis"}
+        expected |= {"1 gateway on Redis", "2 gateways on Redis", "sluice on Redis flooded"}
     assert set(rows) == expected
     if not have_litellm:
         assert any("LiteLLM" in note for note in result["notes"])

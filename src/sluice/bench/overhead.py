@@ -868,6 +868,13 @@ def run_flood(spawner: Spawner, options: Options, rows: list[Row], note: Note) -
         _measure(rows, "flood", f"{target} flooded", command, [url], load, roles, options, spied)
         if gateway_proc is not None:
             spawner.stop(gateway_proc)
+    # The same gateway with its dispatcher in another process (a worker): the refusals then no
+    # longer share an event loop with the jobs that feed the engine.
+    if "sluice" in options.targets and _have_redis(note, "flood on Redis"):
+        with redis_fleet(spawner, engine, 1, FLOOD_SLOTS) as (urls, roles, command):
+            print(f"flood: {command}", flush=True)
+            roles = {**roles, "engine": [engine_proc.pid]}
+            _measure(rows, "flood", "sluice on Redis flooded", command, urls, load, roles, options)
     spawner.stop(engine_proc)
 
 
@@ -879,51 +886,56 @@ def _redis_pid(url: str) -> int:
     return int(info["process_id"])
 
 
+def _have_redis(note: Note, what: str) -> bool:
+    if shutil.which(os.environ.get("SLUICE_TEST_REDIS_SERVER", "redis-server")) is not None:
+        return True
+    note(f"{what}: no redis-server on the PATH (or at $SLUICE_TEST_REDIS_SERVER), left out")
+    return False
+
+
+@contextlib.contextmanager
+def redis_fleet(
+    spawner: Spawner, engine: str, count: int, slots: int
+) -> Iterator[tuple[list[str], dict[str, list[int]], str]]:
+    """``count`` gateways and ``count`` workers on a fresh Redis: their URLs, pids by role, the command."""
+    with redis_server() as broker:
+        workers, gateways, urls = [], [], []
+        for i in range(count):
+            args = ["worker", "--broker", broker, "--backend", engine, "--max-concurrency", str(slots)]
+            workers.append(spawner.sluice(f"worker-{count}-{i}", *args, "--log-level", "warning"))
+        for i in range(count):
+            port = free_port()
+            args = ["gateway", "--broker", broker, "--port", str(port), "--log-level", "warning"]
+            gateways.append(spawner.sluice(f"gateway-{count}-{i}", *args))
+            wait_ready(_url(port) + "/readyz", gateways[-1])
+            urls.append(_url(port))
+        for url in urls:
+            wait_answer(url)
+        roles = {
+            "gateway": [p.pid for p in gateways],
+            "workers": [p.pid for p in workers],
+            "redis": [_redis_pid(broker)],
+        }
+        command = f"{count} x sluice gateway + {count} x sluice worker --max-concurrency {slots}, Redis"
+        try:
+            yield urls, roles, command
+        finally:
+            for proc in gateways + workers:
+                spawner.stop(proc)
+
+
 def run_scaling(spawner: Spawner, options: Options, rows: list[Row], note: Note) -> None:
     """``scaling``: 1, 2, ... gateways and as many workers on one Redis."""
-    if "sluice" not in options.targets:
-        return
-    if shutil.which(os.environ.get("SLUICE_TEST_REDIS_SERVER", "redis-server")) is None:
-        note("scaling: no redis-server on the PATH (or at $SLUICE_TEST_REDIS_SERVER), its rows are left out")
+    if "sluice" not in options.targets or not _have_redis(note, "scaling"):
         return
     engine, engine_proc = start_engine(spawner, "scaling-engine", FAST_ENGINE)
     load = Load(options.connections, options.tokens, stream=False)
     for count in options.gateways:
-        with redis_server() as broker:
-            workers, gateways, urls = [], [], []
-            for i in range(count):
-                args = [
-                    "worker",
-                    "--broker",
-                    broker,
-                    "--backend",
-                    engine,
-                    "--max-concurrency",
-                    str(FAST_SLOTS),
-                ]
-                workers.append(spawner.sluice(f"worker-{count}-{i}", *args, "--log-level", "warning"))
-            for i in range(count):
-                port = free_port()
-                args = ["gateway", "--broker", broker, "--port", str(port), "--log-level", "warning"]
-                gateways.append(spawner.sluice(f"gateway-{count}-{i}", *args))
-                wait_ready(_url(port) + "/readyz", gateways[-1])
-                urls.append(_url(port))
-            for url in urls:
-                wait_answer(url)
-            roles = {
-                "gateway": [p.pid for p in gateways],
-                "workers": [p.pid for p in workers],
-                "redis": [_redis_pid(broker)],
-                "engine": [engine_proc.pid],
-            }
-            command = (
-                f"{count} x sluice gateway + {count} x sluice worker --max-concurrency {FAST_SLOTS}, Redis"
-            )
+        with redis_fleet(spawner, engine, count, FAST_SLOTS) as (urls, roles, command):
             print(f"scaling: {command}", flush=True)
             name = f"{count} gateway{'s' if count > 1 else ''} on Redis"
+            roles = {**roles, "engine": [engine_proc.pid]}
             _measure(rows, "scaling", name, command, urls, load, roles, options)
-            for proc in gateways + workers:
-                spawner.stop(proc)
     spawner.stop(engine_proc)
 
 
@@ -1022,6 +1034,7 @@ COLUMNS: dict[str, list[Column]] = {
         ("refusal p50 / p99 ms", lambda r: _pair(r.refusal_p50_ms, r.refusal_p99_ms)),
         ("gateway CPU ms/response", lambda r: _f(r.cpu_ms_per_request("gateway"))),
         ("gateway cores", lambda r: _f(r.cores("gateway"))),
+        ("workers cores", lambda r: _f(r.cores("workers"))),
         ("errors", lambda r: str(r.errors)),
         ("load avg", _load_average),
     ],
