@@ -198,8 +198,13 @@ def _status_error(status: int, raw: bytes) -> BackendError:
         param = _param(data)
     except ValueError:
         message = raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+    # The engine's own text may quote the prompt: the client hears it, the operator's log only the
+    # status (logs never hold a prompt or an answer).
+    logged = f"engine answered {status}" + (f" (param {param})" if param else "")
     if status in RETRYABLE_STATUS or status >= 500:
-        return BackendError(f"engine answered {status}: {message}", retryable=True, status=status)
+        return BackendError(
+            f"engine answered {status}: {message}", retryable=True, status=status, detail=logged
+        )
     # The engine refused the request itself (context too long, bad parameter): the client's fault.
     return BackendError(
         message,
@@ -208,6 +213,7 @@ def _status_error(status: int, raw: bytes) -> BackendError:
         type="invalid_request_error",
         code="engine_rejected",
         param=param,
+        detail=logged,
     )
 
 
