@@ -144,3 +144,14 @@ async def test_the_stream_asks_for_usage_and_the_whole_answer_drops_stream_optio
     assert first_path == "/v1/chat/completions" and second_path == "/v1/completions"
     assert first["stream"] is True and first["stream_options"] == {"include_usage": True}
     assert second["stream"] is False and "stream_options" not in second
+
+
+@pytest.mark.parametrize("status", [400, 500, 503])
+def test_an_engine_error_quoting_the_prompt_reaches_the_client_not_the_log(status: int) -> None:
+    from sluice.backends.openai import _status_error
+
+    marker = "PROMPT-MARKER-7f3a"
+    body = json.dumps({"error": {"message": f"bad input: '{marker} ...'", "param": "messages"}}).encode()
+    exc = _status_error(status, body)
+    assert marker in exc.message  # the client hears what the engine said
+    assert marker not in exc.detail and str(status) in exc.detail  # the log hears only the status
