@@ -26,6 +26,7 @@ from sluice.api.admin import BackendControl
 from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
 from sluice.api.limits import BodySizeLimit
+from sluice.api.request_id import RequestId
 
 
 def create_app(
@@ -74,4 +75,5 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(docs.router)
     app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, exempt=[files.UPLOAD_PATH])
+    app.add_middleware(RequestId)  # outermost: every answer has one, the body limit's 413 too
     return app

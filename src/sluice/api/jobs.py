@@ -77,7 +77,7 @@ MAX_PAGE = 100
 DEFAULT_PAGE = 20
 
 
-@router.get("/v1/jobs")
+@router.get("/v1/jobs", responses=errors(*KEYED, 400))
 async def list_jobs(
     request: Request,
     who: Who,

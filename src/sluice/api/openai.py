@@ -128,7 +128,7 @@ async def models(request: Request, who: Who) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=errors(*KEYED, 404))
 async def model(request: Request, model_id: str, who: Who) -> JSONResponse:
     gw = gateway(request)
     if model_id not in await gw.broker.served_models():
