@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("sluice.bench.cli", "open-loop load experiment against an engine or a Sluice gateway"),
     "engine": ("sluice.local_engine.server", "build, start or inspect the local llama-server engine"),
     "keys": ("sluice.apikeys", "make API keys (only their hashes go in the config)"),
+    "kafka": ("sluice.kafka.cli", "requests from a Kafka topic, answers to another (needs the kafka extra)"),
 }
 
 

@@ -1,0 +1,1 @@
+"""`sluice kafka`: Kafka in, Kafka out (:mod:`sluice.kafka.bridge`)."""
