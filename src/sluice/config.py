@@ -541,7 +541,6 @@ class Settings(_Strict):
             specs.append(ClassSpec(self.batch_class, 0.0))
         return specs
 
-
     def limits(self) -> tuple[dict[str, QueueLimits], QueueLimits]:
         classes = {
             c.name: Bounds(c.max_queued_jobs, c.max_queued_tokens)

@@ -172,7 +172,9 @@ def test_admit_reply_refused() -> None:
     assert reply.tenant.queued == 2 and reply.tenant.max_concurrent == 1
     refusal = reply.refusal
     assert refusal is not None
-    assert refusal.view == QueueView(10, 300, 4, 120, 6, 180, running=1, runnable_tokens=240, victim_tokens=30)
+    assert refusal.view == QueueView(
+        10, 300, 4, 120, 6, 180, running=1, runnable_tokens=240, victim_tokens=30
+    )
     assert (refusal.per_slot, refusal.samples, refusal.slots) == (97.5, 3, 2)
     assert refusal.policy == PolicyState(1800000000.5, None, 1.25, None)
     drain = refusal.drain(50.0)
