@@ -101,17 +101,20 @@ async def run_scenario(
             batch_id = await create_batch(http, url)  # the first gateway takes it at once
             await mid_batch(http, url, batch_id)
             url = await interrupt(sim, started[-1][1], procs)
-            # interrupted mid-way: the batch had lines left when its process went
-            await wait_until(lambda: _known(http, url, batch_id), timeout=30)
-            assert 0 <= await completed_lines(http, url, batch_id) < LINES
+            # interrupted mid-way: the batch had lines left when its process went (read once it
+            # answers: a read right after the interruption may still fail, and is not an answer)
+            seen: list[int] = []
+
+            async def known() -> bool:
+                seen.append(await completed_lines(http, url, batch_id))
+                return seen[-1] >= 0
+
+            await wait_until(known, timeout=30)
+            assert 0 <= seen[-1] < LINES
             await check_output(http, url, batch_id)
         finally:
             for proc in procs:
                 proc.stop()
-
-
-async def _known(http: httpx.AsyncClient, url: str, batch_id: str) -> bool:
-    return await completed_lines(http, url, batch_id) >= 0
 
 
 async def test_a_killed_worker_loses_no_line(redis: RedisServer, http: httpx.AsyncClient) -> None:
