@@ -78,10 +78,11 @@ async def test_deadline_unmeetable_is_refused_at_once(
     await started_at(gw, await submit(http, gw, max_tokens=20))  # one finished job measures the drain rate
     blocker = await submit(http, gw, max_tokens=3000)
     await wait_until(lambda: _running(gw, blocker))
-    await submit(http, gw, max_tokens=3000)  # ~30 s of work queued ahead
+    await submit(http, gw, max_tokens=3000)  # ~30 s of its tenant's work queued ahead
     r = await http.post(
         gw.url + "/v1/chat/completions",
         json={"model": "sim", "messages": MSG, "max_tokens": 10, "timeout": 5},
+        headers={"Authorization": "Bearer k"},
     )
     assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_unmeetable"
     assert 1 <= int(r.headers["retry-after"]) <= 120 and r.headers["x-should-retry"] == "true"

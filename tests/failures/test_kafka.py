@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +44,16 @@ def kafka() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
+        # Listening before anyone bootstraps from it (a loaded machine starts it slowly).
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the Kafka broker did not start listening") from None
+                time.sleep(0.05)
         yield f"127.0.0.1:{port}"
     finally:
         proc.kill()
