@@ -7,7 +7,6 @@ only, so that the description never maps the surface an admin key hides from eve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -16,14 +15,13 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from sluice.api.auth import KeyRing, bearer
 from sluice.api.gateway import gateway
-from sluice.api.openapi import document
+from sluice.api.openapi import document, schema_refs
 
 router = APIRouter(include_in_schema=False)
 
 OPENAPI_URL = "/openapi.json"
 #: The tag of the routes listed to admin keys only.
 ADMIN_TAG = "admin"
-SCHEMA_REF = "#/components/schemas/"
 
 
 async def _reader_is_admin(request: Request) -> bool:
@@ -36,19 +34,6 @@ async def _reader_is_admin(request: Request) -> bool:
     return (await keyring.authenticate(request)).admin
 
 
-def _refs(node: Any) -> Iterator[str]:
-    """The names of the component schemas ``node`` refers to."""
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith(SCHEMA_REF):
-            yield ref.removeprefix(SCHEMA_REF)
-        for value in node.values():
-            yield from _refs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _refs(value)
-
-
 def without_admin(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` less the operations tagged admin, and less the component schemas only they use."""
     paths = {
@@ -58,12 +43,12 @@ def without_admin(schema: dict[str, Any]) -> dict[str, Any]:
     }
     defined = schema.get("components", {}).get("schemas", {})
     used: set[str] = set()
-    todo = list(_refs(paths))
+    todo = list(schema_refs(paths))
     while todo:
         name = todo.pop()
         if name not in used and name in defined:
             used.add(name)
-            todo.extend(_refs(defined[name]))
+            todo.extend(schema_refs(defined[name]))
     out = {**schema, "paths": paths}
     if "components" in schema:
         out["components"] = {

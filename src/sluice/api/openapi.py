@@ -116,17 +116,17 @@ def plain_text(what: str, status: int = 200) -> dict[int | str, dict[str, Any]]:
     return {status: {"content": {"text/plain": {"schema": {"type": "string", "description": what}}}}}
 
 
-def _refs(node: Any) -> Iterator[str]:
+def schema_refs(node: Any) -> Iterator[str]:
     """The names of the component schemas ``node`` refers to."""
     if isinstance(node, dict):
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith(SCHEMA_REF):
             yield ref.removeprefix(SCHEMA_REF)
         for value in node.values():
-            yield from _refs(value)
+            yield from schema_refs(value)
     elif isinstance(node, list):
         for value in node:
-            yield from _refs(value)
+            yield from schema_refs(value)
 
 
 def _error_schemas() -> dict[str, Any]:
@@ -155,7 +155,7 @@ def finish(schema: dict[str, Any]) -> dict[str, Any]:
         for operation in operations.values():
             responses = operation.get("responses", {}) if isinstance(operation, dict) else {}
             framework = responses.get(_FRAMEWORK_422)
-            if framework is not None and set(_refs(framework)) <= set(_FRAMEWORK_SCHEMAS):
+            if framework is not None and set(schema_refs(framework)) <= set(_FRAMEWORK_SCHEMAS):
                 del responses[_FRAMEWORK_422]
             if responses:  # in the order of their statuses, for a reader
                 operation["responses"] = dict(sorted(responses.items(), key=_status_order))
@@ -163,7 +163,7 @@ def finish(schema: dict[str, Any]) -> dict[str, Any]:
     defined = components.setdefault("schemas", {})
     defined.update(_error_schemas())
     ours = {name: spec for name, spec in defined.items() if name not in _FRAMEWORK_SCHEMAS}
-    used = {*_refs(out.get("paths", {})), *_refs(ours)}
+    used = {*schema_refs(out.get("paths", {})), *schema_refs(ours)}
     for name in _FRAMEWORK_SCHEMAS:
         if name not in used:
             defined.pop(name, None)
