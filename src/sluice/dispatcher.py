@@ -124,13 +124,13 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.running: dict[str, asyncio.Task[None]] = {}
+        self._claims_outage = OutageLog(log, "claims")
+        self._heartbeat_outage = OutageLog(log, "heartbeat")
         #: per model: the answers' lengths of finished jobs whose engine decided their length
         self.output_lengths: dict[str, OutputLengths] = {}
         #: per model: when this dispatcher first served it (the creation time of a model whose
         #: engine gives none)
         self._first_seen: dict[str, int] = {}
-        self._claims_outage = OutageLog(log, "claims")
-        self._heartbeat_outage = OutageLog(log, "heartbeat")
         #: claimed jobs waiting for a slot with room, in the order they began to wait
         self._waiting: dict[str, Job] = {}
         self._capacity = asyncio.Event()

@@ -47,6 +47,15 @@ class Metrics:
         self.drain_rate = Gauge(
             "sluice_drain_rate_tokens_per_second", "Measured drain rate", ["model"], registry=r
         )
+        # Counted by the broker (every gateway of a Redis queue reports the same total: take their
+        # max, not their sum); this process follows it by the increments it sees.
+        self.broken_promises = Counter(
+            "sluice_broken_promises",
+            "Jobs admitted that then ended past their deadline (deadline_exceeded), counted by the broker",
+            ["model"],
+            registry=r,
+        )
+        self._broken_seen: dict[str, int] = {}
         self.retry_after = Histogram(
             "sluice_retry_after_seconds",
             "Retry-After given with refusals, by code",
@@ -62,6 +71,10 @@ class Metrics:
             self.running_jobs.labels(model).set(s.running_jobs)
             self.slots.labels(model).set(s.slots)
             self.drain_rate.labels(model).set(s.drain_rate)
+            seen, broken = self._broken_seen.get(model, 0), self.broken_promises.labels(model)
+            if s.broken_promises > seen:
+                broken.inc(s.broken_promises - seen)
+            self._broken_seen[model] = s.broken_promises
 
     def observe_job(self, job: Job) -> None:
         self.jobs.labels(job.model, job.state.value).inc()

@@ -12,7 +12,7 @@ import pytest
 from sluice.broker.base import Broker, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
-from sluice.core.admission import Refused
+from sluice.core.admission import RETRY_SHARE, Refused
 from sluice.core.job import JobError, JobState
 from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
@@ -190,6 +190,28 @@ async def test_at_a_bound_the_heaviest_backlog_gives_way(broker: Broker, clock: 
     assert sorted(j.id for j in claimed if j) == sorted([heavy[0].id, light.id, third.id])
 
 
+async def test_refusals_in_a_burst_reserve_distinct_times(broker: Broker, clock: FakeClock) -> None:
+    """Retry-After is a reservation: refusals at the same instant get distinct times, one job's cost
+    at RETRY_SHARE of the drain rate apart (the prior 50 a second here), the first when room frees;
+    a refusal of the tenant's own limits reserves nothing."""
+    for _ in range(3):
+        await broker.admit(make_job(clock, model="small"))
+    times = []
+    for _ in range(4):
+        with pytest.raises(Refused) as info:
+            await broker.admit(make_job(clock, model="small"))
+        assert info.value.should_retry
+        times.append(info.value.retry_after_s)
+    step = 30 / (50 * RETRY_SHARE)
+    assert times == pytest.approx([0.6 + i * step for i in range(4)])
+    with pytest.raises(Refused) as own:  # the key's own bound on its tenant's queue
+        await broker.admit(make_job(clock, model="small"), TenantLimits("t", max_queued=1))
+    assert own.value.code == "too_many_queued"
+    with pytest.raises(Refused) as next_one:
+        await broker.admit(make_job(clock, model="small"))
+    assert next_one.value.retry_after_s == pytest.approx(0.6 + 4 * step)
+
+
 async def test_idempotency(broker: Broker, clock: FakeClock) -> None:
     first = make_job(clock, idempotency_key="k1")
     await broker.admit(first)
@@ -300,6 +322,38 @@ async def test_queued_job_expires(broker: Broker, clock: FakeClock) -> None:
     got = await broker.get(job.id)
     assert got is not None and got.state is JobState.EXPIRED
     assert await broker.claim(W, ["m"], timeout=0.1) is None
+
+
+async def test_a_job_admitted_that_ends_past_its_deadline_is_a_broken_promise(
+    broker: Broker, clock: FakeClock
+) -> None:
+    """Expired queued, dropped at dispatch or stopped while running: each counts in the model's
+    broken_promises (sluice_broken_promises_total); an answer, a cancel or a refusal does not."""
+    await broker.register(W, {"m": 2})
+    queued = make_job(clock, timeout=1)
+    await broker.admit(queued)
+    clock.advance(2)
+    await broker.maintain()
+    assert (await broker.stats())["m"].broken_promises == 1
+    running = make_job(clock, timeout=5)
+    await broker.admit(running)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
+    late_error = JobError("late", "timeout", "deadline_exceeded")
+    await broker.finish(running.id, W, JobState.EXPIRED, error=late_error)
+    ok, cancelled = make_job(clock), make_job(clock)
+    for job in (ok, cancelled):
+        await broker.admit(job)
+    await broker.cancel(cancelled.id)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == ok.id  # type: ignore[union-attr]
+    clock.advance(1)
+    await broker.finish(ok.id, W, JobState.SUCCEEDED, result={})
+    # Measured now (30 cost units a second): a job with too little time left is dropped at dispatch.
+    late = make_job(clock, max_tokens=90, timeout=5)  # needs 3.3 s at that rate
+    await broker.admit(late)
+    clock.advance(3)  # 2 s left
+    assert await broker.claim(W, ["m"], timeout=0.1) is None
+    assert (await broker.get(late.id)).state is JobState.EXPIRED  # type: ignore[union-attr]
+    assert (await broker.stats())["m"].broken_promises == 3
 
 
 async def test_expired_job_is_never_claimed(broker: Broker, clock: FakeClock) -> None:

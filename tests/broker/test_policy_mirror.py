@@ -8,6 +8,7 @@ refusals to the Retry-After, and codel must go through its states (good, standin
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from sluice.broker.base import Broker, BrokerSettings
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
-from sluice.core.admission import Bounds, QueueLimits, Refused
+from sluice.core.admission import RETRY_SHARE, Bounds, QueueLimits, Refused
 from sluice.core.job import JobState
 from sluice.core.policy import CapPolicy, CoDelPolicy, DeadlinePolicy, FifoPolicy, QueuePolicy
 from sluice.core.ratelimit import TenantLimits
@@ -202,3 +203,31 @@ async def test_fair_admission_and_eviction_decide_the_same_on_both_brokers(redis
         assert evicted > 5, evicted
     finally:
         await redis.close()
+
+
+async def test_gateways_on_one_redis_hand_out_times_from_one_book(redis_url: str) -> None:
+    """Two gateways refusing the same burst never tell two clients the same time: the reservation
+    book lives in Redis (admission.reserve, admit.lua)."""
+    clock = FakeClock()
+    settings = BrokerSettings(
+        default_limits=QueueLimits(model=Bounds(max_jobs=2)),
+        lease_s=60.0,
+        policy=DeadlinePolicy(),
+        clock=clock,
+    )
+    gateways = [RedisBroker(redis_url, settings), RedisBroker(redis_url, settings)]
+    try:
+        for _ in range(2):
+            await gateways[0].admit(make_job(clock, model="m"))
+        times = []
+        for i in range(6):
+            with pytest.raises(Refused) as info:
+                await gateways[i % 2].admit(make_job(clock, model="m"))
+            times.append(info.value.retry_after_s)
+            clock.advance(0.1)
+        # Each later refusal's time is one reservation after the one before, less the 0.1 s passed.
+        step = 30 / (settings.drain_prior_per_slot * RETRY_SHARE)
+        assert [b - a for a, b in itertools.pairwise(times)] == pytest.approx([step - 0.1] * 5)
+    finally:
+        for g in gateways:
+            await g.close()

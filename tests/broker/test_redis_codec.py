@@ -166,7 +166,28 @@ def test_admit_reply_duplicate_and_retried() -> None:
 
 
 def test_admit_reply_refused() -> None:
-    raw = [0, 10, 300, 4, 120, 6, 180, 240, "97.5", 3, 2, *TENANT, 1, "1800000000.5", "", "1.25", "", 30]
+    raw = [
+        0,
+        10,
+        300,
+        4,
+        120,
+        6,
+        180,
+        240,
+        "97.5",
+        3,
+        2,
+        *TENANT,
+        1,
+        "1800000000.5",
+        "",
+        "1.25",
+        "",
+        30,
+        "1800000012.25",
+        "0.0125",
+    ]
     reply = AdmitReply.from_reply(raw)
     assert reply.outcome is AdmitOutcome.REFUSED and reply.tenant is not None
     assert reply.tenant.queued == 2 and reply.tenant.max_concurrent == 1
@@ -177,12 +198,13 @@ def test_admit_reply_refused() -> None:
     )
     assert (refusal.per_slot, refusal.samples, refusal.slots) == (97.5, 3, 2)
     assert refusal.policy == PolicyState(1800000000.5, None, 1.25, None)
+    assert refusal.next_free == 1800000012.25 and refusal.slow == 0.0125
     drain = refusal.drain(50.0)
     assert (drain.prior_per_slot, drain.per_slot, drain.samples, drain.slots) == (50.0, 97.5, 3, 2)
     # No codel state: limit_s is 0, as PolicyState's default; no victim.
-    empty = AdmitReply.from_reply([*raw[:-5], "", "", "", "", ""])
+    empty = AdmitReply.from_reply([*raw[:-7], "", "", "", "", "", "", "0"])
     assert empty.refusal is not None and empty.refusal.policy == PolicyState()
-    assert empty.refusal.view.victim_tokens is None
+    assert empty.refusal.view.victim_tokens is None and empty.refusal.next_free is None
 
 
 def test_job_reply() -> None:

@@ -4,12 +4,15 @@ import pytest
 
 from sluice.core.admission import (
     MAX_RETRY_AFTER_S,
+    RETRY_PATIENCE_S,
     Admitted,
     Bounds,
     QueueLimits,
     QueueView,
     Refused,
+    Reservations,
     clamp_retry_after,
+    reserve,
 )
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import Candidate, CoDelPolicy, DeadlinePolicy, PolicyState
@@ -207,3 +210,35 @@ def test_at_a_bound_the_newest_job_of_a_much_heavier_backlog_gives_way() -> None
     with pytest.raises(Refused) as late:
         check(cost=100, priority="normal", now=0, deadline=1, view=full, limits=limits, drain=measured())
     assert late.value.code == "deadline_unmeetable"
+
+
+# --- Retry-After is a reservation ---------------------------------------------------------------
+
+
+def _refused(retry_after: float, should_retry: bool = True) -> Refused:
+    return Refused(429, "queue_full", "full", retry_after, should_retry=should_retry)
+
+
+def test_refusals_in_a_burst_get_distinct_times_over_the_capacity_that_frees() -> None:
+    drain = measured(per_slot=100.0, slots=2)  # 200 cost units a second
+    book = Reservations()
+    times = [
+        reserve(_refused(2.0), cost=100, now=10.0, drain=drain, book=book).retry_after_s for _ in range(4)
+    ]
+    # Each reserves its 100 units at half the drain rate: one a second, from when room first frees.
+    assert times == pytest.approx([2.0, 3.0, 4.0, 5.0])
+    # Later, a refusal whose own room frees after the book's frontier gets its own time.
+    assert reserve(_refused(9.0), cost=100, now=11.0, drain=drain, book=book).retry_after_s == 9.0
+    # Never sooner than room can free, though the book has nothing promised then.
+    late = reserve(_refused(0.5), cost=100, now=100.0, drain=drain, book=book)
+    assert late.retry_after_s == 0.5 and late.should_retry
+
+
+def test_no_time_within_the_clients_patience_says_do_not_retry() -> None:
+    drain = measured(per_slot=100.0, slots=1)
+    book = Reservations(next_free=10.0 + RETRY_PATIENCE_S + 1)
+    far = reserve(_refused(1.0), cost=100, now=10.0, drain=drain, book=book)
+    assert not far.should_retry and far.retry_after_s == pytest.approx(RETRY_PATIENCE_S + 1)
+    assert book.next_free == 10.0 + RETRY_PATIENCE_S + 1  # nothing reserved
+    hopeless = _refused(5.0, should_retry=False)
+    assert reserve(hopeless, cost=100, now=10.0, drain=drain, book=Reservations()) is hopeless

@@ -291,7 +291,13 @@ class Gateway:
         except Refused as refused:
             # A rate limit's wait is its bucket's refill, exact at any time; the queue's estimates
             # are not (sluice.core.retry_after), and a repeat hears what is left of the first.
-            if refused.should_retry is not False and refused.code != "rate_limit_exceeded":
+            # A reservation (admission.reserve) is a time of its own, already counted against the
+            # times handed out before it: it is told as it is, or a burst's would collapse into one.
+            if (
+                refused.should_retry is not False
+                and refused.code != "rate_limit_exceeded"
+                and not refused.reserved
+            ):
                 kind = (refused.code, job.model, job.priority, job.tenant)
                 refused.retry_after_s = self.promises.retry_after(
                     kind, refused.retry_after_s, time.monotonic()

@@ -117,6 +117,9 @@ class ModelStats:
     slots: int
     drain_rate: float  # cost units (tokens) per second
     measured: bool
+    #: jobs admitted that then ended past their deadline (expired queued, dropped at dispatch,
+    #: stopped while running), since the broker's state began: each a promise admission broke
+    broken_promises: int = 0
 
 
 @dataclass(frozen=True)

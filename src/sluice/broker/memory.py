@@ -98,6 +98,10 @@ class MemoryBroker(Broker):
         self._queues: dict[str, ClassScheduler] = {}
         self._drain: dict[str, DrainRate] = {}
         self._policy_state: dict[str, PolicyState] = {}
+        #: the Retry-After times each model's queue has handed out (admission.reserve)
+        self._reservations: dict[str, admission.Reservations] = {}
+        #: per model, the jobs admitted that then ended past their deadline (ModelStats)
+        self._broken: dict[str, int] = {}
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
         self._tenants: dict[str, _Tenant] = {}
@@ -219,6 +223,8 @@ class MemoryBroker(Broker):
         """Put a job in a terminal state and publish its terminal event."""
         job = rec.job
         self._move(job, state)
+        if state is JobState.EXPIRED:  # admitted, then past its deadline: a broken promise
+            self._broken[job.model] = self._broken.get(job.model, 0) + 1
         job.finished_at = self.now()
         if error is not None:
             job.error = error
@@ -255,7 +261,11 @@ class MemoryBroker(Broker):
             state = self._policy_state.get(job.model)
             if state is None:
                 state = self._policy_state[job.model] = PolicyState()
-            ok = self.settings.policy.admit(candidate, state)
+            try:
+                ok = self.settings.policy.admit(candidate, state)
+            except admission.Refused as refused:
+                book = self._reservations.setdefault(job.model, admission.Reservations())
+                raise admission.reserve(refused, cost=job.cost, now=now, drain=drain, book=book) from None
         except admission.Refused:
             if tenant.idle:
                 del self._tenants[job.tenant]  # a refused first request leaves nothing behind
@@ -379,7 +389,13 @@ class MemoryBroker(Broker):
             q = self._queue(model)
             d = self._drain_rate(model)
             out[model] = ModelStats(
-                q.jobs, q.tokens, self._running.get(model, 0), d.slots, d.rate, d.measured
+                q.jobs,
+                q.tokens,
+                self._running.get(model, 0),
+                d.slots,
+                d.rate,
+                d.measured,
+                self._broken.get(model, 0),
             )
         return out
 

@@ -66,11 +66,17 @@ from sluice.broker.redis_codec import (
     to_json,
 )
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, decode_event, stop_task
-from sluice.broker.redis_keys import JobField, QueueKeys, queued_jobs_field, queued_tokens_field
+from sluice.broker.redis_keys import (
+    BROKEN_PROMISES_FIELD,
+    JobField,
+    QueueKeys,
+    queued_jobs_field,
+    queued_tokens_field,
+)
 from sluice.broker.redis_pipe import Batcher, Script, make_locator, make_pool, translate
 from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS, durability_for, parse_broker_url
 from sluice.core import admission
-from sluice.core.capacity import DrainRate
+from sluice.core.capacity import SLOW_QUANTILE, SLOW_STEP, DrainRate
 from sluice.core.errors import (
     UNFINISHABLE_LEFT,
     WORKER_LOST_ATTEMPTS,
@@ -386,6 +392,10 @@ class RedisBroker(Broker):
             repr(float(self.settings.result_ttl_s)),
             STREAM_MAXLEN,
             _EVICTED,
+            repr(admission.MIN_RETRY_AFTER_S),
+            repr(admission.MAX_RETRY_AFTER_S),
+            repr(admission.RETRY_PATIENCE_S),
+            repr(admission.RETRY_SHARE),
             len(self._class_names),
             *self._class_names,
             *encode_job(job),
@@ -412,7 +422,11 @@ class RedisBroker(Broker):
         limiter = reply.tenant.limiter(job.tenant)
         admission.check_tenant(limiter, cost=job.cost, queued=reply.tenant.queued, now=now, drain=drain)
         candidate = Candidate(job.cost, job.priority, now, job.deadline, refusal.view, queue, drain)
-        self.settings.policy.admit(candidate, refusal.policy)
+        try:
+            self.settings.policy.admit(candidate, refusal.policy)
+        except admission.Refused as refused:
+            book = admission.Reservations(refusal.next_free)
+            raise admission.reserve(refused, cost=job.cost, now=now, drain=drain, book=book) from None
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
 
     async def _list_job(self, job: Job, now: float) -> None:
@@ -550,12 +564,13 @@ class RedisBroker(Broker):
         fields = [f(c) for c in self._class_names for f in (queued_jobs_field, queued_tokens_field)]
         async with self._redis.pipeline(transaction=False) as pipe:
             for model in models:
-                pipe.hmget(k.state(model), fields)
+                pipe.hmget(k.state(model), [*fields, BROKEN_PROMISES_FIELD])
             pipe.hgetall(k.running)
             replies: list[Any] = await self._io(pipe.execute())
         running: dict[str, str] = replies[-1]
         out: dict[str, ModelStats] = {}
-        for model, counts in zip(models, replies, strict=False):
+        for model, values in zip(models, replies, strict=False):
+            counts, broken = values[:-1], values[-1]
             drain = capacity_drain(capacity, model, self.settings.drain_prior_per_slot)
             out[model] = ModelStats(
                 sum(int(n or 0) for n in counts[0::2]),
@@ -564,6 +579,7 @@ class RedisBroker(Broker):
                 drain.slots,
                 drain.rate,
                 drain.measured,
+                int(broken or 0),
             )
         return out
 
@@ -890,6 +906,8 @@ class RedisBroker(Broker):
                 repr(float(self.settings.result_ttl_s)),
                 STREAM_MAXLEN,
                 self._drain_alpha,
+                repr(SLOW_QUANTILE),
+                repr(SLOW_STEP),
                 used,
                 *fields,
             ],

@@ -29,6 +29,8 @@ from sluice.broker.redis_keys import (
     JobField,
     drain_rate_field,
     drain_samples_field,
+    drain_service_field,
+    drain_slow_field,
     slots_field,
 )
 from sluice.core.admission import QueueView
@@ -205,12 +207,15 @@ def capacity_slots(capacity: Mapping[str, str]) -> dict[str, int]:
 
 
 def capacity_drain(capacity: Mapping[str, str], model: str, prior_per_slot: float) -> DrainRate:
-    """A model's DrainRate as the capacity hash holds it: the measured rate, its samples, the slots."""
+    """A model's DrainRate as the capacity hash holds it: the measured rate, its samples, the slots,
+    the mean service time and how slow a job gets."""
     return DrainRate(
         prior_per_slot=prior_per_slot,
         per_slot=float(capacity.get(drain_rate_field(model), 0.0)),
         samples=int(capacity.get(drain_samples_field(model), 0)),
         slots=int(capacity.get(slots_field(model), 0)),
+        service=float(capacity.get(drain_service_field(model), 0.0)),
+        slow=float(capacity.get(drain_slow_field(model), 0.0)),
     )
 
 
@@ -340,10 +345,18 @@ class AdmitRefusal:
     slots: int
     #: the queue policy's state before the decision (codel's; empty for the others)
     policy: PolicyState
+    #: the reservation book before the decision (``admission.Reservations.next_free``)
+    next_free: float | None = None
+    #: how slow a job gets, per cost unit (``DrainRate.slow``)
+    slow: float = 0.0
 
     def drain(self, prior_per_slot: float) -> DrainRate:
         return DrainRate(
-            prior_per_slot=prior_per_slot, per_slot=self.per_slot, samples=self.samples, slots=self.slots
+            prior_per_slot=prior_per_slot,
+            per_slot=self.per_slot,
+            samples=self.samples,
+            slots=self.slots,
+            slow=self.slow,
         )
 
 
@@ -356,7 +369,8 @@ class AdmitReply:
         {2, first job id}
         {3}
         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
-            runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens}
+            runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
+            next_free, slow}
     """
 
     #: what the script did
@@ -391,6 +405,8 @@ class AdmitReply:
         running = int(reply[tenant_end])
         above, standing, limit, refused = map(_opt, reply[tenant_end + 1 : tenant_end + 5])
         victim = _opt_int(reply[tenant_end + 5])
+        next_free = _opt(reply[tenant_end + 6])
+        slow = float(reply[tenant_end + 7])
         view = QueueView(
             model_jobs,
             model_tokens,
@@ -408,6 +424,8 @@ class AdmitReply:
             samples=int(reply[9]),
             slots=int(reply[10]),
             policy=PolicyState(above, standing, limit or 0.0, refused),
+            next_free=next_free,
+            slow=slow,
         )
         return cls(outcome, tenant=TenantState.from_reply(reply[11:tenant_end]), refusal=refusal)
 

@@ -260,6 +260,10 @@ def queued_tokens_field(cls: str) -> str:
     return f"k:{part(cls)}"
 
 
+#: State hash: the jobs admitted that then ended past their deadline (``ModelStats.broken_promises``),
+#: counted by ``settle`` in ``lua/_job.lua``.
+BROKEN_PROMISES_FIELD: Final = "bp"
+
 #: Capacity hash: ``<prefix><model>`` holds the slots of the live workers for a model (the model
 #: unescaped: nothing follows it in the field name).
 SLOTS_PREFIX: Final = "s:"
@@ -278,6 +282,16 @@ def drain_rate_field(model: str) -> str:
 def drain_samples_field(model: str) -> str:
     """Capacity hash: how many jobs that rate was measured on (``DrainRate.samples``)."""
     return f"n:{model}"
+
+
+def drain_service_field(model: str) -> str:
+    """Capacity hash: the moving average of the service times of ``model`` (``DrainRate.service``)."""
+    return f"d:{model}"
+
+
+def drain_slow_field(model: str) -> str:
+    """Capacity hash: how slow a job of ``model`` gets, per cost unit (``DrainRate.slow``)."""
+    return f"h:{model}"
 
 
 # --- fields of stream entries ---------------------------------------------------------------------------

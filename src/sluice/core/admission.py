@@ -17,6 +17,15 @@ from sluice.core.ratelimit import RateStatus, TenantLimiter
 # and never zero, which would invite a tight retry loop.
 MIN_RETRY_AFTER_S = 0.5
 MAX_RETRY_AFTER_S = 120.0
+#: The share of a model's drain rate that Retry-After times promise to refused clients: each
+#: refusal reserves its job's cost at this rate, and the rest is left to requests yet to come (a
+#: retry is admitted as any request is, so the share it is promised must be one new arrivals leave
+#: free: docs/benchmarks/policies.md, "Retry-After is a reservation").
+RETRY_SHARE = 0.5
+#: The longest Retry-After a refused client is given a time for: the official openai SDKs wait
+#: for one of at most 60 s, and replace a longer one with their own short backoff, which brings
+#: them back into the queue that refused them. Beyond it, the refusal says not to retry.
+RETRY_PATIENCE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,7 @@ class Refused(Exception):
         *,
         should_retry: bool = True,
         rate: RateStatus | None = None,
+        reserved: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -94,6 +104,9 @@ class Refused(Exception):
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
         self.rate = rate
+        #: the Retry-After is a reservation (:func:`reserve`): a time of its own, distinct from
+        #: those told to the clients refused before it
+        self.reserved = reserved
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,51 @@ class Admitted:
     position: int
     estimated_start_s: float
     evict: bool = False
+
+
+@dataclass(slots=True)
+class Reservations:
+    """The Retry-After times a model's queue has handed out; the broker keeps it (Redis: field
+    ``rv`` of the model's state hash, so that every gateway hands out times from one book).
+
+    Attributes:
+        next_free: the earliest time whose capacity is not yet promised to a refused client; None
+            before the first reservation.
+    """
+
+    next_free: float | None = None
+
+
+def reserve(
+    refused: Refused,
+    *,
+    cost: int,
+    now: float,
+    drain: DrainRate,
+    book: Reservations,
+    share: float = RETRY_SHARE,
+) -> Refused:
+    """A queue's refusal with its Retry-After made a reservation: never sooner than the refusal's
+    own time (when room can free for the job), nor than the capacity already promised to the
+    clients refused before it; and the job's cost at ``share`` of the drain rate is then promised
+    to this client. Refusals in a burst so get distinct times, spread over the capacity that frees,
+    and a client that comes back at its time finds the room it was promised. Where that time falls
+    beyond a client's patience (:data:`RETRY_PATIENCE_S`), it is told so (``should_retry`` False)
+    and nothing is reserved (once the drain rate is measured; before, the time is a guess). A
+    refusal that says not to retry is left as it is."""
+    if not refused.should_retry:
+        return refused
+    at = now + refused.retry_after_s
+    if book.next_free is not None and book.next_free > at:
+        at = book.next_free
+    wait = at - now
+    # Before the first measurement the times are a guess: a client is not sent away on one.
+    if wait > RETRY_PATIENCE_S and drain.measured:
+        return Refused(
+            refused.status, refused.code, refused.message, clamp_retry_after(wait), should_retry=False
+        )
+    book.next_free = at + cost / (drain.rate * share)
+    return Refused(refused.status, refused.code, refused.message, clamp_retry_after(wait), reserved=True)
 
 
 def clamp_retry_after(seconds: float) -> float:
@@ -159,10 +217,12 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
 
 
 def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:
-    """Can the job finish before its deadline: the work queued ahead over the drain rate, then its own."""
+    """Can the job finish before its deadline: the work queued ahead over the drain rate, then its own
+    generation at the pace admission promises (``DrainRate.slow_service_s``: as slow as most jobs
+    have been, not the mean), so that a job admitted is one that finishes in time."""
     rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
-    service = drain.service_s(cost)
+    service = drain.slow_service_s(cost)
     budget = deadline - now
     # Before the first measurement the rate is a guess: only the bounds protect the queue then.
     if drain.measured and wait + service > budget:

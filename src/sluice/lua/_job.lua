@@ -44,11 +44,14 @@ end
 -- event's data is empty: readers fill in the job's view from the record (sluice.views.job_view),
 -- which then is final, so that the view is built in one place. The results zset drives removal on
 -- the caller's clock; the Redis TTL (a minute later) only catches records no upkeep ever reaped.
+-- An expired job was admitted and then ran past its deadline: it counts as a broken promise, in
+-- field 'bp' of its model's state hash (redis_keys.BROKEN_PROMISES_FIELD).
 local function settle(id, f, state, changes)
   local jk, ok = job_key(J.P, id), out_key(J.P, id)
   if f.state == 'running' then
     redis.call('HINCRBY', J.running, f.model, -1)
   end
+  if state == 'expired' then redis.call('HINCRBY', state_key(J.P, f.model), 'bp', 1) end
   tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
   local seq = tonumber(f.seq) + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', seq }

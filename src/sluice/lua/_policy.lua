@@ -1,7 +1,9 @@
 -- Shared: the queue policies of sluice/core/policy.py, for admit.lua. A policy comes as its kind
 -- (QueuePolicy.kind: 1 cap, 2 fifo, 3 deadline, 4 codel) and five numbers (QueuePolicy.lua_args).
 -- codel's PolicyState lives in the model's state hash: 'pa' above_since, 'ps' standing_since,
--- 'pl' limit_s, 'pr' refused_at, each absent for None. Needs _state.lua.
+-- 'pl' limit_s, 'pr' refused_at, each absent for None. Needs _state.lua. Every refusal comes with
+-- its Retry-After as the core computes it, for the reservation admit.lua makes of it
+-- (admission.reserve).
 
 local POLICY_FIELDS = { 'pa', 'ps', 'pl', 'pr' }
 
@@ -49,22 +51,45 @@ local function codel_limit(st, p, target, now)
   return target + excess * math.pow(0.5, math.max(now - standing_since, 0.0) / half_life)
 end
 
--- The policy's own decision after the hard bounds: true to refuse. Updates codel's state in st.
--- wait_model: the wait at the queue's tail; wait: the job's own; wait_one: one job's drain time;
--- deadline_miss: the deadline check.
+-- admission.clamp_retry_after; R = { min, max } Retry-After.
+local function clamp_retry_after(x, R)
+  if x ~= x or x == math.huge or x == -math.huge then return R[2] end
+  return math.min(math.max(x, R[1]), R[2])
+end
+
+-- The policy's own decision after the hard bounds: nil to take the job, else the refusal's
+-- Retry-After and whether to retry. Updates codel's state in st. q: wait_model, the wait at the
+-- queue's tail; wait, the job's own; wait_one, one job's drain time; service, its own generation;
+-- promised, that generation at the pace admission promises (DrainRate.slow_service_s); budget,
+-- the time to its deadline; measured, whether the drain rate is; rate, the drain rate;
+-- ahead_tokens; running, model_jobs, model_tokens and slots (cap and fifo); R the Retry-After bounds.
 local function policy_refuses(st, kind, p, now, now_s, q)
+  local R = q.R
   if kind == 1 then -- CapPolicy
-    return q.running + q.model_jobs >= q.slots
+    if q.running + q.model_jobs >= q.slots then
+      return clamp_retry_after(q.service / math.max(q.slots, 1), R), true
+    end
+    return nil
   elseif kind == 2 then -- FifoPolicy
-    return q.model_jobs >= p[1]
+    if q.model_jobs >= p[1] then
+      local avg = q.model_tokens / q.model_jobs
+      return clamp_retry_after((q.model_jobs + 1 - p[1]) * avg / q.rate, R), true
+    end
+    return nil
   elseif kind == 4 then -- CoDelPolicy
     local target = math.max(p[1], q.wait_one)
     codel_observe(st, p, target, q.wait_model, now, now_s)
     local limit = codel_limit(st, p, target, now)
     if limit and q.wait > limit then
       st_set(st, 'pr', now_s)
-      return true
+      return clamp_retry_after(q.wait, R), true
     end
   end
-  return q.deadline_miss -- DeadlinePolicy, and CoDelPolicy's last check
+  -- admission.check_deadline: DeadlinePolicy, and CoDelPolicy's last check
+  if q.measured and q.wait + q.promised > q.budget then
+    if q.promised > q.budget then return clamp_retry_after(q.promised, R), false end
+    local fits_ahead = (q.budget - q.promised) * q.rate
+    return clamp_retry_after((q.ahead_tokens - fits_ahead) / q.rate, R), true
+  end
+  return nil
 end

@@ -22,13 +22,16 @@
 -- ARGV[20] the queue policy's kind  ARGV[21 .. 25] its five numbers (QueuePolicy.lua_args)
 -- ARGV[26] result TTL s             ARGV[27] events kept per stream
 -- ARGV[28] error JSON of an evicted job (core.errors.evicted_error)
--- ARGV[29] number of classes n      ARGV[30 .. 29+n] class names, highest first
--- ARGV[30+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[29] shortest, ARGV[30] longest Retry-After (admission.clamp_retry_after)
+-- ARGV[31] RETRY_PATIENCE_S         ARGV[32] RETRY_SHARE (admission.reserve)
+-- ARGV[33] number of classes n      ARGV[34 .. 33+n] class names, highest first
+-- ARGV[34+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
---             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens}
+--             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
+--             next_free, slow}
 --                                                    refused; T is the tenant before the checks,
 --                                                    S the policy state before them
 -- where T is the key's rpm, tpm and max queued, the tenant's max concurrent and queued jobs, the
@@ -39,7 +42,12 @@
 -- the jobs other tenants hold back by their concurrency caps (ClassScheduler.held_back).
 -- victim_tokens is the cost of the newest job of the heaviest backlog of the class ('' for none):
 -- when a bound is reached and evicting it makes room, that job ends as failed and this one is
--- queued (admission.check_bounds).
+-- queued (admission.check_bounds). next_free is the reservation book before this refusal ('' for
+-- none): a queue's refusal reserves the capacity its Retry-After names (admission.reserve, in the
+-- state hash's field 'rv'), so that the refusals of a burst get distinct times, spread over the
+-- capacity that frees; a refusal of the tenant's own limits reserves nothing. slow is how slow a
+-- job gets, per cost unit (DrainRate.slow): the deadline check promises a job its generation at
+-- that pace (DrainRate.slow_service_s).
 -- Reads the earlier job's record for idempotency, the hashes and lists of the tenants in the
 -- capped set and the lists of the tenants backlogged in the job's class (their keys built from the
 -- prefix, same slot).
@@ -67,10 +75,12 @@ local given_limits = { ARGV[16], ARGV[17], ARGV[18], ARGV[19] } -- rpm, tpm, max
 local policy_kind, policy = tonumber(ARGV[20]), {}
 for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
 local result_ttl, maxlen, evicted_error = tonumber(ARGV[26]), ARGV[27], ARGV[28]
-local ncls = tonumber(ARGV[29])
+local retry_bounds = { tonumber(ARGV[29]), tonumber(ARGV[30]) }
+local patience, share = tonumber(ARGV[31]), tonumber(ARGV[32])
+local ncls = tonumber(ARGV[33])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[29 + i] end
-local record_at = 30 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+for i = 1, ncls do classes[i] = ARGV[33 + i] end
+local record_at = 34 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -307,8 +317,9 @@ if victim and victim_n >= own + 2 then
   victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
 end
 
-local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e')
+local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e', 'h:' .. model)
 local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
+local slow = tonumber(d[5]) or 0
 if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
   workers_refresh(workers_k, wslots_k, capacity_k, now_s)
   workers_mark(workers_k, capacity_k)
@@ -322,47 +333,69 @@ local rate = math.max(slot_rate * math.max(slots, 1), 1e-3)
 local avg_cost = cost
 if model_jobs > 0 then avg_cost = model_tokens / model_jobs end
 
+-- The excess over one scope's bounds, in tokens (0: within them).
 local function over(max_jobs, max_tokens, jobs, tokens)
   local excess = 0
   if max_jobs >= 0 and jobs + 1 > max_jobs then excess = (jobs + 1 - max_jobs) * avg_cost end
   if max_tokens >= 0 and tokens + cost > max_tokens then
     excess = math.max(excess, tokens + cost - max_tokens)
   end
-  return excess > 0
+  return excess
 end
 
 -- admission.check_bounds: over a bound, the newest job of the heaviest backlog gives way if that
--- makes room, else the job is refused.
+-- makes room, else the job is refused, with the time the first excess takes to drain.
 local evict = false
-local bounded = over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
-    or over(class_max_jobs, class_max_tokens, class_jobs, class_tokens)
-if bounded and victim_cost then
-  evict = not (over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost)
-    or over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost))
+local excess = over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
+if excess <= 0 then excess = over(class_max_jobs, class_max_tokens, class_jobs, class_tokens) end
+if excess > 0 and victim_cost then
+  evict = over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost) <= 0
+    and over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost) <= 0
 end
 
 local wait = ahead_tokens / rate -- DrainRate.wait_s
-local service = cost / math.max(slot_rate, 1e-3)
+local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
+local promised = service -- DrainRate.slow_service_s
+if samples > 0 then promised = math.max(cost * slow, service) end
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
--- The order of the memory broker: the tenant's limits, the hard bounds, then the policy.
-local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq) or (bounded and not evict)
+-- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; only the
+-- queue's refusals (the bounds and the policy's) reserve (admission.reserve).
+local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
+local next_free = st_num(st, 'rv', nil)
 if not refused then
-  refused = policy_refuses(st, policy_kind, policy, now, now_s, {
-    running = running, model_jobs = model_jobs, slots = slots, wait = wait,
-    wait_model = runnable_tokens / rate, wait_one = cost / rate,
-    deadline_miss = samples > 0 and wait + service > deadline - now,
-  })
+  local retry_after, retry = nil, true
+  if excess > 0 and not evict then
+    retry_after = clamp_retry_after(excess / rate, retry_bounds)
+  else
+    retry_after, retry = policy_refuses(st, policy_kind, policy, now, now_s, {
+      running = running, model_jobs = model_jobs, model_tokens = model_tokens, slots = slots,
+      wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
+      promised = promised,
+      budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
+      R = retry_bounds,
+    })
+  end
+  if retry_after then
+    refused = true
+    if retry then
+      local at = now + retry_after
+      if next_free and next_free > at then at = next_free end
+      if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (rate * share))) end
+    end
+  end
 end
 if refused then
   tenant_store(rl, rs, tl, ts) -- the refills stand
-  st_flush(st) -- the policy's state moved on
+  st_flush(st) -- the policy's state and the reservations moved on
   local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, runnable_tokens,
     num(per_slot), samples, slots }
   for _, v in ipairs(before) do out[#out + 1] = v end
   out[#out + 1] = running
   for _, v in ipairs(policy_before) do out[#out + 1] = v end
   out[#out + 1] = victim_cost or ''
+  out[#out + 1] = next_free and num(next_free) or ''
+  out[#out + 1] = num(slow)
   return out
 end
 

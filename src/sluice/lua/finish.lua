@@ -1,14 +1,17 @@
 -- finish: settle a running job in a terminal state, if the caller still holds its lease, and
 -- publish its terminal event. A success feeds the model's drain rate (sluice.core.capacity.DrainRate:
--- an EWMA of cost / service time per slot), which admit reads for its deadline prediction.
+-- a slot's rate, the EWMA of costs over that of service times; the EWMA of service times; how slow
+-- a job gets per cost unit, a quantile tracked on a log scale), which admit reads for its deadline
+-- prediction.
 --
 -- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
 -- KEYS[5] running hash   KEYS[6] capacity hash   KEYS[7] blocked set
 -- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
 -- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
--- ARGV[10] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
+-- ARGV[10] the quantile of DrainRate.slow (capacity.SLOW_QUANTILE)   ARGV[11] its step (SLOW_STEP)
+-- ARGV[12] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
 --          (what the job was charged and did not use comes back; what it used beyond, is taken)
--- ARGV[11 ..] field, value pairs to record (result, usage, error, attempts, backend)
+-- ARGV[13 ..] field, value pairs to record (result, usage, error, attempts, backend)
 -- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 -- (decoded by redis_codec.JobReply)
@@ -21,8 +24,8 @@ local job_k, active_k, results_k, running_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
 local capacity_k, blocked_k = KEYS[6], KEYS[7]
 local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local result_ttl, maxlen, drain_alpha = tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
-local used = tonumber(ARGV[10])
-local CHANGES_AT = 11 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
+local slow_q, slow_step, used = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local CHANGES_AT = 13 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
 local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -42,14 +45,26 @@ if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
   if cost > 0 and service > 0 then
     local model = f.model
-    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model)
-    local sample, per_slot, samples = cost / service, tonumber(d[1]) or 0, tonumber(d[2]) or 0
-    if samples == 0 then
-      per_slot = sample
+    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model)
+    local per_slot, samples = tonumber(d[1]) or 0, tonumber(d[2]) or 0
+    local mean_s, slow = tonumber(d[3]) or 0, tonumber(d[4]) or 0
+    local per_cost = service / cost
+    if samples == 0 or mean_s <= 0 then -- DrainRate.observe
+      per_slot, mean_s = cost / service, service
     else
-      per_slot = per_slot + drain_alpha * (sample - per_slot)
+      local carried = per_slot * mean_s
+      mean_s = mean_s + drain_alpha * (service - mean_s)
+      per_slot = (carried + drain_alpha * (cost - carried)) / mean_s
     end
-    redis.call('HSET', capacity_k, 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1)
+    if slow <= 0 then
+      slow = per_cost
+    elseif per_cost > slow then
+      slow = slow * math.exp(slow_step * slow_q)
+    else
+      slow = slow * math.exp(-slow_step * (1 - slow_q))
+    end
+    redis.call('HSET', capacity_k, 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1,
+      'd:' .. model, num(mean_s), 'h:' .. model, num(slow))
   end
 end
 
