@@ -185,3 +185,16 @@ def test_without_matplotlib_plotting_says_what_to_install(
         plot_run(_result("a"), tmp_path / "a.png")
     assert PLOTS_NEED == "plots need matplotlib: pip install 'sluice[bench]'"
     assert not (tmp_path / "a.png").exists()
+
+
+def test_broken_promises_are_accepted_requests_not_answered_in_time() -> None:
+    records = _synthetic()
+    records[11].retry_outcome, records[11].retry_code = "timeout", "deadline_exceeded"  # a retry too
+    s = summarize(records, duration=10.0, counters={"server_broken_promises": 2})
+    # Of 15 first tries and 1 retry accepted: the one that gave up, and two the server expired.
+    assert s["broken_promises"] == {"count": 3, "accepted": 16, "expired": 2, "gave_up": 1}
+    table = markdown([{"label": "x", "summary": s, "config": _config()}])
+    assert (
+        "| broken promises: accepted, then not answered in time | 3 of 16 (2 expired, 1 gave up); "
+        "the gateway counted 2 |"
+    ) in table

@@ -495,6 +495,9 @@ async def measure(
             _counter(after, "sluice_admissions_total", outcome="admitted"),
             _counter(before, "sluice_admissions_total", outcome="admitted") or 0.0,
         ),
+        "server_broken_promises": _delta(
+            after.get("sluice_broken_promises_total"), before.get("sluice_broken_promises_total") or 0.0
+        ),
         "stuck": stuck,
     }
     summary = summarize(

@@ -1,19 +1,25 @@
-"""The queue policies on a model of the article's engine, in virtual time: seconds per what-if.
+"""The queue policies on a model of an engine, in virtual time: seconds per what-if.
 
 Not a benchmark of Sluice (``sluice bench`` runs the real gateway against the simulator for that):
 a discrete-event model of one model's queue in front of a continuously batching engine, driven by the
-same arrival schedules as ``sluice bench`` and by the real policy and drain-rate code from
-``sluice.core``. It was used to choose the ``codel`` defaults, and answers "what would this policy do
+same arrival schedules as ``sluice bench`` and by the real policy, reservation and drain-rate code
+from ``sluice.core``. It was used to choose the defaults, and answers "what would this policy do
 under that load" in a second.
 
     python -m sluice.bench.policy_model                      # every policy, steady and spike
     python -m sluice.bench.policy_model --policy codel --param target_s=0.3 --seeds 5
+    python -m sluice.bench.policy_model --engine family --seeds 40 --policy codel
 
-The engine: ``--slots`` sequences at once; every step advances each running sequence by one token
-and takes ``step0 + step1 * batch`` seconds (defaults fit the simulator's ``article`` preset: 2.1 s
-for a 128-token answer alone, 5.5 answers/s with 16 running). Clients give up at ``--client-timeout``;
-a running job given up is aborted and its tokens count as wasted. ``--retriers`` of the refused
-clients wait exactly the Retry-After they were given and try once more.
+The engine (:class:`Engine`): at most ``slots`` sequences at once; every step advances each running
+sequence by one token and takes ``step0 + step1 * batch + prefill * (prompt tokens it admits)``
+seconds. Answers end at ``max_tokens`` or earlier (:class:`Engine` ``answers``); prompts vary in
+length; a KV cache of ``kv_tokens`` preempts the newest sequence when the batch outgrows it (it is
+computed again when readmitted, vLLM's recompute). ``article`` fits the simulator's preset (2.1 s
+for a 128-token answer alone, 5.5 answers/s with 16 running); ``family`` draws an engine per seed
+(:func:`draw_engine`) and scales the loads to its capacity. Clients give up at ``--client-timeout``; a
+running job given up is aborted and its tokens count as wasted. ``--retriers`` of the refused
+clients wait exactly the Retry-After they were given (unless told not to retry) and try once more.
+An admitted job that ends past its deadline (given up, or dropped at dispatch) is a broken promise.
 """
 
 from __future__ import annotations
@@ -24,30 +30,162 @@ import itertools
 import math
 import random
 import statistics
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from sluice.bench.load import Profile, arrivals
-from sluice.core.admission import Admitted, QueueLimits, QueueView, Refused
+from sluice.core.admission import (
+    RETRY_SHARE,
+    Admitted,
+    QueueLimits,
+    QueueView,
+    Refused,
+    Reservations,
+    reserve,
+)
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import POLICIES, Candidate, CoDelPolicy, PolicyState, QueuePolicy, make_policy
 
+#: How answers end: at max_tokens; at an end-of-sequence drawn with a constant chance per token
+#: (geometric: many short answers, some at the limit); or long-tailed (lognormal, like chat traffic).
+ANSWERS = ("fixed", "early", "longtail")
 
-@dataclass
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's shape.
+
+    Attributes:
+        slots: sequences at once (Sluice's slots for the model, the engine's max_num_seqs).
+        step0, step1: seconds of one decoding step, and what each running sequence adds to it.
+        prefill: seconds per prompt token a step prefills (a sequence admitted, or readmitted).
+        max_tokens: what every client asks for.
+        answers: how answers end (:data:`ANSWERS`); ``answer_mean`` is their mean share of
+            ``max_tokens`` for ``early`` and their median share for ``longtail`` (whose spread is
+            ``answer_sigma``, the log's standard deviation).
+        prompt_mean, prompt_sigma: the prompts' median tokens and the log's standard deviation.
+        kv_tokens: KV cache, in tokens held by the running sequences (prompt + generated); None:
+            never short.
+        name: how tables call it.
+    """
+
+    slots: int = 16
+    step0: float = 0.01592
+    step1: float = 0.000406
+    prefill: float = 0.0
+    max_tokens: int = 128
+    answers: str = "fixed"
+    answer_mean: float = 1.0
+    answer_sigma: float = 0.0
+    prompt_mean: int = 32
+    prompt_sigma: float = 0.0
+    kv_tokens: int | None = None
+    name: str = "article"
+
+    def prompt(self, rng: random.Random) -> int:
+        if self.prompt_sigma <= 0:
+            return self.prompt_mean
+        return max(
+            1, min(int(self.prompt_mean * math.exp(rng.gauss(0, self.prompt_sigma))), 8 * self.prompt_mean)
+        )
+
+    def answer(self, rng: random.Random) -> int:
+        m = self.max_tokens
+        if self.answers == "early":
+            # A constant chance of ending at each token, for a mean of answer_mean * m uncapped.
+            return max(1, min(m, int(rng.expovariate(1.0 / (self.answer_mean * m))) + 1))
+        if self.answers == "longtail":
+            return max(1, min(m, int(self.answer_mean * m * math.exp(rng.gauss(0, self.answer_sigma)))))
+        return m
+
+    def describe(self) -> str:
+        kv = "" if self.kv_tokens is None else f", KV {self.kv_tokens}"
+        shape = self.answers if self.answers == "fixed" else f"{self.answers} {self.answer_mean:.2f}"
+        return (
+            f"{self.name}: {self.slots} slots, step {1000 * self.step0:.1f} ms"
+            f" + {1000 * self.step1:.2f} ms/seq, "
+            f"prefill {1e6 * self.prefill:.0f} us/token, answers {shape} of {self.max_tokens}, "
+            f"prompts ~{self.prompt_mean}{kv}"
+        )
+
+
+ARTICLE = Engine()
+# llama-cpu: fitted to llama-server with SmolLM2-135M on this project's 2-vCPU machines (sluice.bench.llm):
+# a 64-token answer takes ~0.55 s alone and 1.46 s in a full batch of 4, 2.74 answers/s at capacity. A
+# sequence that slows down this much as the batch fills is what makes a per-slot rate measured at light
+# load overestimate the drain rate.
+ENGINES: dict[str, Engine] = {
+    "article": ARTICLE,
+    "llama-cpu": Engine(slots=4, step0=0.0039, step1=0.0047, max_tokens=64, name="llama-cpu"),
+}
+
+
+def draw_engine(seed: int) -> Engine:
+    """An engine of the family, by seed: batch of 4 to 64, a full-batch answer of 1.5 to 3.5 s that
+    is 1.2 to 3 times as slow as a lone one, prefill from free to a fifth of the decoding, answers at
+    max_tokens or ending early or long-tailed, prompts of 16 to 512 tokens that vary, and on some a KV
+    cache too small for a full batch of long answers (preemptions)."""
+    rng = random.Random(f"engine-{seed}")
+    slots = round(2 ** rng.uniform(2, 6))
+    max_tokens = rng.choice([64, 128, 256, 512])
+    full_answer_s = rng.uniform(1.5, 3.5)
+    slowdown = rng.uniform(1.2, 3.0)  # a step with a full batch over a step alone
+    full_step = full_answer_s / max_tokens
+    step0 = full_step / slowdown
+    step1 = (full_step - step0) / max(slots - 1, 1)
+    step0 -= step1  # so that step0 + step1 is the lone step
+    prompt_mean = int(2 ** rng.uniform(4, 9))
+    prefill = rng.choice([0.0, rng.uniform(0, 0.2)]) * full_step * max_tokens / (slots * prompt_mean)
+    answers = rng.choice(ANSWERS)
+    answer_mean = {"fixed": 1.0, "early": rng.uniform(0.3, 0.8), "longtail": rng.uniform(0.15, 0.5)}[answers]
+    sigma = rng.uniform(0.6, 1.2) if answers == "longtail" else 0.0
+    kv = None
+    if rng.random() < 0.4:  # short of KV: a full batch of long answers does not fit
+        kv = int(slots * (prompt_mean + max_tokens) * rng.uniform(0.5, 0.9))
+    return Engine(
+        slots=slots,
+        step0=max(step0, 1e-5),
+        step1=step1,
+        prefill=prefill,
+        max_tokens=max_tokens,
+        answers=answers,
+        answer_mean=answer_mean,
+        answer_sigma=sigma,
+        prompt_mean=prompt_mean,
+        prompt_sigma=rng.uniform(0.0, 1.0),
+        kv_tokens=max(kv, 2 * (prompt_mean + max_tokens)) if kv is not None else None,
+        name=f"family-{seed}",
+    )
+
+
+@dataclass(eq=False)
 class _Job:
     id: int
     arrived: float
     deadline: float
     retry: bool
+    prompt: int
+    answer: int
     tokens: int = 0
     started: float = math.nan
     done: float = math.nan
-    outcome: str = ""  # ok, refused, timeout (given up), expired (dropped at dispatch)
+    outcome: str = ""  # queued, running, ok, refused, timeout (given up), expired (dropped at dispatch)
     retry_after: float | None = None
+    told_not_to: bool = False
+    admitted: bool = False
+    in_batch: bool = False
+    admitted_step: int = 0
+    retried: bool = False  # this is the retry
 
 
 @dataclass
 class Result:
+    """One run's figures. ``broken``: admitted jobs that then ended past their deadline (given up
+    while queued or running, or dropped at dispatch); ``retries``: clients that came back after
+    their Retry-After, ``retries_ok`` those then served; ``told_not_to``: refused retriers told not
+    to come back (``x-should-retry: false``)."""
+
     goodput: float
     goodput_steady: float
     ok_p50: float
@@ -58,7 +196,12 @@ class Result:
     retries: int
     retries_ok: int
     offered: int
-    series: list[tuple[float, float]] = field(default_factory=list)
+    admitted: int = 0
+    broken: int = 0
+    told_not_to: int = 0
+    preemptions: int = 0
+    #: how the retries that were not served ended: refused again, given up, dropped at dispatch
+    retry_failures: dict[str, int] = field(default_factory=dict)
 
 
 def run(
@@ -66,130 +209,224 @@ def run(
     profile: Profile,
     seed: int,
     *,
-    slots: int = 16,
-    answer_tokens: int = 128,
-    prompt_tokens: int = 32,
-    step0: float = 0.01592,
-    step1: float = 0.000406,
+    engine: Engine = ARTICLE,
     client_timeout: float = 15.0,
     retriers: float = 0.0,
+    share: float = RETRY_SHARE,
+    drain_factory: Callable[[int], DrainRate] | None = None,
 ) -> Result:
-    cost = prompt_tokens + answer_tokens
     rng = random.Random(seed + 1)
-    drain = DrainRate(slots=slots)
+    sizes = random.Random(f"sizes-{seed}")
+    drain = drain_factory(engine.slots) if drain_factory else DrainRate(slots=engine.slots)
     state = PolicyState()
+    book = Reservations()
     limits = QueueLimits()
     queue: deque[_Job] = deque()
-    running: list[_Job] = []
+    queued_cost = 0
+    running: list[_Job] = []  # dispatched: in the batch, or preempted and waiting in the engine
+    waiting: deque[_Job] = deque()  # preempted, or dispatched while the KV cache was full
     jobs: list[_Job] = []
     events: list[tuple[float, int, str, _Job | None]] = []
     seq = itertools.count()
-    generated = wasted = 0
+    generated = wasted = preemptions = steps = 0
     stepping = False
+    m = engine.max_tokens
+
+    def cost(job: _Job) -> int:
+        return job.prompt + m
 
     def push(t: float, kind: str, job: _Job | None = None) -> None:
         heapq.heappush(events, (t, next(seq), kind, job))
 
     for i, t in enumerate(arrivals(profile, seed)):
-        arrival = _Job(i, t, t + client_timeout, retry=rng.random() < retriers)
+        arrival = _Job(
+            i, t, t + client_timeout, rng.random() < retriers, engine.prompt(sizes), engine.answer(sizes)
+        )
         jobs.append(arrival)
         push(t, "arrive", arrival)
 
     def view() -> QueueView:
         n = len(queue)
-        return QueueView(n, n * cost, n, n * cost, n, n * cost, running=len(running))
+        return QueueView(n, queued_cost, n, queued_cost, n, queued_cost, running=len(running))
+
+    def kv_used() -> int:
+        return sum(j.prompt + j.tokens for j in running if j.in_batch)
+
+    def fill_batch() -> int:
+        """Admit waiting sequences while the KV cache allows; the prompt tokens they prefill."""
+        prefill = 0
+        while waiting:
+            j = waiting[0]
+            full = engine.kv_tokens is not None and kv_used() + j.prompt + j.tokens + 1 > engine.kv_tokens
+            if full and any(r.in_batch for r in running):
+                break
+            waiting.popleft()
+            j.in_batch, j.admitted_step = True, steps
+            prefill += j.prompt + j.tokens
+        return prefill
+
+    def schedule_step(now: float) -> None:
+        nonlocal stepping
+        if stepping:
+            return
+        prefill = fill_batch()
+        batch = sum(1 for j in running if j.in_batch)
+        if batch:
+            stepping = True
+            push(now + engine.step0 + engine.step1 * batch + engine.prefill * prefill, "step")
 
     def dispatch(now: float) -> None:
-        nonlocal stepping
-        while queue and len(running) < slots:
+        nonlocal queued_cost
+        while queue and len(running) < engine.slots:
             job = queue.pop() if policy.lifo(state, now) else queue.popleft()
+            queued_cost -= cost(job)
             left = job.deadline - now
-            if left <= 0 or (drain.measured and left < drain.service_s(cost)):
+            if left <= 0 or (drain.measured and left < drain.service_s(cost(job))):
                 job.outcome = "expired"
                 continue
-            job.started = now
+            job.started, job.outcome = now, "running"
             running.append(job)
-        if running and not stepping:
-            stepping = True
-            push(now + step0 + step1 * len(running), "step")
+            waiting.append(job)
+        schedule_step(now)
 
     while events:
         now, _, kind, job = heapq.heappop(events)
-        if kind == "arrive" or kind == "retry":
+        if kind in ("arrive", "retry"):
             assert job is not None
             if kind == "retry":
-                job.deadline = now + client_timeout
-                job.arrived = now
-            c = Candidate(cost, "normal", now, job.deadline, view(), limits, drain)
+                job = replace(job, arrived=now, deadline=now + client_timeout, retried=True, retry=False)
+                jobs.append(job)
+            c = Candidate(cost(job), "normal", now, job.deadline, view(), limits, drain)
             try:
                 policy.admit(c, state)
-            except Refused as r:
-                if job.retry and kind == "arrive" and r.should_retry:
-                    job.retry_after = r.retry_after_s
+            except Refused as refused:
+                r = refused
+                if share > 0:  # 0: Retry-After as before reservations, for comparison
+                    r = reserve(r, cost=c.cost, now=now, drain=drain, book=book, share=share)
+                job.outcome, job.retry_after = "refused", r.retry_after_s
+                job.told_not_to = not r.should_retry
+                if job.retry and r.should_retry:
                     push(now + r.retry_after_s, "retry", job)
-                else:
-                    job.outcome = "refused"
                 continue
-            job.outcome = "queued"
+            job.outcome, job.admitted = "queued", True
             queue.append(job)
+            queued_cost += cost(job)
             push(job.deadline, "giveup", job)
             dispatch(now)
         elif kind == "giveup":
             assert job is not None
             if job.outcome == "queued":
                 job.outcome = "timeout"
-                if job in running:
-                    running.remove(job)
-                    wasted += job.tokens
-                else:
-                    queue.remove(job)
+                queue.remove(job)
+                queued_cost -= cost(job)
+            elif job.outcome == "running":
+                job.outcome = "timeout"
+                running.remove(job)
+                if job in waiting:
+                    waiting.remove(job)
+                wasted += job.tokens
             dispatch(now)
         elif kind == "step":
             stepping = False
-            for j in list(running):
+            steps += 1
+            for j in [j for j in running if j.in_batch]:
                 j.tokens += 1
                 generated += 1
-                if j.tokens >= answer_tokens:
+                if j.tokens >= j.answer:
                     running.remove(j)
+                    j.in_batch = False
                     j.outcome, j.done = "ok", now
-                    drain.observe(cost, now - j.started)
+                    drain.observe(cost(j), now - j.started)
+            if engine.kv_tokens is not None:
+                # The next step needs a token of cache for every sequence: preempt the newest.
+                while kv_used() + sum(1 for j in running if j.in_batch) > engine.kv_tokens:
+                    batch = [j for j in running if j.in_batch]
+                    if len(batch) <= 1:
+                        break
+                    newest = max(batch, key=lambda j: (j.admitted_step, j.id))
+                    newest.in_batch = False
+                    waiting.appendleft(newest)
+                    preemptions += 1
             dispatch(now)
-            if running and not stepping:
-                stepping = True
-                push(now + step0 + step1 * len(running), "step")
 
     d = profile.duration
+    first_tries = [j for j in jobs if not j.retried]
     ok = [j for j in jobs if j.outcome == "ok"]
     lat = sorted(j.done - j.arrived for j in ok)
     first = min((j.done for j in ok), default=d)
     in_window = [j for j in ok if j.done <= d]
-    retried = [j for j in jobs if j.retry_after is not None]
+    retries = [j for j in jobs if j.retried]
 
     def pct(p: float) -> float:
         return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else math.nan
 
     return Result(
         goodput=len(in_window) / d,
-        goodput_steady=sum(1 for j in in_window if j.done >= first) / (d - first) if first < d else 0.0,
+        goodput_steady=(sum(1 for j in in_window if j.done >= first) - 1) / (d - first) if first < d else 0.0,
         ok_p50=pct(0.5),
         ok_p99=pct(0.99),
-        refused=sum(1 for j in jobs if j.outcome == "refused"),
-        timeouts=sum(1 for j in jobs if j.outcome in ("timeout", "expired")),
+        refused=sum(1 for j in first_tries if j.outcome == "refused"),
+        timeouts=sum(1 for j in first_tries if j.outcome in ("timeout", "expired")),
         wasted_share=wasted / generated if generated else 0.0,
-        retries=len(retried),
-        retries_ok=sum(1 for j in retried if j.outcome == "ok"),
-        offered=len(jobs),
+        retries=len(retries),
+        retries_ok=sum(1 for j in retries if j.outcome == "ok"),
+        offered=len(first_tries),
+        admitted=sum(1 for j in jobs if j.admitted),
+        broken=sum(1 for j in jobs if j.admitted and j.outcome in ("timeout", "expired")),
+        told_not_to=sum(1 for j in first_tries if j.retry and j.told_not_to),
+        preemptions=preemptions,
+        retry_failures=dict(Counter(j.outcome for j in retries if j.outcome != "ok")),
     )
 
 
-# Engine shapes. article: the simulator's preset. llama-cpu: fitted to llama-server with SmolLM2-135M
-# on this project's 2-vCPU machines (sluice.bench.llm): a 64-token answer takes ~0.55 s alone and 1.46 s
-# in a full batch of 4, 2.74 answers/s at capacity. A sequence that slows down this much as the batch
-# fills is what makes a per-slot rate measured at light load overestimate the drain rate.
-ENGINES: dict[str, dict[str, float]] = {
-    "article": {"slots": 16, "answer_tokens": 128, "step0": 0.01592, "step1": 0.000406, "capacity": 5.5},
-    "llama-cpu": {"slots": 4, "answer_tokens": 64, "step0": 0.0039, "step1": 0.0047, "capacity": 2.74},
-}
+def capacity(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
+    """Answers per second of the engine kept saturated (a backlog that never runs dry, no deadlines)."""
+    sizes = random.Random(f"sizes-capacity-{seed}")
+    running: list[list[int]] = []  # [prompt, answer, tokens, admitted step, in batch]
+    waiting: deque[list[int]] = deque()
+    t, done, steps = 0.0, 0, 0
+    while t < seconds:
+        while len(running) < engine.slots:
+            job = [engine.prompt(sizes), engine.answer(sizes), 0, 0, 0]
+            running.append(job)
+            waiting.append(job)
+        prefill = 0
+        while waiting:
+            j = waiting[0]
+            used = sum(r[0] + r[2] for r in running if r[4])
+            if engine.kv_tokens is not None and used + j[0] + j[2] + 1 > engine.kv_tokens and used:
+                break
+            waiting.popleft()
+            j[3], j[4] = steps, 1
+            prefill += j[0] + j[2]
+        batch = [r for r in running if r[4]]
+        t += engine.step0 + engine.step1 * len(batch) + engine.prefill * prefill
+        steps += 1
+        for r in batch:
+            r[2] += 1
+            if r[2] >= r[1]:
+                running.remove(r)
+                done += 1
+        if engine.kv_tokens is not None:
+            while True:
+                batch = [r for r in running if r[4]]
+                if len(batch) <= 1 or sum(r[0] + r[2] + 1 for r in batch) <= engine.kv_tokens:
+                    break
+                newest = max(batch, key=lambda r: r[3])
+                newest[4] = 0
+                waiting.appendleft(newest)
+    return done / t
+
+
+def loads(cap: float, duration: float = 60.0) -> dict[str, Profile]:
+    """The article's two loads scaled to a capacity: a standing overload of 1.8x, and a spike of
+    0.55x -> 5.5x -> 0.55x (3 -> 30 -> 3 req/s on the article's 5.5)."""
+    return {
+        "steady 1.8x": Profile("steady", round(1.8 * cap, 3), duration),
+        "spike 0.55x-5.5x": Profile(
+            "spike", round(0.545 * cap, 3), duration, peak=round(5.45 * cap, 3), spike_at=20.0, spike_for=10.0
+        ),
+    }
 
 
 class _AdaptiveLifo(QueuePolicy):
@@ -212,6 +449,14 @@ class _AdaptiveLifo(QueuePolicy):
         return f"{self.inner.describe()} + adaptive LIFO"
 
 
+def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """Median, and the worst tenth's bound, of per-run figures."""
+    ordered = sorted(v for v in values if not math.isnan(v))
+    if not ordered:
+        return "-"
+    return fmt.format(statistics.median(ordered))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         prog="python -m sluice.bench.policy_model",
@@ -221,32 +466,20 @@ def main() -> None:
     ap.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable (all)")
     ap.add_argument("--param", action="append", default=[], help="NAME=VALUE for codel or fifo (repeatable)")
     ap.add_argument("--lifo", action="store_true", help="also each policy with adaptive LIFO")
-    ap.add_argument("--seeds", type=int, default=5, help="runs per cell, seeds 0..N-1 (5)")
+    ap.add_argument("--seeds", type=int, default=5, help="runs per cell (5)")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+N-1 (0)")
     ap.add_argument(
         "--engine",
-        choices=sorted(ENGINES),
+        choices=[*sorted(ENGINES), "family"],
         default="article",
         help="article: the simulator's preset (16 slots); llama-cpu: llama-server with SmolLM2 on 2 vCPUs "
-        "(4 slots, 64-token answers), whose sequences slow down 2.7x from alone to a full batch",
+        "(4 slots, 64-token answers), whose sequences slow down 2.7x from alone to a full batch; family: "
+        "an engine drawn per seed (draw_engine), loads scaled to its capacity",
     )
     ap.add_argument("--retriers", type=float, default=0.1, help="share of clients that retry once (0.1)")
+    ap.add_argument("--share", type=float, default=RETRY_SHARE, help=f"Retry-After's share ({RETRY_SHARE})")
     args = ap.parse_args()
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}
-    engine = ENGINES[args.engine]
-    cap = engine["capacity"]
-    if args.engine == "article":
-        profiles = {
-            "steady 10": Profile("steady", 10.0, 60.0),
-            "spike 3-30-3": Profile("spike", 3.0, 60.0, peak=30.0, spike_at=20.0, spike_for=10.0),
-        }
-    else:  # the loads of sluice.bench.llm: 1.8x capacity, and 0.5x -> 5x -> 0.5x
-        profiles = {
-            f"steady {1.8 * cap:.2f}": Profile("steady", round(1.8 * cap, 2), 60.0),
-            "spike 0.5x-5x-0.5x": Profile(
-                "spike", round(0.5 * cap, 2), 60.0, peak=round(5 * cap, 2), spike_at=20.0, spike_for=10.0
-            ),
-        }
-    shape = {k: v for k, v in engine.items() if k != "capacity"}
     policies: list[QueuePolicy] = []
     for name in args.policy or list(POLICIES):
         if name == "codel":
@@ -258,25 +491,36 @@ def main() -> None:
         policies.append(make_policy(name, **own))
         if args.lifo:
             policies.append(_AdaptiveLifo(make_policy(name, **own)))
-    print(f"Means over seeds 0..{args.seeds - 1} (p99: the median of the runs' p99s).\n")
-    print("| policy | load | goodput | % of capacity | ok p50 | ok p99 | refused | timed out | retries ok |")
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    engines = {s: draw_engine(s) if args.engine == "family" else ENGINES[args.engine] for s in seeds}
+    caps = {s: capacity(e) for s, e in engines.items()}
+    print(f"Seeds {seeds.start}..{seeds.stop - 1}; medians over the runs (p99: of each run's p99).\n")
+    print(
+        "| policy | load | goodput (% of capacity) | ok p99 | ok p99 ≤ 5 s | wasted | broken promises "
+        "| retries ok | told not to retry |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
-        for load, profile in profiles.items():
-            results = [
-                run(policy, profile, seed, retriers=args.retriers, **shape)  # type: ignore[arg-type]
-                for seed in range(args.seeds)
-            ]
-            retries = sum(r.retries for r in results)
-            retry_ok = sum(r.retries_ok for r in results) / retries if retries else math.nan
-            gp = statistics.fmean(r.goodput for r in results)
-            p50 = statistics.fmean(r.ok_p50 for r in results)
-            p99 = statistics.median(r.ok_p99 for r in results)
-            refused = statistics.fmean(r.refused for r in results)
-            timeouts = statistics.fmean(r.timeouts for r in results)
+        for load in ("steady", "spike"):
+            results = []
+            for s in seeds:
+                profile = next(p for k, p in loads(caps[s]).items() if k.startswith(load))
+                results.append(
+                    (
+                        caps[s],
+                        run(policy, profile, s, engine=engines[s], retriers=args.retriers, share=args.share),
+                    )
+                )
+            pct = [100 * (r.goodput_steady if load == "steady" else r.goodput) / c for c, r in results]
+            retries = sum(r.retries for _, r in results)
+            retry_ok = 100 * sum(r.retries_ok for _, r in results) / retries if retries else math.nan
             print(
-                f"| {policy.describe()} | {load} | {gp:.2f}/s | {100 * gp / cap:.0f} % | "
-                f"{p50:.1f} s | {p99:.1f} s | {refused:.0f} | {timeouts:.0f} | {100 * retry_ok:.0f} % |"
+                f"| {policy.describe()} | {load} | {_spread(pct, '{:.0f} %')} (worst {min(pct):.0f} %) "
+                f"| {_spread([r.ok_p99 for _, r in results], '{:.1f} s')} "
+                f"| {sum(1 for _, r in results if r.ok_p99 <= 5.0)} of {len(results)} "
+                f"| {_spread([100 * r.wasted_share for _, r in results], '{:.1f} %')} "
+                f"| {sum(r.broken for _, r in results)} of {sum(r.admitted for _, r in results)} "
+                f"| {retry_ok:.0f} % of {retries} | {sum(r.told_not_to for _, r in results)} |"
             )
 
 

@@ -100,7 +100,13 @@ def bins(times: Iterable[float], width: float = 1.0, until: float | None = None)
 
 
 #: what a run reads from its targets' metrics besides the records (see :func:`summarize`)
-COUNTERS = ("engine_generated_tokens", "engine_wasted_tokens", "server_admitted", "stuck")
+COUNTERS = (
+    "engine_generated_tokens",
+    "engine_wasted_tokens",
+    "server_admitted",
+    "server_broken_promises",
+    "stuck",
+)
 
 
 def summarize(
@@ -116,7 +122,8 @@ def summarize(
     """The run's headline numbers from its records and the counters read from the targets.
 
     ``counters`` may hold ``engine_generated_tokens`` and ``engine_wasted_tokens`` (deltas over the
-    run), ``server_admitted`` (jobs the gateway says it admitted), and ``stuck`` (jobs still queued or
+    run), ``server_admitted`` (jobs the gateway says it admitted), ``server_broken_promises`` (of
+    those, how many the gateway says ended past their deadline), and ``stuck`` (jobs still queued or
     running at the target once every client had its outcome). ``capacity_source`` says where the
     capacity came from, ``profile`` is the offered load and ``client_timeout`` when clients give up
     (None: never); with them, ``warnings`` lists why the run may not show what its table says (see
@@ -161,6 +168,8 @@ def summarize(
         "lost": len(lost),
         "stuck": counters.get("stuck"),
         "server_admitted": counters.get("server_admitted"),
+        "broken_promises": _broken_promises(records),
+        "server_broken_promises": counters.get("server_broken_promises"),
     }
     if capacity:
         summary["goodput_pct_capacity"] = 100.0 * summary["goodput_rps"] / capacity
@@ -201,6 +210,18 @@ def summarize(
         reasons=reasons,
     )
     return summary
+
+
+def _broken_promises(records: Sequence[Record]) -> dict[str, int]:
+    """Requests accepted (first tries and retries) that then ended without their answer in time: a
+    promise of the gateway's admission broken. ``expired``: the server said ``deadline_exceeded``;
+    ``gave_up``: the client's own time-out came first."""
+    ends = [(r.outcome, r.code) for r in records]
+    ends += [(r.retry_outcome, r.retry_code) for r in records if r.retry_outcome is not None]
+    accepted = sum(1 for outcome, _ in ends if outcome not in ("refused", None))
+    gave_up = sum(1 for outcome, code in ends if outcome == "timeout" and code == "client_gave_up")
+    expired = sum(1 for outcome, code in ends if outcome == "timeout" and code != "client_gave_up")
+    return {"count": gave_up + expired, "accepted": accepted, "expired": expired, "gave_up": gave_up}
 
 
 def _retries(records: Sequence[Record]) -> dict[str, Any]:
@@ -306,6 +327,15 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("stuck") is not None:
         lost += f", {s['stuck']} stuck"
     lost = ("yes" if s["nothing_lost"] else "**no**") + f" ({lost})"
+    broken = s.get("broken_promises")
+    promises = "-"
+    if broken:
+        promises = (
+            f"{broken['count']} of {broken['accepted']} "
+            f"({broken['expired']} expired, {broken['gave_up']} gave up)"
+        )
+        if s.get("server_broken_promises") is not None:
+            promises += f"; the gateway counted {s['server_broken_promises']}"
     retries = s.get("retries") or {}
     retried = "-"
     if retries.get("count"):
@@ -332,6 +362,7 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("errors", str(out["error"])),
         ("Retry-After p50 / max", f"{_num(ra['p50'], unit=' s')} / {_num(ra['max'], unit=' s')}"),
         ("retried once after Retry-After", retried),
+        ("broken promises: accepted, then not answered in time", promises),
         ("engine tokens wasted", wasted),
         ("accepted, of which answered", f"{s['accepted']}, {_pct(s['accepted_ok_rate'])}"),
         (
