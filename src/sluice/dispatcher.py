@@ -420,7 +420,7 @@ class Dispatcher:
             async for data in stream:
                 choices = assembler.add(data)
                 if choices:
-                    await self.broker.publish(job.id, EventType.TOKEN, {"choices": choices})
+                    await self.broker.publish(job.id, EventType.TOKEN, assembler.event(choices))
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         return assembler

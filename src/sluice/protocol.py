@@ -220,6 +220,10 @@ class Assembler:
         self.tokens = 0
         self.fields: dict[str, Any] = {}
 
+    def event(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The token event that relays ``choices`` (what :meth:`add` returned) to stream readers."""
+        return {"choices": choices}
+
     def add(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk)."""
         if isinstance(data.get("usage"), dict):
