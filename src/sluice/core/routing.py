@@ -1,0 +1,307 @@
+"""Which engine takes a job: the one where it will finish soonest, or its prompt prefix's home.
+
+Two rules, one per kind of job:
+
+* **Soonest predicted completion.** A job's completion on an engine is its wait for a free
+  sequence (none while the engine is under its in-flight limit), its prefill (the engine's recent
+  time to first token) and its decode: the output tokens times the engine's seconds per token at
+  the load it will have once the job is added (:func:`predicted_completion`). An engine whose
+  speed is not measured yet is taken to be as fast as the median measured one; when none is
+  measured, the rule is the free fraction of each engine's limit (least loaded).
+* **Prefix affinity.** Requests that share a prompt prefix (a system prompt, a conversation, the
+  client's ``prompt_cache_key`` or ``user``: :func:`prefix_key`) should land on the same engine,
+  whose prefix cache then skips their shared prefill. That is consistent hashing with bounded
+  loads (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018; what
+  HAProxy's ``hash-balance-factor`` does for Vimeo): every engine has many points on a hash ring,
+  a key's home is the first engine clockwise from the key's point that has room, where room is a
+  load (in flight, plus this job) of at most ``ceil(load_factor x average load)``. A popular
+  prefix therefore spills to the next engine on the ring, never piles up on one, and when an
+  engine joins or leaves only the keys on its arcs move (about 1/n of them).
+
+Engines of different sizes: the "average load" an engine is held to is its share of the total,
+in proportion to its in-flight limit times its health weight, so that a 64-sequence engine takes
+its 64-sequence share of the prefixes; with equal limits and weights this is exactly the plain
+average of the paper. The ring is pure and deterministic (blake2b, never Python's salted
+``hash``): every gateway process sends one prefix to the same engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Candidate",
+    "HashRing",
+    "Router",
+    "predicted_completion",
+    "prefix_key",
+]
+
+#: Characters of a completions prompt (or items of a token prompt) that identify its prefix.
+PROMPT_PREFIX_CHARS = 512
+#: Points each engine has on the ring: enough that n engines split the ring within a few percent.
+VIRTUAL_NODES = 100
+#: How much slower each sequence decodes on a full engine than alone: 0 if decoding were purely
+#: memory-bound (a bigger batch costs nothing per sequence), about 1 if the batch's step time grew
+#: with its size. Batched decoding on a GPU is mostly memory-bound below its limit (the limit is
+#: set where the time per token reaches its objective); half-way is a cautious guess that still
+#: prefers an idler engine of equal speed.
+LOAD_SENSITIVITY = 0.5
+#: Rings remembered, one per set of engine names (membership changes rarely).
+RING_CACHE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One engine that could take a job.
+
+    Attributes:
+        name: the engine's name (stable across calls: the ring is built from it).
+        inflight: sequences Sluice has in flight there.
+        limit: its current in-flight limit.
+        seconds_per_token: measured decode seconds per token per sequence at its current load
+            (None: unknown).
+        ttft_s: measured recent time to first token, seconds (None: unknown).
+        weight: health weight 0..1 (1 healthy; less when slower than its peers); 0 or less takes
+            no work.
+    """
+
+    name: str
+    inflight: int
+    limit: int
+    seconds_per_token: float | None
+    ttft_s: float | None
+    weight: float = 1.0
+
+    @property
+    def has_room(self) -> bool:
+        return self.inflight < self.limit and self.weight > 0
+
+
+def _digest(text: str) -> int:
+    """A stable 64-bit hash of ``text`` (the same in every process and on every run)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _hex(value: Any) -> str:
+    blob = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
+
+
+def prefix_key(body: Mapping[str, Any]) -> str | None:
+    """What identifies the request's reusable prompt prefix, or None if nothing does.
+
+    In order: the client's ``prompt_cache_key`` (OpenAI's field for exactly this), its ``user``,
+    else a hash of what every request of one conversation or one application starts with: a chat's
+    system (or developer) messages and its first other message, a Responses request's
+    ``instructions`` and first input item, a completion's first :data:`PROMPT_PREFIX_CHARS`
+    characters. The model is part of the key when given (one prefix on two models is two caches).
+    """
+    model = body.get("model")
+    tag = f"{model}|" if isinstance(model, str) else ""
+    for field in ("prompt_cache_key", "user"):
+        value = body.get(field)
+        if isinstance(value, str) and value:
+            return f"{tag}{field}:{value}"
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        head: list[Any] = []
+        for message in messages:
+            role = message.get("role") if isinstance(message, Mapping) else None
+            head.append(message.get("content") if isinstance(message, Mapping) else message)
+            if role not in ("system", "developer"):
+                break
+        return f"{tag}chat:{_hex(head)}"
+    if "input" in body or "instructions" in body:
+        items = body.get("input")
+        first = items[0] if isinstance(items, list) and items else items
+        if isinstance(first, str):
+            first = first[:PROMPT_PREFIX_CHARS]
+        head_r = [body.get("instructions"), first]
+        if head_r == [None, None]:
+            return None
+        return f"{tag}responses:{_hex(head_r)}"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts: the first one's prefix
+    if isinstance(prompt, str) and prompt:
+        return f"{tag}prompt:{_hex(prompt[:PROMPT_PREFIX_CHARS])}"
+    if isinstance(prompt, list) and prompt:
+        return f"{tag}prompt:{_hex(prompt[:PROMPT_PREFIX_CHARS])}"
+    return None
+
+
+def predicted_completion(
+    c: Candidate, *, prompt_tokens: int, output_tokens: int, seconds_per_token: float | None = None
+) -> float | None:
+    """Seconds until a job sent to ``c`` now would finish, or None if its speed is unknown.
+
+    ``seconds_per_token`` stands in for the engine's own when that is None (a presumed speed).
+    The queueing part: none while the engine is under its limit; beyond it, the job waits for
+    the sequences ahead of it to finish, one of the engine's job times per ``limit`` of them.
+    The result is divided by the health weight (a slow-flagged engine looks that much later).
+    """
+    spt = c.seconds_per_token if c.seconds_per_token is not None else seconds_per_token
+    if spt is None:
+        return None
+    limit = max(c.limit, 1)
+    # The load after adding the job, as a fraction of the limit, slows each sequence: a lone
+    # sequence decodes at the measured speed, a full engine's (1 + LOAD_SENSITIVITY) times slower.
+    # (Monotone in the load, so of two engines of one speed the idler one wins.)
+    fill = min(c.inflight + 1, limit) / limit
+    spt_after = spt * (1 + LOAD_SENSITIVITY * fill)
+    prefill = c.ttft_s if c.ttft_s is not None else 0.0
+    # prompt_tokens is not used beyond the measured TTFT: the engine's recent prefill is the best
+    # estimate Sluice has of this one (a cached prefix makes it shorter, which affinity exploits).
+    del prompt_tokens
+    service = prefill + max(output_tokens, 1) * spt_after
+    ahead = c.inflight - limit + 1
+    queueing = ahead * service / limit if ahead > 0 else 0.0
+    return (queueing + service) / max(c.weight, 1e-6)
+
+
+class HashRing:
+    """Consistent-hash ring over engine names, :data:`VIRTUAL_NODES` points each (blake2b)."""
+
+    def __init__(self, names: Sequence[str], vnodes: int = VIRTUAL_NODES) -> None:
+        points = sorted((_digest(f"{name}#{i}"), name) for name in sorted(set(names)) for i in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._names = [n for _, n in points]
+        self._count = len(set(names))
+
+    def walk(self, key: str) -> list[str]:
+        """Every engine once, in ring order clockwise from ``key``'s point."""
+        if not self._names:
+            return []
+        start = bisect_left(self._hashes, _digest(key))
+        seen: list[str] = []
+        total = len(self._names)
+        for i in range(total):
+            name = self._names[(start + i) % total]
+            if name not in seen:
+                seen.append(name)
+                if len(seen) == self._count:
+                    break
+        return seen
+
+    def home(self, key: str) -> str | None:
+        """The key's engine ignoring load (the first clockwise)."""
+        if not self._names:
+            return None
+        i = bisect_left(self._hashes, _digest(key)) % len(self._names)
+        return self._names[i]
+
+
+class Router:
+    """Picks an engine for each job (pure: the caller passes the engines' state every time).
+
+    Args:
+        affinity: send jobs with a prefix to the prefix's home engine (bounded loads); off, every
+            job goes to the soonest predicted completion.
+        load_factor: the bound, c >= 1 in the paper: an engine may hold at most
+            ``ceil(load_factor x its share of the load)`` (with this job) before a prefix homed on
+            it spills to the next engine on the ring. 1.25 keeps most keys home (the paper's
+            moves-per-change bound grows as 1/(c-1)^2) while no engine runs more than 25 % over.
+    """
+
+    def __init__(self, *, affinity: bool = True, load_factor: float = 1.25) -> None:
+        if load_factor < 1:
+            raise ValueError("load_factor must be at least 1")
+        self.affinity = affinity
+        self.load_factor = load_factor
+        self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
+
+    def ring(self, names: Sequence[str]) -> HashRing:
+        """The ring of these engines (cached by the set of names)."""
+        key = tuple(sorted(set(names)))
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = HashRing(key)
+            if len(self._rings) > RING_CACHE:
+                self._rings.popitem(last=False)
+        else:
+            self._rings.move_to_end(key)
+        return ring
+
+    def bounds(self, candidates: Sequence[Candidate]) -> dict[str, int]:
+        """Each engine's most in-flight sequences (this job included) before prefixes spill:
+        ``ceil(load_factor x share)``, where the total (everything in flight plus this job) is
+        shared in proportion to limit x weight."""
+        usable = [c for c in candidates if c.weight > 0 and c.limit > 0]
+        total = sum(max(c.inflight, 0) for c in usable) + 1
+        capacity = sum(c.limit * min(c.weight, 1.0) for c in usable)
+        if capacity <= 0:
+            return {c.name: 0 for c in candidates}
+        out = {c.name: 0 for c in candidates}
+        for c in usable:
+            share = total * c.limit * min(c.weight, 1.0) / capacity
+            # A tiny epsilon keeps an exact product (1.25 x 4 = 5) from rounding up a whole step.
+            out[c.name] = math.ceil(self.load_factor * share - 1e-9)
+        return out
+
+    def pick(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        prompt_tokens: int,
+        output_tokens: int,
+        prefix: str | None,
+    ) -> str | None:
+        """The engine to send the job to, or None when no candidate has room
+        (``inflight >= limit`` for all, or none has a positive weight)."""
+        open_ = [c for c in candidates if c.has_room]
+        if not open_:
+            return None
+        if self.affinity and prefix is not None:
+            home = self.home(candidates, prefix)
+            if home is not None:
+                return home
+        return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+
+    def home(self, candidates: Sequence[Candidate], prefix: str) -> str | None:
+        """The prefix's engine under bounded loads: the first on the ring, clockwise from the
+        prefix, that has room and whose load with this job is within its bound (None if none)."""
+        by_name = {c.name: c for c in candidates}
+        bounds = self.bounds(candidates)
+        for name in self.ring(list(by_name)).walk(prefix):
+            c = by_name[name]
+            if c.has_room and c.inflight + 1 <= bounds[name]:
+                return name
+        return None
+
+    def soonest(
+        self, candidates: Sequence[Candidate], *, prompt_tokens: int, output_tokens: int
+    ) -> str | None:
+        """The candidate with room where the job is predicted to finish first (ties: fewest in
+        flight, then name); with no speed measured anywhere, the largest free fraction of the
+        limit (scaled by weight)."""
+        open_ = [c for c in candidates if c.has_room]
+        if not open_:
+            return None
+        known = [c.seconds_per_token for c in open_ if c.seconds_per_token is not None]
+        if not known:
+            best = min(
+                open_,
+                key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, c.inflight, c.name),
+            )
+            return best.name
+        presumed = statistics.median(known)
+
+        def when(c: Candidate) -> tuple[float, int, str]:
+            t = predicted_completion(
+                c,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                seconds_per_token=presumed,
+            )
+            return (t if t is not None else math.inf, c.inflight, c.name)
+
+        return min(open_, key=when).name
