@@ -408,6 +408,41 @@ async def test_heartbeat_keeps_lease(broker: Broker, clock: FakeClock) -> None:
     assert await broker.heartbeat("intruder", [job.id]) == {job.id}
 
 
+async def test_release_hands_a_job_back_to_the_head_of_its_queue(broker: Broker, clock: FakeClock) -> None:
+    first, second = make_job(clock), make_job(clock)
+    await broker.admit(first)
+    clock.advance(1)
+    await broker.admit(second)
+    claimed = await broker.claim(W, ["m"], timeout=1.0)
+    assert claimed is not None and claimed.id == first.id
+    await broker.publish(first.id, EventType.TOKEN, {"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    # Only the holder of the lease may hand it back.
+    assert await broker.release(first.id, "intruder") is False
+    assert await broker.release(first.id, W) is True
+    got = await broker.get(first.id)
+    assert got is not None and got.state is JobState.QUEUED and got.attempts == 0
+    assert await broker.position(first.id) == 0  # at the head, ahead of the later job
+    assert await broker.release(first.id, W) is False  # not running any more
+    # The old lease is void: a late result of the worker that let it go is refused.
+    assert await broker.finish(first.id, W, JobState.SUCCEEDED, result={}) is None
+    again = await broker.claim("worker-2", ["m"], timeout=1.0)
+    assert again is not None and again.id == first.id and again.attempts == 1
+    assert await broker.heartbeat("worker-2", [first.id]) == set()
+    done = await broker.finish(first.id, "worker-2", JobState.SUCCEEDED, result={})
+    assert done is not None and done.state is JobState.SUCCEEDED and done.attempts == 1
+    types = [e.type for e in await drain_events(broker, first.id)]
+    assert types == [
+        EventType.QUEUED,
+        EventType.STARTED,
+        EventType.TOKEN,
+        EventType.RETRY,
+        EventType.STARTED,
+        EventType.DONE,
+    ]
+    stats = (await broker.stats())["m"]
+    assert stats.running_jobs == 0 and stats.queued_jobs == 1  # the second job, still queued
+
+
 async def test_results_expire(broker: Broker, clock: FakeClock) -> None:
     job = make_job(clock)
     await broker.admit(job)

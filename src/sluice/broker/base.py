@@ -320,6 +320,15 @@ class Broker(ABC):
         Ignored (returns None) when the worker no longer holds the job's lease.
         """
 
+    @abstractmethod
+    async def release(self, job_id: str, worker_id: str) -> bool:
+        """Hand back a job ``worker_id`` holds and will not finish (it is shutting down): the job
+        goes back to the head of its tenant's queue as if never started (the attempt is not
+        charged), and a RETRY event tells its stream that tokens sent so far are void.
+
+        False, with nothing changed, when the job is not running under this worker's lease (it
+        ended, was cancelled, or its lease was lost and it was claimed again)."""
+
     # --- administration -----------------------------------------------------------------------
 
     @abstractmethod

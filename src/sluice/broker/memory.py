@@ -527,6 +527,25 @@ class MemoryBroker(Broker):
             lease.expires = now + self.settings.lease_s
         return abort
 
+    async def release(self, job_id: str, worker_id: str) -> bool:
+        lease = self._leases.get(job_id)
+        rec = self._records.get(job_id)
+        if lease is None or lease.worker_id != worker_id:
+            return False
+        if rec is None or rec.job.state is not JobState.RUNNING:
+            return False
+        del self._leases[job_id]
+        job = rec.job
+        # As release.lua: the attempt this worker gave up is not charged.
+        job.attempts = max(job.attempts - 1, 0)
+        self._move(job, JobState.QUEUED)
+        self._queue(job.model).push(job.priority, self._entry(job), front=True)
+        # Its deadline entry may have gone while it ran: queued again, it must expire again.
+        heapq.heappush(self._deadlines, (job.deadline, job.id))
+        self._emit(rec, EventType.RETRY, {"attempt": job.attempts + 1, "reason": "released unstarted"})
+        self._work.notify()
+        return True
+
     async def wait_abort_signal(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):

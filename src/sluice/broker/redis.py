@@ -851,6 +851,21 @@ class RedisBroker(Broker):
                 [k.prefix, job_id, worker_id, token, STREAM_MAXLEN],
             )
 
+    async def release(self, job_id: str, worker_id: str) -> bool:
+        token = self._tokens.get((worker_id, job_id))
+        if token is None:
+            return False
+        k = self.keys
+        released = await self._call(
+            "release",
+            [k.job(job_id), k.out(job_id), k.active, k.deadline, k.running, k.blocked],
+            [k.prefix, job_id, worker_id, token, STREAM_MAXLEN],
+        )
+        # Forgotten only once the script has answered: if Redis could not be reached, the lease is
+        # still this worker's, and a heartbeat or a finish may still need the token.
+        self._tokens.pop((worker_id, job_id), None)
+        return int(released) == 1
+
     async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
         if not job_ids:
             return set()
