@@ -1,0 +1,467 @@
+"""The in-flight limit of one engine, learned from what the engine says of itself and from what
+Sluice measures of every stream; pure: no I/O, time comes from an injected clock.
+
+An LLM engine runs a batch of sequences; one more in flight than it can batch waits in the
+engine's own queue, where Sluice can no longer reorder it, shed it or send it elsewhere. The limit
+therefore aims at "just enough to keep the engine's batch full", and, with a time-per-output-token
+objective, "no more than the batch size at which decoding meets the objective".
+
+Signals, strongest first:
+
+1. **The engine's own queue** (vLLM ``num_requests_waiting``, TGI ``tgi_queue_size``,
+   llama-server ``requests_deferred``): waiting on two polls in a row (or two or more at once)
+   means Sluice sends more than the engine runs, and the engine says how many it does run: the
+   limit drops to its ``running`` count. That count is remembered as the engine's known capacity;
+   probing past it is slow (one more, after ``reprobe_s`` without trouble), so the waiting queue
+   stays within a request or two. Preemptions rising or the KV cache nearly full mean the batch
+   is over memory: a multiplicative decrease.
+2. **Time per output token** against its objective, where one is set: above it, the limit drops
+   by the gradient ``objective / tpot`` (bounded to halve at most, as in Netflix's Gradient2), or
+   straight to the in-flight count where the fitted line ``tpot = a + b * inflight`` meets the
+   objective (the TPOT half of llm-d's static tuning); below it, the limit may grow only while the
+   line predicts the next sequence still meets it.
+3. **Time to first token**, where the engine reports no queue: a request that waited in the
+   engine shows a first token far later than the low baseline of recent ones (more than
+   ``0.5 x baseline + 4 x its own tpot``); a quarter of a window's samples like that is queueing,
+   and the limit steps down multiplicatively.
+4. **Overload answers** (429/503): a multiplicative decrease.
+
+Without trouble, and only when the limit binds (a stream started with the limit in flight, or the
+engine runs that many), the limit grows: doubling until the first sign of trouble (slow start, as
+TCP does, so a 64-slot engine is found in a few request lifetimes), then additively. With no
+objective the growth is throughput-seeking: it stops where the fitted line says one more sequence
+barely adds tokens per second across the batch (elasticity ``b*n / (a + b*n)`` above
+:data:`PLATEAU_ELASTICITY`: doubling the batch would add under ~7 % throughput).
+
+Baselines follow the engine (Envoy's adaptive concurrency re-measures its minRTT on a timer):
+the TPOT line is fitted from per-in-flight buckets that expire after ``memory_s`` and are all
+dropped when the bucket being fed moves far from what the line predicts (another tenant on the
+GPU, longer contexts); the TTFT baseline is a low-quantile tracker that falls fast and rises
+slowly, so a slower engine raises it within tens of seconds without the limit being forced down
+to re-measure it. A hand-set ``ceiling`` (``max_concurrency``) is never exceeded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "PLATEAU_ELASTICITY",
+    "ConcurrencyLimit",
+    "EngineLoad",
+    "LimitPhase",
+    "StreamSample",
+]
+
+#: Where throughput-seeking stops growing: the share of one more sequence's time that goes to the
+#: batch being slower (d ln tpot / d ln n). At 0.9, doubling the batch would add ~7 % tokens/s.
+PLATEAU_ELASTICITY = 0.9
+#: KV-cache use at which the limit stops growing, and at which it is cut.
+KV_HOLD = 0.92
+KV_CUT = 0.98
+#: Starting limit when neither ``initial`` nor a fixed limit is given.
+DEFAULT_INITIAL = 4
+#: Multiplicative decrease on a congestion signal that does not say by how much.
+BACKOFF = 0.8
+#: The TPOT objective's tolerance: decrease once the smoothed TPOT is this much above it.
+TPOT_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine reports of itself right now (None: it does not say)."""
+
+    running: int | None  # sequences it is running (vllm:num_requests_running, llama-server busy slots)
+    waiting: int | None  # requests in its own waiting queue (vllm:num_requests_waiting)
+    kv_usage: float | None  # KV-cache use, 0..1
+    preemptions: int | None  # cumulative count of preemptions since the engine started
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSample:
+    """What Sluice measured of one request that finished on an engine."""
+
+    inflight: int  # sequences Sluice had in flight on the engine when it started (incl. itself)
+    ttft_s: float | None  # time to first token, seconds
+    tpot_s: float | None  # mean seconds per output token after the first (None if < 2 tokens)
+    output_tokens: int
+    prompt_tokens: int
+
+
+class LimitPhase(StrEnum):
+    """Where the learner is: ``fixed`` (not adaptive), ``starting`` (doubling until the first sign
+    of trouble), ``steady`` (additive growth, decreases on signals)."""
+
+    FIXED = "fixed"
+    STARTING = "starting"
+    STEADY = "steady"
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Smoothed TPOT of the streams that started with ``n`` in flight.
+
+    Attributes:
+        tpot: moving average of their seconds per output token.
+        count: samples folded in (capped; it weights the line's fit).
+        updated: clock time of the newest sample.
+    """
+
+    tpot: float
+    count: int
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """``tpot = a + b * inflight``, fitted over the fresh buckets."""
+
+    a: float
+    b: float
+
+    def at(self, n: float) -> float:
+        return self.a + self.b * n
+
+    def elasticity(self, n: float) -> float:
+        """d ln tpot / d ln n at ``n``: 0 when the batch is free, 1 when tokens/s is flat."""
+        tpot = self.at(n)
+        return self.b * n / tpot if tpot > 0 else 1.0
+
+
+class ConcurrencyLimit:
+    """The in-flight limit of one engine: learned (adaptive=True) or fixed.
+
+    Args:
+        ceiling: the hand-set ``max_concurrency``: the limit never exceeds it; None: no ceiling.
+        adaptive: learn the limit; False: the limit stays at ``initial`` (else ``ceiling``).
+        initial: the starting limit; None: ``ceiling`` when fixed, :data:`DEFAULT_INITIAL` when
+            learning (both within floor and ceiling).
+        floor: the limit never goes below it (at least 1: an engine always gets a request).
+        tpot_objective_s: the time per output token to stay within; None: throughput-seeking.
+        clock: monotonic seconds.
+        interval_s: the least time between two changes of the limit (a change needs streams
+            started under it before it can be judged).
+        memory_s: how long a TPOT bucket counts after its newest sample.
+        reprobe_s: how long the limit stays at the engine's known capacity before probing one
+            more (and how long a TTFT-inferred capacity holds).
+    """
+
+    def __init__(
+        self,
+        *,
+        ceiling: int | None = None,
+        adaptive: bool = True,
+        initial: int | None = None,
+        floor: int = 1,
+        tpot_objective_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = 1.0,
+        memory_s: float = 60.0,
+        reprobe_s: float = 15.0,
+    ) -> None:
+        if floor < 1:
+            raise ValueError("floor must be at least 1")
+        if ceiling is not None and ceiling < floor:
+            raise ValueError("ceiling must be at least floor")
+        if tpot_objective_s is not None and not tpot_objective_s > 0:
+            raise ValueError("tpot_objective_s must be positive")
+        if not adaptive and initial is None and ceiling is None:
+            raise ValueError("a fixed limit needs initial or ceiling")
+        self.ceiling = ceiling
+        self.adaptive = adaptive
+        self.floor = floor
+        self.tpot_objective_s = tpot_objective_s
+        self._clock = clock
+        self._interval_s = interval_s
+        self._memory_s = memory_s
+        self._reprobe_s = reprobe_s
+        if initial is None:
+            initial = DEFAULT_INITIAL if adaptive else ceiling
+        assert initial is not None
+        self._value = float(self._clamp(initial))
+        self.phase = LimitPhase.STARTING if adaptive else LimitPhase.FIXED
+        now = clock()
+        self._last_change = now
+        self._last_congestion = -math.inf
+        # What the engine ran when it last queued (or what TTFT says it runs): past this, probe slowly.
+        self._known_capacity: int | None = None
+        self._reason = "initial"
+        self._changes = 0
+        # Evidence that the limit binds: the most in flight a stream started with, or the engine ran.
+        self._peak_inflight = 0
+        self._samples_since_change = 0
+        # Engine load, as last polled.
+        self._load: EngineLoad | None = None
+        self._engine_reports_waiting = False
+        self._waiting_polls = 0
+        self._preemptions: int | None = None
+        self._kv_hold = False
+        # Measurements.
+        self._tpot_ewma: float | None = None
+        self._ttft_base: float | None = None
+        self._buckets: dict[int, _Bucket] = {}
+        self._window_samples = 0
+        self._window_queued = 0
+        self._window_started = now
+        self._min_queued_inflight: int | None = None
+
+    # -- what the dispatcher reads -------------------------------------------------------------
+
+    @property
+    def limit(self) -> int:
+        """The current limit: floor <= limit <= ceiling (if set)."""
+        return self._clamp(int(self._value))
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Smoothed decode seconds per output token per sequence at the current load."""
+        return self._tpot_ewma
+
+    def snapshot(self) -> dict[str, object]:
+        """JSON-able state for /admin and the dashboard."""
+        line = self._line()
+        return {
+            "limit": self.limit,
+            "adaptive": self.adaptive,
+            "phase": str(self.phase),
+            "reason": self._reason,
+            "changes": self._changes,
+            "floor": self.floor,
+            "ceiling": self.ceiling,
+            "tpot_objective_s": self.tpot_objective_s,
+            "known_capacity": self._known_capacity,
+            "seconds_per_token": self._tpot_ewma,
+            "ttft_baseline_s": self._ttft_base,
+            "tpot_at_one_s": line.at(1) if line is not None else None,
+            "tpot_slope_s": line.b if line is not None else None,
+            "engine_waiting": self._load.waiting if self._load is not None else None,
+            "engine_running": self._load.running if self._load is not None else None,
+            "engine_kv_usage": self._load.kv_usage if self._load is not None else None,
+        }
+
+    # -- signals -------------------------------------------------------------------------------
+
+    def on_sample(self, sample: StreamSample) -> None:
+        """A stream finished on the engine: fold in its TPOT and TTFT, and adjust."""
+        now = self._clock()
+        self._samples_since_change += 1
+        self._peak_inflight = max(self._peak_inflight, sample.inflight)
+        tpot = sample.tpot_s if sample.tpot_s is not None and sample.tpot_s > 0 else None
+        if tpot is not None:
+            last = self._tpot_ewma
+            self._tpot_ewma = tpot if last is None else last + 0.1 * (tpot - last)
+            self._fold_bucket(max(1, sample.inflight), tpot, now)
+        if sample.ttft_s is not None and sample.ttft_s >= 0:
+            self._fold_ttft(sample, tpot, now)
+        if not self.adaptive:
+            return
+        if self._objective_exceeded(now):
+            return
+        self._judge_window(now)
+        self._maybe_increase(now)
+
+    def on_engine_load(self, load: EngineLoad) -> None:
+        """The engine's own report, polled on the heartbeat."""
+        now = self._clock()
+        self._load = load
+        if load.running is not None:
+            self._peak_inflight = max(self._peak_inflight, load.running)
+        if load.waiting is not None:
+            self._engine_reports_waiting = True
+            self._waiting_polls = self._waiting_polls + 1 if load.waiting > 0 else 0
+        preempted = (
+            load.preemptions is not None
+            and self._preemptions is not None
+            and load.preemptions > self._preemptions
+        )
+        if load.preemptions is not None:
+            self._preemptions = load.preemptions
+        self._kv_hold = load.kv_usage is not None and load.kv_usage >= KV_HOLD
+        if not self.adaptive:
+            return
+        # One waiting request on one poll is often just an arrival between two engine steps.
+        waiting = load.waiting or 0
+        queued = waiting >= 2 or (waiting > 0 and self._waiting_polls >= 2)
+        if queued:
+            running = load.running
+            if running is not None and running > 0:
+                self._known_capacity = running
+                self._decrease(running, "engine queue", now, bounded=False)
+            else:
+                self._decrease(self._value * BACKOFF, "engine queue", now)
+            return
+        if preempted or (load.kv_usage is not None and load.kv_usage >= KV_CUT):
+            base = load.running if load.running else self._value
+            reason = "preemption" if preempted else "kv cache full"
+            self._decrease(min(self._value, base) * 0.9, reason, now)
+            return
+        self._maybe_increase(now)
+
+    def on_overload(self) -> None:
+        """The engine answered 429/503: it is full."""
+        if not self.adaptive:
+            return
+        now = self._clock()
+        self._decrease(self._value * BACKOFF, "overload answer", now)
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _decrease(self, target: float, reason: str, now: float, *, bounded: bool = True) -> None:
+        """Lower the limit to ``target`` (never raise it). ``bounded``: a guess, at most once per
+        interval; else the engine said how many it runs, which holds at any time."""
+        self._last_congestion = now
+        if self.phase is LimitPhase.STARTING:
+            self.phase = LimitPhase.STEADY
+        if bounded and now - self._last_change < self._interval_s:
+            return
+        target = max(float(self.floor), target)
+        if target < self._value:
+            self._set(target, reason, now)
+
+    def _maybe_increase(self, now: float) -> None:
+        if now - self._last_change < self._interval_s or now - self._last_congestion < 2 * self._interval_s:
+            return
+        current = self.limit
+        if self.ceiling is not None and current >= self.ceiling:
+            return
+        # Only a limit that binds says anything about more: an engine that is not sent its limit
+        # has not shown it can take more (TCP's rule for application-limited flows).
+        if self._peak_inflight < current or self._kv_hold:
+            return
+        line = self._line()
+        if self.tpot_objective_s is not None:
+            predicted = line.at(current + 1) if line is not None else self._tpot_ewma
+            if predicted is not None and predicted > self.tpot_objective_s:
+                return
+        elif line is not None and line.elasticity(current) > PLATEAU_ELASTICITY:
+            if self.phase is LimitPhase.STARTING:
+                self.phase = LimitPhase.STEADY
+            return
+        if self._known_capacity is not None and current >= self._known_capacity:
+            if now - self._last_congestion < self._reprobe_s:
+                return
+            target = current + 1.0
+            # A probe past the known capacity that met no trouble: the engine grew (a tenant
+            # left, shorter contexts); forget the old figure so growth speeds up again.
+            self._known_capacity = None if self._reason == "probe" else self._known_capacity
+            reason = "probe"
+        elif self.phase is LimitPhase.STARTING:
+            target = current * 2.0
+            reason = "slow start"
+        else:
+            target = current + max(1.0, math.sqrt(current) / 2)
+            if self._known_capacity is not None:
+                target = min(target, float(self._known_capacity))
+            reason = "additive increase"
+        if self.ceiling is not None:
+            target = min(target, float(self.ceiling))
+        if target > self._value:
+            self._set(target, reason, now)
+
+    def _objective_exceeded(self, now: float) -> bool:
+        """TPOT above its objective: decrease by the gradient, or to where the line meets it."""
+        objective = self.tpot_objective_s
+        tpot = self._tpot_ewma
+        if objective is None or tpot is None or tpot <= objective * (1 + TPOT_TOLERANCE):
+            return False
+        # Streams started under the current limit must have finished before it is judged.
+        if self._samples_since_change < 3:
+            return True
+        line = self._line()
+        if line is not None and line.b > 0 and line.a < objective:
+            target = (objective - line.a) / line.b
+        else:
+            target = self._value * max(0.5, objective / tpot)
+        self._decrease(min(target, self._value * 0.95), "tpot objective", now)
+        return True
+
+    def _judge_window(self, now: float) -> None:
+        """TTFT-inferred queueing, for engines that report no waiting queue."""
+        if now - self._window_started < self._interval_s:
+            return
+        samples, queued, lowest = self._window_samples, self._window_queued, self._min_queued_inflight
+        self._window_samples = self._window_queued = 0
+        self._min_queued_inflight = None
+        self._window_started = now
+        if self._engine_reports_waiting or samples == 0:
+            return
+        if queued >= 2 and queued >= 0.25 * samples:
+            if lowest is not None:
+                self._known_capacity = max(self.floor, lowest - 1)
+            self._decrease(self._value * BACKOFF, "ttft queueing", now)
+
+    def _set(self, value: float, reason: str, now: float) -> None:
+        self._value = float(self._clamp(value)) if value >= self.floor else float(self.floor)
+        if self.ceiling is not None:
+            self._value = min(self._value, float(self.ceiling))
+        self._reason = reason
+        self._changes += 1
+        self._last_change = now
+        self._peak_inflight = 0
+        self._samples_since_change = 0
+
+    def _clamp(self, n: float) -> int:
+        value = max(self.floor, int(n))
+        return min(value, self.ceiling) if self.ceiling is not None else value
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def _fold_bucket(self, n: int, tpot: float, now: float) -> None:
+        line = self._line()
+        bucket = self._buckets.get(n)
+        if bucket is None:
+            self._buckets[n] = _Bucket(tpot, 1, now)
+        else:
+            bucket.tpot += 0.2 * (tpot - bucket.tpot)
+            bucket.count = min(bucket.count + 1, 50)
+            bucket.updated = now
+            # The engine changed under the line (a second tenant, longer contexts): what the line
+            # was fitted on no longer holds, so it is fitted again from what comes next.
+            if line is not None and bucket.count >= 5 and abs(bucket.tpot - line.at(n)) > 0.35 * line.at(n):
+                self._buckets = {n: bucket}
+
+    def _line(self) -> _Line | None:
+        """The least-squares line of TPOT over in-flight count, from the fresh buckets; None when
+        they span too little of the in-flight range to give a slope."""
+        now = self._clock()
+        fresh = [(n, b) for n, b in self._buckets.items() if now - b.updated <= self._memory_s]
+        if len(fresh) < 2 or max(n for n, _ in fresh) - min(n for n, _ in fresh) < 2:
+            return None
+        w = [float(b.count) for _, b in fresh]
+        sw = sum(w)
+        mx = sum(wi * n for wi, (n, _) in zip(w, fresh, strict=True)) / sw
+        my = sum(wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)) / sw
+        sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True))
+        sxy = sum(wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True))
+        if sxx <= 0:
+            return None
+        b = max(0.0, sxy / sxx)
+        a = my - b * mx
+        if a <= 0:
+            # A line through (or below) zero at no load is noise; keep the slope's share bounded.
+            a = max(my * 0.05, 1e-9)
+            b = max(0.0, (my - a) / mx)
+        return _Line(a, b)
+
+    def _fold_ttft(self, sample: StreamSample, tpot: float | None, now: float) -> None:
+        ttft = sample.ttft_s
+        assert ttft is not None
+        base = self._ttft_base
+        if base is None:
+            self._ttft_base = ttft
+            return
+        step = tpot if tpot is not None else (self._tpot_ewma or 0.0)
+        queued = ttft > base + max(4 * step, 0.5 * base)
+        self._window_samples += 1
+        if queued:
+            self._window_queued += 1
+            low = self._min_queued_inflight
+            self._min_queued_inflight = sample.inflight if low is None else min(low, sample.inflight)
+        # A low-quantile tracker: falls fast, rises slowly, so the baseline follows a slower engine.
+        # A queued sample rises it less: queueing must not become the baseline it is judged by.
+        rise = 0.005 if queued else 0.02
+        self._ttft_base = base + (0.2 if ttft < base else rise) * (ttft - base)

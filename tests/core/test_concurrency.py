@@ -1,0 +1,191 @@
+"""ConcurrencyLimit on its own: each signal moves the limit the way it should, within floor and ceiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sluice.core.concurrency import ConcurrencyLimit, EngineLoad, LimitPhase, StreamSample
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+def _load(running: int, waiting: int = 0, kv: float | None = 0.1, preemptions: int | None = 0) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting, kv_usage=kv, preemptions=preemptions)
+
+
+def _sample(inflight: int, tpot: float = 0.02, ttft: float = 0.05) -> StreamSample:
+    return StreamSample(inflight=inflight, ttft_s=ttft, tpot_s=tpot, output_tokens=64, prompt_tokens=32)
+
+
+def _engine(limiter: ConcurrencyLimit, clock: Clock, slots: int, seconds: float, poll_s: float = 0.5) -> None:
+    """An engine with ``slots`` slots that is always sent the limit: it runs what fits and queues
+    the rest, and says so on every poll."""
+    for _ in range(int(seconds / poll_s)):
+        clock.advance(poll_s)
+        sent = limiter.limit
+        limiter.on_engine_load(_load(min(sent, slots), max(0, sent - slots)))
+
+
+def test_a_fixed_limit_stays_whatever_the_signals() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(ceiling=8, adaptive=False, clock=clock)
+    assert limiter.limit == 8 and limiter.phase is LimitPhase.FIXED
+    limiter.on_overload()
+    limiter.on_engine_load(_load(8, waiting=5))
+    clock.advance(5)
+    limiter.on_sample(_sample(8, tpot=0.5))
+    assert limiter.limit == 8
+    assert limiter.seconds_per_token == pytest.approx(0.5)
+
+
+def test_a_fixed_limit_needs_a_value() -> None:
+    with pytest.raises(ValueError):
+        ConcurrencyLimit(adaptive=False)
+    with pytest.raises(ValueError):
+        ConcurrencyLimit(ceiling=2, floor=3)
+    with pytest.raises(ValueError):
+        ConcurrencyLimit(floor=0)
+
+
+def test_the_limit_grows_to_the_engines_batch_and_stops_where_it_queues() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock)
+    assert limiter.limit == 4
+    _engine(limiter, clock, slots=48, seconds=30)
+    # It doubled past 48, saw the queue, and came back to what the engine runs.
+    assert limiter.limit == 48
+    assert limiter.snapshot()["known_capacity"] == 48
+    assert limiter.phase is LimitPhase.STEADY
+
+
+def test_probes_past_the_known_capacity_are_rare_and_come_back() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, reprobe_s=10)
+    _engine(limiter, clock, slots=16, seconds=20)
+    seen = []
+    for _ in range(240):
+        clock.advance(0.5)
+        sent = limiter.limit
+        seen.append(sent)
+        limiter.on_engine_load(_load(min(sent, 16), max(0, sent - 16)))
+    assert min(seen) == 16
+    assert max(seen) == 17  # a probe of one, now and then
+    assert seen.count(17) < len(seen) / 4
+
+
+def test_a_single_waiting_request_on_one_poll_is_not_queueing() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=8)
+    clock.advance(3)
+    limiter.on_engine_load(_load(7, waiting=1))
+    assert limiter.limit == 8
+    clock.advance(0.5)
+    limiter.on_engine_load(_load(7, waiting=1))
+    assert limiter.limit == 7
+
+
+def test_the_ceiling_is_never_exceeded() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, ceiling=10)
+    _engine(limiter, clock, slots=64, seconds=30)
+    assert limiter.limit == 10
+
+
+def test_an_engine_that_grows_is_found_again() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, reprobe_s=5)
+    _engine(limiter, clock, slots=8, seconds=20)
+    assert limiter.limit in (8, 9)  # 9: a probe
+    _engine(limiter, clock, slots=32, seconds=120)
+    assert limiter.limit >= 28
+
+
+def test_the_limit_does_not_grow_while_it_does_not_bind() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock)
+    for _ in range(60):
+        clock.advance(0.5)
+        limiter.on_engine_load(_load(2))
+        limiter.on_sample(_sample(2))
+    assert limiter.limit == 4
+
+
+def test_preemptions_cut_the_limit() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=20)
+    limiter.on_engine_load(_load(20, preemptions=3))
+    clock.advance(2)
+    limiter.on_engine_load(_load(20, preemptions=5))
+    assert limiter.limit < 20
+    assert limiter.snapshot()["reason"] == "preemption"
+
+
+def test_overload_answers_cut_the_limit_down_to_the_floor() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=16, floor=2)
+    for _ in range(30):
+        clock.advance(1.5)
+        limiter.on_overload()
+    assert limiter.limit == 2
+
+
+def test_tpot_above_the_objective_lowers_the_limit_to_where_the_line_meets_it() -> None:
+    clock = Clock()
+    # A batch where each sequence costs 1 ms on top of 10 ms: 20 ms per token at 10 in flight.
+    objective = 0.020
+    limiter = ConcurrencyLimit(clock=clock, initial=32, tpot_objective_s=objective)
+    for i in range(400):
+        clock.advance(0.1)
+        n = 1 + i % limiter.limit
+        limiter.on_sample(_sample(n, tpot=0.010 + 0.001 * n))
+    assert 8 <= limiter.limit <= 11
+
+
+def test_throughput_seeking_stops_where_tokens_per_second_plateaus() -> None:
+    clock = Clock()
+    # Compute-bound: 1 ms fixed, 4 ms per sequence (llama.cpp on a CPU): past ~9 x 1/4 = 2.25
+    # sequences one more adds almost nothing.
+    limiter = ConcurrencyLimit(clock=clock, initial=1)
+    for i in range(600):
+        clock.advance(0.1)
+        cap = limiter.limit
+        n = 1 + i % cap
+        limiter.on_engine_load(_load(cap))
+        limiter.on_sample(_sample(n, tpot=0.001 + 0.004 * n))
+    assert 2 <= limiter.limit <= 4
+
+
+def test_late_first_tokens_without_engine_metrics_mean_queueing() -> None:
+    clock = Clock()
+    slots = 12
+    limiter = ConcurrencyLimit(clock=clock, initial=24)
+    for i in range(300):
+        clock.advance(0.05)
+        n = limiter.limit
+        # Streams past the engine's slots wait for one to free: their first token is late.
+        queued = (i % n) >= slots
+        limiter.on_sample(_sample(n, tpot=0.02, ttft=1.0 if queued else 0.04))
+    assert limiter.limit <= slots + 2
+    assert limiter.snapshot()["reason"] in ("ttft queueing", "probe", "additive increase")
+
+
+def test_the_snapshot_is_json() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, ceiling=32)
+    _engine(limiter, clock, slots=8, seconds=10)
+    for n in (1, 4, 8):
+        limiter.on_sample(_sample(n, tpot=0.01 + 0.001 * n))
+    snap = json.loads(json.dumps(limiter.snapshot()))
+    assert snap["limit"] == 8 and snap["ceiling"] == 32 and snap["adaptive"] is True
+    assert snap["tpot_slope_s"] == pytest.approx(0.001, rel=0.01)
