@@ -14,6 +14,13 @@ when the next step would not fit in ``kv_cache_tokens``, the most recently admit
 preempted by recompute: it goes back to the front of the waiting queue, keeps the tokens it has
 already produced, and pays prefill for ``prompt + generated`` tokens when readmitted.
 
+With ``prefix_cache_tokens`` > 0 the engine keeps an LRU cache of prompt blocks (vLLM's automatic
+prefix caching): a request's prompt is a chain of ``prefix_block_tokens``-token blocks, each named
+by a hash of itself and every block before it (:func:`prefix_blocks`); at admission the leading
+blocks found in the cache are not prefilled (at least the last prompt token always is), and the
+request's blocks go into the cache, the first block most recently used, so that eviction eats
+chains from their tails as vLLM's free-block queue does.
+
 Capacity in steady state, with every slot busy (S = effective slots, N = completion tokens,
 P = prompt tokens): each sequence stays in the batch for exactly N steps, so S requests finish
 every N steps, and those N steps also carry the prefill of the S requests that replace them::
@@ -24,7 +31,8 @@ every N steps, and those N steps also carry the prefill of the S requests that r
 from __future__ import annotations
 
 import enum
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
@@ -39,6 +47,7 @@ __all__ = [
     "REFERENCE_PROMPT_TOKENS",
     "BatchModel",
     "BatchStats",
+    "PrefixCache",
     "RequestState",
     "SimParams",
     "SimRequest",
@@ -47,6 +56,8 @@ __all__ = [
     "estimate_chat_tokens",
     "estimate_text_tokens",
     "lone_latency_s",
+    "prefix_blocks",
+    "prefix_blocks_of_chat",
     "preset",
     "step_duration_s",
     "token_text",
@@ -64,6 +75,10 @@ class SimParams:
     ``model`` and the fault-injection fields (``fail_first``, ``error_rate``, ``stall_after``,
     ``seed``) are applied by the HTTP server, not by :class:`BatchModel`; they live here so that one
     frozen value describes a whole simulator.
+
+    ``prefix_cache_tokens`` is the prefix cache's size in tokens (0, the default: no prefix cache,
+    every prompt prefilled in full); ``prefix_block_tokens`` the size of one cached block (vLLM's
+    default block size, 16).
     """
 
     max_num_seqs: int = 16
@@ -78,6 +93,8 @@ class SimParams:
     error_rate: float = 0.0
     stall_after: int | None = None
     seed: int = 0
+    prefix_cache_tokens: int = 0
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -102,6 +119,10 @@ class SimParams:
             raise ValueError("error_rate must be between 0 and 1")
         if self.stall_after is not None and self.stall_after < 0:
             raise ValueError("stall_after must not be negative")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must not be negative")
+        if self.prefix_block_tokens < 1:
+            raise ValueError("prefix_block_tokens must be at least 1")
 
 
 _ARTICLE = SimParams()
@@ -191,6 +212,89 @@ def token_text(index: int) -> str:
     return f" tok{index}"
 
 
+#: Characters of text per estimated token (the estimate of :mod:`sluice.core.cost`).
+CHARS_PER_TOKEN = 4
+
+
+def _chain(pieces: Sequence[bytes]) -> tuple[int, ...]:
+    """Each piece's hash chained with all before it: equal hashes mean equal prefixes."""
+    out: list[int] = []
+    h = b""
+    for piece in pieces:
+        h = hashlib.blake2b(h + piece, digest_size=8).digest()
+        out.append(int.from_bytes(h, "big"))
+    return tuple(out)
+
+
+def prefix_blocks(prompt: str | Sequence[int], prompt_tokens: int, block_tokens: int = 16) -> tuple[int, ...]:
+    """The chained hashes of a prompt's full blocks of ``block_tokens`` tokens.
+
+    A token-id prompt is cut into blocks of ids. A text prompt has no real tokens here, so it is
+    cut at ``block_tokens x`` :data:`CHARS_PER_TOKEN` characters (the estimate's four characters a
+    token): two texts share their first k blocks exactly when they share their first
+    ``64 k`` characters (16-token blocks). Never more blocks than ``prompt_tokens`` fills.
+    """
+    limit = prompt_tokens // block_tokens
+    if isinstance(prompt, str):
+        width = block_tokens * CHARS_PER_TOKEN
+        count = min(len(prompt) // width, limit)
+        return _chain([prompt[i * width : (i + 1) * width].encode() for i in range(count)])
+    count = min(len(prompt) // block_tokens, limit)
+    ids = list(prompt)
+    return _chain(
+        [",".join(map(str, ids[i * block_tokens : (i + 1) * block_tokens])).encode() for i in range(count)]
+    )
+
+
+def prefix_blocks_of_chat(
+    messages: Sequence[tuple[str, str]], prompt_tokens: int, block_tokens: int = 16
+) -> tuple[int, ...]:
+    """The chained block hashes of a chat given as (role, text) pairs.
+
+    The chat is laid out as one text, each message a 16-character role header (the estimate counts
+    4 tokens a message for it) followed by its text, as a chat template would, and cut as
+    :func:`prefix_blocks` cuts a text; a conversation that grows by messages keeps its blocks.
+    """
+    text = "".join(f"<|{role[:11]}|>".ljust(16, "_") + content for role, content in messages)
+    return prefix_blocks(text, prompt_tokens, block_tokens)
+
+
+class PrefixCache:
+    """An LRU set of cached block hashes, holding at most ``capacity_tokens // block_tokens``.
+
+    Attributes:
+        capacity_blocks: blocks it holds at most (0: the cache is off).
+        block_tokens: tokens per block.
+    """
+
+    def __init__(self, capacity_tokens: int, block_tokens: int = 16) -> None:
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def cached_blocks(self, blocks: Sequence[int]) -> int:
+        """How many of the leading blocks are cached (a chain stops at its first miss)."""
+        n = 0
+        for b in blocks:
+            if b not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        """Put (or refresh) the blocks, the first one most recently used, evicting the least."""
+        if self.capacity_blocks <= 0:
+            return
+        for b in reversed(blocks[: self.capacity_blocks]):
+            self._blocks[b] = None
+            self._blocks.move_to_end(b)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -203,7 +307,9 @@ class SimRequest:
     """One request inside the engine; the handle :meth:`BatchModel.submit` returns.
 
     ``generated`` only grows: tokens survive preemption, so whoever relays them can send
-    ``token_text(i)`` for every ``i < generated`` as soon as it is counted.
+    ``token_text(i)`` for every ``i < generated`` as soon as it is counted. ``blocks`` are the
+    prompt's chained block hashes (:func:`prefix_blocks`; empty: nothing to cache) and
+    ``cached_tokens`` the prompt tokens its first admission found in the prefix cache.
     """
 
     request_id: str
@@ -216,6 +322,8 @@ class SimRequest:
     admitted_once: bool = False
     first_token_at: float | None = None
     finished_at: float | None = None
+    blocks: tuple[int, ...] = ()
+    cached_tokens: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -248,6 +356,8 @@ class BatchStats:
     wasted_generation_tokens_total: int = 0
     steps_total: int = 0
     busy_s_total: float = 0.0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 @dataclass(slots=True)
@@ -275,9 +385,19 @@ class BatchModel:
         self._live: dict[str, SimRequest] = {}  # waiting or running, by id
         self._kv_used = 0
         self._plan: _Plan | None = None
+        self.prefix_cache = PrefixCache(params.prefix_cache_tokens, params.prefix_block_tokens)
 
-    def submit(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float) -> SimRequest:
-        """Queue a request at the back of the waiting queue; ``ValueError`` if it can never fit."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float,
+        blocks: Sequence[int] = (),
+    ) -> SimRequest:
+        """Queue a request at the back of the waiting queue; ``ValueError`` if it can never fit.
+
+        ``blocks``: the prompt's chained block hashes, for the prefix cache (if it is on)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in the engine")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -287,7 +407,7 @@ class BatchModel:
                 f"prompt_tokens + max_tokens = {prompt_tokens + max_tokens} exceeds "
                 f"max_model_len {self.params.max_model_len}"
             )
-        req = SimRequest(request_id, prompt_tokens, max_tokens, arrival=now)
+        req = SimRequest(request_id, prompt_tokens, max_tokens, arrival=now, blocks=tuple(blocks))
         self._live[request_id] = req
         self._waiting.append(req)
         return req
@@ -412,15 +532,31 @@ class BatchModel:
             head.state = RequestState.RUNNING
             self._running.append(head)
             self._kv_used += head.kv_tokens
-            prefill_tokens += head.kv_tokens
+            cached = self._cached_prefix(head)
+            prefill_tokens += head.kv_tokens - cached
             if head.admitted_once:
-                self.stats.recomputed_prefill_tokens_total += head.kv_tokens
+                self.stats.recomputed_prefill_tokens_total += head.kv_tokens - cached
             else:
                 head.admitted_once = True
+                head.cached_tokens = cached
                 self.stats.prompt_tokens_total += head.prompt_tokens
+                if self.prefix_cache.capacity_blocks > 0:
+                    self.stats.prefix_cache_queries_total += head.prompt_tokens
+                    self.stats.prefix_cache_hits_total += cached
             admitted.append(head)
 
         # The invariants above guarantee a lone request always fits, so work means a batch.
         assert self._running, "engine has waiting work but could schedule nothing"
         duration = step_duration_s(self.params, len(self._running), prefill_tokens)
         return _Plan(list(self._running), admitted, preempted, duration)
+
+    def _cached_prefix(self, req: SimRequest) -> int:
+        """Prompt tokens of ``req`` that the prefix cache spares from prefill; then caches its
+        blocks (they are computed in this step, and shared by whatever comes after)."""
+        cache = self.prefix_cache
+        if cache.capacity_blocks <= 0 or not req.blocks:
+            return 0
+        hit = cache.cached_blocks(req.blocks)
+        cache.insert(req.blocks)
+        # Like vLLM, the last prompt token is always computed: its logits give the first token.
+        return min(hit * cache.block_tokens, req.prompt_tokens - 1)

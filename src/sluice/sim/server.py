@@ -47,6 +47,8 @@ from sluice.sim.model import (
     estimate_chat_tokens,
     estimate_text_tokens,
     lone_latency_s,
+    prefix_blocks,
+    prefix_blocks_of_chat,
     preset,
     token_text,
 )
@@ -89,6 +91,7 @@ class _Job:
     max_tokens: int
     stream: bool
     include_usage: bool
+    blocks: tuple[int, ...] = ()
 
 
 def _message_text(message: object, index: int) -> str:
@@ -122,6 +125,20 @@ def _prompt_tokens(data: dict[str, Any], chat: bool) -> int:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return len(prompt)
     raise _ApiError(400, "'prompt' must be a string or a list of token ids", "invalid_value", "prompt")
+
+
+def _prompt_blocks(
+    data: dict[str, Any], chat: bool, prompt_tokens: int, params: SimParams
+) -> tuple[int, ...]:
+    """The prompt's chained block hashes for the prefix cache (called once the prompt is valid)."""
+    size = params.prefix_block_tokens
+    if chat:
+        pairs = [(m["role"], _message_text(m, i)) for i, m in enumerate(data["messages"])]
+        return prefix_blocks_of_chat(pairs, prompt_tokens, size)
+    prompt = data["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return prefix_blocks(prompt, prompt_tokens, size)
 
 
 def _parse_job(body: bytes, *, chat: bool, params: SimParams) -> _Job:
@@ -161,7 +178,8 @@ def _parse_job(body: bytes, *, chat: bool, params: SimParams) -> _Job:
             "context_length_exceeded",
             "messages" if chat else "prompt",
         )
-    return _Job(chat, prompt_tokens, max_tokens, bool(stream), include_usage)
+    blocks = _prompt_blocks(data, chat, prompt_tokens, params) if params.prefix_cache_tokens > 0 else ()
+    return _Job(chat, prompt_tokens, max_tokens, bool(stream), include_usage, blocks)
 
 
 class _EngineCollector:
@@ -206,6 +224,16 @@ class _EngineCollector:
             "sim:recomputed_prefill_tokens",
             "Prefill tokens computed again after preemption.",
             stats.recomputed_prefill_tokens_total,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (0 while it is off).",
+            stats.prefix_cache_queries_total,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, not prefilled.",
+            stats.prefix_cache_hits_total,
         )
         yield counter("sim:engine_busy_seconds", "Simulated engine time spent in steps.", stats.busy_s_total)
         yield counter("sim:injected_faults", "Requests answered with an injected 500.", self._service.faults)
@@ -313,7 +341,7 @@ class SimService:
             return fault
         request_id = uuid.uuid4().hex
         handle = self.engine.submit(
-            request_id, job.prompt_tokens, job.max_tokens, asyncio.get_running_loop().time()
+            request_id, job.prompt_tokens, job.max_tokens, asyncio.get_running_loop().time(), job.blocks
         )
         self._waiters[request_id] = (asyncio.Event(), job.stream)
         self._ensure_driver()
@@ -339,6 +367,7 @@ class SimService:
             "running": engine.num_running,
             "waiting": engine.num_waiting,
             "kv_tokens_used": engine.kv_tokens_used,
+            "prefix_cache_blocks": len(engine.prefix_cache),
             "injected_faults": self.faults,
             **asdict(engine.stats),
             "capacity_rps": capacity_rps(self.params),
@@ -389,9 +418,17 @@ class _Exchange:
             response = _error(503, "the simulator is shutting down", "server_error", "shutting_down")
             await response(scope, _never_receive, send)
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt, completion = self._handle.prompt_tokens, self._handle.generated
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if self._service.params.prefix_cache_tokens > 0:
+            # OpenAI's field for the prompt tokens served from its prompt cache.
+            usage["prompt_tokens_details"] = {"cached_tokens": self._handle.cached_tokens}
+        return usage
 
     def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", content_type), (b"x-request-id", self._handle.request_id.encode())]
@@ -430,7 +467,7 @@ class _Exchange:
         )
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
             "id": self._id,
             "object": "chat.completion.chunk" if self._job.chat else "text_completion",
@@ -666,6 +703,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-tokens", type=int, help="KV cache size in tokens")
     group.add_argument("--max-model-len", type=int, help="prompt + max_tokens cap (larger: 400)")
     group.add_argument("--default-max-tokens", type=int, help="max_tokens when a request has none")
+    group.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        help="prefix cache size in tokens, LRU over 16-token prompt blocks (default 0: off)",
+    )
+    group.add_argument("--prefix-block-tokens", type=int, help="tokens per prefix-cache block (16)")
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fail-first", type=int, default=0, help="answer the first N completions with 500")
     faults.add_argument("--error-rate", type=float, default=0.0, help="answer this fraction with 500")
@@ -696,6 +739,8 @@ def params_from_args(args: argparse.Namespace) -> SimParams:
         ("kv_cache_tokens", "kv_cache_tokens", None),
         ("max_model_len", "max_model_len", None),
         ("default_max_tokens", "default_max_tokens", None),
+        ("prefix_cache_tokens", "prefix_cache_tokens", None),
+        ("prefix_block_tokens", "prefix_block_tokens", None),
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -714,7 +759,8 @@ def run(args: argparse.Namespace) -> int:
         f"sluice sim: listening on {_base_url(args.host, sock)} (model {params.model!r}, preset "
         f"{args.preset}, {params.max_num_seqs} seqs): capacity {capacity_rps(params):.2f} req/s for "
         f"{REFERENCE_COMPLETION_TOKENS}-token answers ({REFERENCE_PROMPT_TOKENS}-token prompts), "
-        f"lone answer {lone_latency_s(params):.2f} s",
+        f"lone answer {lone_latency_s(params):.2f} s"
+        + (f", prefix cache {params.prefix_cache_tokens} tokens" if params.prefix_cache_tokens else ""),
         flush=True,
     )
     config = uvicorn.Config(create_app(params), log_level=args.log_level, timeout_graceful_shutdown=2)
