@@ -18,18 +18,34 @@ def response_id(job: Job) -> str:
     return prefix + job.id.removeprefix("job_")
 
 
-def chunk(job: Job, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A streamed chunk in the job's own identity (id, model), whatever engine produced it."""
+def chunk(
+    job: Job,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A streamed chunk in the job's own identity (id, model), whatever engine produced it, with
+    the engine chunk's own ``fields`` (``system_fingerprint``, ``service_tier``, ...) as it sent
+    them: the identity, ``choices`` and ``usage`` stay Sluice's whatever ``fields`` holds."""
     out: dict[str, Any] = {
         "id": response_id(job),
         "object": "chat.completion.chunk" if job.endpoint is Endpoint.CHAT else "text_completion",
         "created": int(job.created_at),
         "model": job.model,
-        "choices": choices,
     }
+    for key, value in (fields or {}).items():
+        if key not in _OWN:
+            out[key] = value
+    out["choices"] = choices
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+def chunk_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chunk (or a whole answer, or a token event) says besides its identity, its choices
+    and its usage: ``system_fingerprint``, ``service_tier``, any field an engine adds."""
+    return {k: v for k, v in data.items() if k not in _OWN}
 
 
 # --- folding chunks into one answer ---------------------------------------------------------------
@@ -40,6 +56,8 @@ _IDENTITY = frozenset({"id", "object", "created", "model"})
 #: Chunk fields that exist only in a stream and mean nothing in a whole answer: OpenAI's size
 #: padding against side channels (its own SDK drops it when it accumulates a stream, too).
 _STREAM_ONLY = frozenset({"obfuscation"})
+#: A chunk's fields that are Sluice's to fill, whatever the engine's chunk said.
+_OWN = _IDENTITY | _STREAM_ONLY | {"choices", "usage"}
 #: Keys that name something rather than carry generated text (a call's id, its function's name, a
 #: discriminator): the first value stays, as engines may repeat them on every fragment.
 _NAMES = frozenset({"id", "type", "name", "role", "index"})
@@ -211,6 +229,7 @@ class Assembler:
         tokens: chunks that carried generated text (counted once per choice), the completion
             tokens of an engine that reports no usage.
         fields: the chunks' own fields besides identity, choices and usage, folded.
+        last_fields: those of the latest chunk alone, as it sent them (see :meth:`event`).
     """
 
     def __init__(self, job: Job) -> None:
@@ -219,17 +238,21 @@ class Assembler:
         self.usage: dict[str, Any] | None = None
         self.tokens = 0
         self.fields: dict[str, Any] = {}
+        self.last_fields: dict[str, Any] = {}
 
     def event(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """The token event that relays ``choices`` (what :meth:`add` returned) to stream readers."""
-        return {"choices": choices}
+        """The token event that relays ``choices`` (what :meth:`add` returned) to stream readers:
+        the choices, beside the fields of the chunk they came in as the engine sent them
+        (``system_fingerprint``, ``service_tier``, ...), so that a relayed chunk says what the
+        engine's said. The event is therefore a chunk less its identity and usage."""
+        return {**self.last_fields, "choices": choices}
 
     def add(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk)."""
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
-        skip = _IDENTITY | _STREAM_ONLY | {"choices", "usage"}
-        _fold(self.fields, {k: v for k, v in data.items() if k not in skip}, False)
+        self.last_fields = chunk_fields(data)
+        _fold(self.fields, self.last_fields, False)
         relay = []
         for raw in data.get("choices") or []:
             if not isinstance(raw, dict):

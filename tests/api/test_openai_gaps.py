@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import websockets
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -154,11 +155,18 @@ async def test_the_refusal_of_a_stream_is_the_same_as_without_streaming(
     assert streamed.headers["x-request-id"] == streamed.headers["x-sluice-job-id"]
 
 
+#: What OpenAI says on each chunk besides its identity and choices (the simulator says neither).
+CHUNK_FIELDS = {"system_fingerprint": "fp_fake1", "service_tier": "default"}
+
+
 class FakeEngine:
-    """An OpenAI-compatible engine that misbehaves on demand, and counts what it is asked.
+    """An OpenAI-compatible engine that misbehaves on demand, and counts what it is asked. Every
+    chunk carries :data:`CHUNK_FIELDS`, as OpenAI's do.
 
     Modes: ``fail`` answers 500; ``cut`` streams one token and then drops the connection;
-    ``gate`` streams its answer once ``gate`` is set.
+    ``gate`` streams its answer once ``gate`` is set; ``ok`` streams it at once (chat and
+    completions, with a usage chunk when asked). A chat request without ``stream`` gets its
+    answer whole.
     """
 
     def __init__(self, mode: str) -> None:
@@ -168,6 +176,7 @@ class FakeEngine:
         self.app = FastAPI()
         self.app.add_api_route("/v1/models", self.models, methods=["GET"])
         self.app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
 
     async def models(self) -> JSONResponse:
         data = [{"id": "fake", "object": "model", "created": 1_700_000_000, "max_model_len": 4096}]
@@ -178,18 +187,38 @@ class FakeEngine:
         if self.mode == "fail":
             error = {"message": "the engine is broken", "type": "server_error", "code": None, "param": None}
             return JSONResponse({"error": error}, status_code=500)
-        return StreamingResponse(self._stream(), media_type="text/event-stream")
+        body = await request.json()
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "hi"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+            usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+            whole = {"id": "x", "object": "chat.completion", "created": 0, "model": "fake"}
+            return JSONResponse({**whole, **CHUNK_FIELDS, "choices": [choice], "usage": usage})
+        return StreamingResponse(self._stream(body, chat=True), media_type="text/event-stream")
 
-    async def _stream(self) -> AsyncIterator[str]:
+    async def completions(self, request: Request) -> Response:
+        self.requests += 1
+        body = await request.json()
+        return StreamingResponse(self._stream(body, chat=False), media_type="text/event-stream")
+
+    async def _stream(self, body: dict[str, Any], chat: bool) -> AsyncIterator[str]:
         if self.mode == "gate":
             await self.gate.wait()
-        piece = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake"}
-        delta = {"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}
-        yield f"data: {json.dumps({**piece, 'choices': [delta]})}\n\n"
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        piece = {"id": "x", "object": kind, "created": 0, "model": "fake", **CHUNK_FIELDS}
+        if chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}
+            last = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        else:
+            first = {"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}
+            last = {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+        yield f"data: {json.dumps({**piece, 'choices': [first]})}\n\n"
         if self.mode == "cut":
             raise RuntimeError("the engine fell over mid-answer")
-        done = {"index": 0, "delta": {}, "finish_reason": "stop"}
-        yield f"data: {json.dumps({**piece, 'choices': [done]})}\n\n"
+        yield f"data: {json.dumps({**piece, 'choices': [last]})}\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+            yield f"data: {json.dumps({**piece, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
 
@@ -224,6 +253,66 @@ async def test_a_stream_still_queued_after_the_wait_starts_as_before(
             engine.gate.set()
             payloads = [line[5:].strip() async for line in r.aiter_lines() if line.startswith("data:")]
     assert payloads[-1] == "[DONE]" and "hi" in payloads[0]
+
+
+# --- 2. what the engine says on each chunk reaches streaming clients too ---------------------------
+
+
+async def test_a_chat_stream_relays_each_chunks_own_fields() -> None:
+    async with fake_gateway("ok") as (_, g):
+        client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="k", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="fake", messages=MSG, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        whole = await client.chat.completions.create(model="fake", messages=MSG)
+    assert [c.choices[0].delta.content for c in chunks[:1]] == ["hi"] and chunks[-1].usage is not None
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    for c in chunks:  # the usage chunk too, as OpenAI's own last chunk
+        assert (c.system_fingerprint, c.service_tier) == ("fp_fake1", "default")
+        assert c.model == "fake" and c.object == "chat.completion.chunk"
+    assert (whole.system_fingerprint, whole.service_tier) == ("fp_fake1", "default")
+
+
+async def test_a_completions_stream_relays_each_chunks_own_fields() -> None:
+    async with fake_gateway("ok") as (_, g):
+        client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="k", max_retries=0)
+        stream = await client.completions.create(
+            model="fake", prompt="hello", stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+    assert chunks[0].choices[0].text == "hi" and chunks[-1].usage is not None
+    for c in chunks:
+        assert c.system_fingerprint == "fp_fake1" and c.model_dump()["service_tier"] == "default"
+        assert c.id.startswith("cmpl-") and c.object == "text_completion"
+
+
+async def test_job_events_carry_each_chunks_own_fields_over_sse_and_websocket(
+    http: httpx.AsyncClient,
+) -> None:
+    async with fake_gateway("ok") as (_, g):
+        body = {"model": "fake", "messages": MSG, "max_tokens": 5}
+        job_id = (await http.post(g.url + "/v1/jobs", json=body)).json()["id"]
+        sse = await http.get(f"{g.url}/v1/jobs/{job_id}/events")
+        tokens = [
+            json.loads(line[5:])
+            for block in sse.text.split("\n\n")
+            if "event: token" in block
+            for line in block.splitlines()
+            if line.startswith("data:")
+        ]
+        ws_url = g.url.replace("http://", "ws://") + f"/v1/jobs/{job_id}/ws"
+        async with websockets.connect(ws_url, open_timeout=5) as ws:
+            over_ws = [json.loads(m) async for m in ws]
+    assert len(tokens) == 2
+    for data in tokens:
+        assert {k: data[k] for k in CHUNK_FIELDS} == CHUNK_FIELDS and "choices" in data
+        # The identity is the job's to give: an event carries none of the engine's.
+        assert "id" not in data and "model" not in data
+    ws_tokens = [e["data"] for e in over_ws if e["event"] == "token"]
+    assert ws_tokens == tokens
+    done = over_ws[-1]["data"]["result"]
+    assert {k: done[k] for k in CHUNK_FIELDS} == CHUNK_FIELDS
 
 
 # --- 5. one layer of retries, within the deadline -------------------------------------------------

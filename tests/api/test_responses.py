@@ -44,7 +44,14 @@ class ScriptedEngine:
     and no tool result yet, it calls the first tool for Paris; otherwise it answers "Answer: "
     and the last message's text, finishing with "stop". A request with ``reasoning_effort``
     thinks aloud first (``reasoning_content``). Streamed, every piece is a chunk of its own and a
-    tool call's arguments come in fragments, as vLLM sends them. It keeps the bodies it got."""
+    tool call's arguments come in fragments, as vLLM sends them. Every chunk and whole answer
+    carries OpenAI's chunk-level fields (:data:`FIELDS`). A request asking for more than
+    :data:`MOST_TOKENS` tokens is refused with a 400 naming ``max_tokens``, as vLLM refuses one
+    past the context window. It keeps the bodies it got."""
+
+    #: What OpenAI says on every chunk besides the choices.
+    FIELDS = {"system_fingerprint": "fp_script", "service_tier": "default"}
+    MOST_TOKENS = 1000
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -77,9 +84,13 @@ class ScriptedEngine:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
+        if int(body.get("max_tokens") or 0) > self.MOST_TOKENS:
+            message = f"max_tokens must be at most {self.MOST_TOKENS} (the context window)."
+            error = {"message": message, "type": "BadRequestError", "param": "max_tokens", "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
         deltas, finish = self.pieces(body)
         usage = {"prompt_tokens": 11, "completion_tokens": len(deltas), "total_tokens": 11 + len(deltas)}
-        base = {"id": "chatcmpl-x", "created": 1, "model": "script"}
+        base = {"id": "chatcmpl-x", "created": 1, "model": "script", **self.FIELDS}
         if not body.get("stream"):
             message: dict[str, Any] = {"role": "assistant", "content": None}
             for d in deltas[1:]:

@@ -2,14 +2,14 @@
 
 A streamed answer's headers wait until the engine has taken the job (its first token, or its end)
 for up to ACCEPT_WAIT_S: a request the engine refuses before any token is then an error with its
-proper status (the engine's 400 and the parameter it names), which an SDK raises as such, rather
+proper status (the engine's 400 and the parameter it names; see
+:func:`sluice.api.relay.engine_accepted`), which an SDK raises as such, rather
 than an HTTP 200 whose stream holds an error. A job still queued after that wait streams as
 before, and an error after the first token is an error event in the stream.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any
 
@@ -21,39 +21,14 @@ from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
-from sluice.api.relay import answer, failure, key_check, openai_stream, wait_for_client
+from sluice.api.relay import ACCEPT_WAIT_S, answer, engine_accepted, key_check, openai_stream, wait_for_client
 from sluice.api.schemas import ChatRequest, CompletionRequest
-from sluice.broker.base import Broker, EventType
-from sluice.core.job import Endpoint, Job
+from sluice.core.job import Endpoint
 from sluice.core.model_info import ModelInfo
 
 router = APIRouter(tags=["openai"])
 
 PING_S = 15
-
-#: How long a stream's headers wait for the engine to take the job (its first token, or its end).
-ACCEPT_WAIT_S = 5.0
-
-
-async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAIT_S) -> None:
-    """Return once the engine has taken ``job`` (its first token, or its successful end), or after
-    ``within_s`` seconds; raise the job's failure as an :class:`APIError` if it ended without an
-    answer before that, so that it is answered with its status rather than inside a stream.
-    Retried attempts before the first token are waited through."""
-    events = broker.events(job.id)
-    try:
-        async with asyncio.timeout(within_s):
-            async for event in events:
-                if event.type in (EventType.TOKEN, EventType.DONE):
-                    return
-                if event.type is EventType.ERROR:
-                    error = failure(await broker.get(job.id) or job)
-                    error.job_id = job.id
-                    raise error
-    except TimeoutError:
-        return
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:

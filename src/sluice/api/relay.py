@@ -18,7 +18,7 @@ from sluice.api import auth
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
-from sluice.protocol import chunk, error_body
+from sluice.protocol import chunk, chunk_fields, error_body
 
 T = TypeVar("T")
 
@@ -83,6 +83,32 @@ def failure(job: Job) -> APIError:
         return APIError(400, message, code, param=err.param)
     retried = job.attempts > 1
     return APIError(502, message, code or "engine_error", should_retry=False if retried else None)
+
+
+#: How long a stream's headers wait for the engine to take the job (its first token, or its end):
+#: the route's default (``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``).
+ACCEPT_WAIT_S = 5.0
+
+
+async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAIT_S) -> None:
+    """Return once the engine has taken ``job`` (its first token, or its successful end), or after
+    ``within_s`` seconds; raise the job's failure as an :class:`APIError` if it ended without an
+    answer before that, so that it is answered with its status rather than inside a stream.
+    Retried attempts before the first token are waited through."""
+    events = broker.events(job.id)
+    try:
+        async with asyncio.timeout(within_s):
+            async for event in events:
+                if event.type in (EventType.TOKEN, EventType.DONE):
+                    return
+                if event.type is EventType.ERROR:
+                    error = failure(await broker.get(job.id) or job)
+                    error.job_id = job.id
+                    raise error
+    except TimeoutError:
+        return
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 def answer(job: Job | None) -> JSONResponse:
@@ -198,7 +224,8 @@ async def openai_stream(
         async for event in bounded(revocable(broker.events(job.id), alive), max_stream_s):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
-                yield {"data": json.dumps(chunk(job, event.data["choices"]))}
+                data = event.data
+                yield {"data": json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))}
             elif event.type is EventType.RETRY and sent_tokens:
                 # Tokens already sent cannot be taken back: end this stream with an error.
                 finished = True
@@ -210,7 +237,12 @@ async def openai_stream(
             elif event.type is EventType.DONE:
                 finished = True
                 if include_usage:
-                    yield {"data": json.dumps(chunk(job, [], usage=event.data.get("usage")))}
+                    # The answer's own fields (the engine's latest system_fingerprint, ...) ride
+                    # with the usage, as on OpenAI's last chunk.
+                    result = event.data.get("result")
+                    fields = chunk_fields(result) if isinstance(result, dict) else None
+                    usage = event.data.get("usage")
+                    yield {"data": json.dumps(chunk(job, [], usage=usage, fields=fields))}
                 yield {"data": "[DONE]"}
                 return
             elif event.type is EventType.ERROR:

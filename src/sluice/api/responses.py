@@ -2,7 +2,9 @@
 
 ``POST /v1/responses`` translates the request (:mod:`sluice.core.responses`) and queues it like
 ``/v1/chat/completions``: the same admission, priorities, deadlines and rate limits, and a client
-that disconnects cancels it, unless it asked for ``background``. ``GET /v1/responses/{id}`` reads
+that disconnects cancels it, unless it asked for ``background``. A stream's headers wait, as chat's
+do, until the engine has taken the job, so that a rejection before the first token is an error
+with its status rather than a ``response.failed`` event. ``GET /v1/responses/{id}`` reads
 the job back as a Response (``?stream=true&starting_after=N`` replays its events from the job's
 event log), ``POST /v1/responses/{id}/cancel`` cancels it, ``DELETE`` cancels it if it is still
 running. Only the key that created a response sees it. What is and is not translated:
@@ -21,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 from sse_starlette import EventSourceResponse
 
+from sluice.api import relay
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
@@ -30,6 +33,7 @@ from sluice.api.relay import (
     KeyRevoked,
     bounded,
     cancel_quietly,
+    engine_accepted,
     failure,
     key_check,
     revocable,
@@ -171,7 +175,7 @@ async def _stream(
             if entry.type is EventType.STARTED:
                 out = events.started()
             elif entry.type is EventType.TOKEN:
-                out = events.chunk(entry.data.get("choices") or [])
+                out = events.chunk(entry.data.get("choices") or [], entry.data)
             elif entry.type is EventType.RETRY:
                 out = events.retried()
             elif entry.type is EventType.DONE:
@@ -236,6 +240,11 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
         job = admission.job
         headers = {**_headers(job), **rate_headers(admission)}
         if body.stream:
+            # As for chat completions: a rejection before the first token is its status code.
+            try:
+                await engine_accepted(gw.broker, job, relay.ACCEPT_WAIT_S)
+            except APIError as refused:
+                raise _as_sent(refused) from None
             held = stack.pop_all()
             return EventSourceResponse(
                 _stream(gw, job, -1, not background, held, key_check(request, who)),
@@ -251,7 +260,7 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
     if not finished.terminal:
         raise APIError(504, "The response did not finish in time.", "deadline_exceeded", should_retry=False)
     if finished.state is not JobState.SUCCEEDED:
-        error = failure(finished)
+        error = _as_sent(failure(finished))
         error.job_id = job.id
         raise error
     return JSONResponse(response_object(finished), headers=headers)

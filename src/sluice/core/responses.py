@@ -510,6 +510,8 @@ class ResponseEvents:
         self.reasoning: _Item | None = None
         self.calls: dict[int, _Item] = {}
         self.finish_reason: str | None = None
+        #: the engine's service tier, as its chunks (or its whole answer) said it; None if never
+        self.service_tier: str | None = None
         self.in_progress = False
         #: the Response object once the stream has ended, else None
         self.final: dict[str, Any] | None = None
@@ -567,9 +569,11 @@ class ResponseEvents:
             "truncation": r.get("truncation") or "disabled",
             "usage": usage,
             "user": r.get("user"),
+            "service_tier": self.service_tier,
         }
-        # The spec has no null for these two: a response without them leaves them out.
-        return {k: v for k, v in response.items() if v is not None or k not in ("usage", "user")}
+        # The spec has no null for these: a response without them leaves them out.
+        optional = ("usage", "user", "service_tier")
+        return {k: v for k, v in response.items() if v is not None or k not in optional}
 
     # --- what the job's events say ---------------------------------------------------------
 
@@ -649,8 +653,16 @@ class ResponseEvents:
             )
         return events
 
-    def chunk(self, choices: Sequence[Any]) -> list[dict[str, Any]]:
-        """The events of one chunk's choices (only choice 0: a response has one answer)."""
+    def _tier(self, fields: Mapping[str, Any] | None) -> None:
+        tier = (fields or {}).get("service_tier")
+        if isinstance(tier, str) and tier:
+            self.service_tier = tier
+
+    def chunk(self, choices: Sequence[Any], fields: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The events of one chunk's choices (only choice 0: a response has one answer).
+        ``fields``: the chunk's own fields (a token event's, see
+        :meth:`sluice.protocol.Assembler.event`): its ``service_tier`` is the response's."""
+        self._tier(fields)
         events = self._progress()
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -717,6 +729,7 @@ class ResponseEvents:
         finish reason, or the whole answer when nothing was streamed."""
         choices = (result or {}).get("choices") or []
         first = choices[0] if choices and isinstance(choices[0], dict) else {}
+        self._tier(result)
         events = self._progress()
         if not self.items and first.get("message"):
             events += self.chunk([{"index": 0, "delta": first["message"]}])
