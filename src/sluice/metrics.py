@@ -56,6 +56,52 @@ class Metrics:
             registry=r,
         )
         self._broken_seen: dict[str, int] = {}
+        # The scaling signal (sluice.scaling_signal; docs/autoscaling.md): every gateway computes it
+        # from the shared broker state, so on Redis they all agree: scrape any one, or take the max.
+        self.desired_engines = Gauge(
+            "sluice_desired_engines",
+            "Engines needed to serve the model's demand within its deadline objectives (with headroom "
+            "and hysteresis)",
+            ["model"],
+            registry=r,
+        )
+        self.engines = Gauge("sluice_engines", "Engines serving the model now", ["model"], registry=r)
+        self.oldest_queued_age = Gauge(
+            "sluice_oldest_queued_age_seconds",
+            "Age of the oldest queued job (at most)",
+            ["model"],
+            registry=r,
+        )
+        self.predicted_wait = Gauge(
+            "sluice_predicted_wait_seconds",
+            "Wait a job queued now in the class would see: tokens queued at or above it over the capacity",
+            ["model", "class"],
+            registry=r,
+        )
+        self.arrival_rate = Gauge(
+            "sluice_arrival_tokens_per_second",
+            "Tokens (cost) arriving per second in the urgent classes, smoothed",
+            ["model"],
+            registry=r,
+        )
+        self.capacity = Gauge(
+            "sluice_engine_capacity_tokens_per_second",
+            "Tokens (cost) per second the engines serving the model drain together, as learned",
+            ["model"],
+            registry=r,
+        )
+        self.engine_capacity = Gauge(
+            "sluice_engine_capacity_per_engine_tokens_per_second",
+            "Tokens (cost) per second one engine drains, as learned (its slots times a slot's rate)",
+            ["model", "engine"],
+            registry=r,
+        )
+        self.deadlines_at_risk = Gauge(
+            "sluice_deadlines_at_risk",
+            "1 when the class's predicted wait exceeds its deadline objective, else 0",
+            ["model", "class"],
+            registry=r,
+        )
         self.retry_after = Histogram(
             "sluice_retry_after_seconds",
             "Retry-After given with refusals, by code",

@@ -1,0 +1,195 @@
+"""The scaling signal's edge on real brokers: the embedded one, and two gateways on one redis-server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from sluice.broker.base import Broker, BrokerSettings
+from sluice.broker.memory import MemoryBroker
+from sluice.broker.redis import RedisBroker
+from sluice.core.job import JobState
+from sluice.core.scaling import ScalingPolicy
+from sluice.metrics import Metrics
+from sluice.scaling_signal import ScalingSignal, engines_by_model
+from tests.broker.brokers import empty_redis
+from tests.helpers import FakeClock, make_job
+from tests.redis_server import RedisServer
+
+#: a job's cost: 10 prompt tokens + 190 max_tokens
+COST = 200
+
+
+def worker_report(clock: FakeClock, engines: list[tuple[str, int]], model: str = "m") -> dict[str, object]:
+    """A worker's report as sluice.reports publishes it (its engines' rows)."""
+    rows = [
+        {
+            "name": name,
+            "models": [model],
+            "pool": None,
+            "limit": limit,
+            "inflight": 0,
+            "draining": False,
+            "cooldown_s": 0.0,
+        }
+        for name, limit in engines
+    ]
+    return {
+        "role": "worker",
+        "host": "h",
+        "pid": 1,
+        "started_at": clock(),
+        "at": clock(),
+        "engines": rows,
+        "samples": [],
+    }
+
+
+async def learn_rate(broker: Broker, clock: FakeClock, jobs: int = 3) -> None:
+    """Run ``jobs`` jobs of COST tokens, 2 s each: a slot drains 100 tokens/s."""
+    for _ in range(jobs):
+        await broker.admit(make_job(clock, prompt_tokens=10, max_tokens=190))
+        job = await broker.claim("w1", ["m"], timeout=1.0)
+        assert job is not None
+        clock.advance(2.0)
+        assert await broker.finish(job.id, "w1", JobState.SUCCEEDED, result={}, usage={}) is not None
+
+
+def gauge(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+@pytest.fixture
+async def memory() -> AsyncIterator[tuple[MemoryBroker, FakeClock]]:
+    clock = FakeClock()
+    broker = MemoryBroker(BrokerSettings(clock=clock))
+    await broker.start()
+    try:
+        yield broker, clock
+    finally:
+        await broker.close()
+
+
+async def test_a_premium_backlog_raises_desired_engines_and_sets_every_gauge(
+    memory: tuple[MemoryBroker, FakeClock],
+) -> None:
+    broker, clock = memory
+    await broker.register("w1", {"m": 16})
+    await broker.put_report("w1", worker_report(clock, [("e1", 16)]), ttl_s=60)
+    await learn_rate(broker, clock)
+    metrics = Metrics()
+    signal = ScalingSignal(broker, metrics, ScalingPolicy(horizon_s=60))
+    first = (await signal.poll())["m"]
+    assert first.supply.engines == 1 and first.supply.slot_rate == pytest.approx(100, rel=0.01)
+    assert first.desired_engines == 0  # nothing queued, running or arriving
+    # 100 high jobs: 20 000 tokens over 1600 tokens/s = 12.5 s, past high's 10 s objective
+    for _ in range(100):
+        await broker.admit(make_job(clock, priority="high", prompt_tokens=10, max_tokens=190))
+    clock.advance(5)
+    s = (await signal.poll())["m"]
+    assert s.assessment.at_risk["high"]
+    assert s.assessment.predicted_wait_s["high"] == pytest.approx(12.5, rel=0.01)
+    assert s.desired_engines >= 2
+    assert gauge(metrics, "sluice_desired_engines", model="m") == s.desired_engines
+    assert gauge(metrics, "sluice_deadlines_at_risk", model="m", **{"class": "high"}) == 1
+    assert gauge(metrics, "sluice_deadlines_at_risk", model="m", **{"class": "normal"}) == 0
+    assert gauge(metrics, "sluice_queued_jobs", model="m") == 100
+    assert gauge(metrics, "sluice_queued_tokens", model="m") == 100 * COST
+    assert gauge(metrics, "sluice_oldest_queued_age_seconds", model="m") == pytest.approx(5)
+    assert gauge(metrics, "sluice_predicted_wait_seconds", model="m", **{"class": "high"}) == pytest.approx(
+        12.5, rel=0.01
+    )
+    assert gauge(metrics, "sluice_arrival_tokens_per_second", model="m") == s.demand.arrival_tokens_per_s > 0
+    assert gauge(metrics, "sluice_engine_capacity_tokens_per_second", model="m") == pytest.approx(
+        1600, rel=0.01
+    )
+    assert gauge(
+        metrics, "sluice_engine_capacity_per_engine_tokens_per_second", model="m", engine="e1"
+    ) == pytest.approx(1600, rel=0.01)
+    assert gauge(metrics, "sluice_engines", model="m") == 1
+
+
+async def test_a_best_effort_backlog_alone_asks_only_for_the_busy_floor(
+    memory: tuple[MemoryBroker, FakeClock],
+) -> None:
+    broker, clock = memory
+    await broker.register("w1", {"m": 16})
+    await broker.put_report("w1", worker_report(clock, [("e1", 16)]), ttl_s=60)
+    await learn_rate(broker, clock)
+    signal = ScalingSignal(broker, Metrics())
+    await signal.poll()
+    for _ in range(500):  # 100 000 tokens: a minute of the engine's work, all batch
+        await broker.admit(make_job(clock, priority="low", prompt_tokens=10, max_tokens=190))
+    clock.advance(5)
+    s = (await signal.poll())["m"]
+    assert s.assessment.predicted_wait_s["low"] > 60
+    assert not any(s.assessment.at_risk.values())
+    assert s.desired_engines == 1
+
+
+async def test_an_engine_that_goes_leaves_the_per_engine_gauge(
+    memory: tuple[MemoryBroker, FakeClock],
+) -> None:
+    broker, clock = memory
+    per_engine = "sluice_engine_capacity_per_engine_tokens_per_second"
+    await broker.register("w1", {"m": 32})
+    await broker.put_report("w1", worker_report(clock, [("e1", 16), ("e2", 16)]), ttl_s=60)
+    metrics = Metrics()
+    signal = ScalingSignal(broker, metrics)
+    assert (await signal.poll())["m"].supply.engines == 2
+    assert gauge(metrics, per_engine, model="m", engine="e2") is not None
+    await broker.register("w1", {"m": 16})
+    await broker.put_report("w1", worker_report(clock, [("e1", 16)]), ttl_s=60)
+    assert (await signal.poll())["m"].supply.engines == 1
+    assert gauge(metrics, per_engine, model="m", engine="e2") is None
+
+
+def test_engines_by_model_skips_draining_and_cooling_engines() -> None:
+    clock = FakeClock()
+    report = worker_report(clock, [("a", 8), ("b", 8), ("c", 8)])
+    rows = report["engines"]
+    assert isinstance(rows, list)
+    rows[1]["draining"] = True
+    rows[2]["cooldown_s"] = 3.0
+    gateway = {"role": "gateway", "samples": []}
+    views = engines_by_model({"w": report, "g": gateway})
+    assert [v.name for v in views["m"]] == ["a"]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+async def test_two_gateways_on_one_redis_agree(redis_server: RedisServer) -> None:
+    """Each gateway has its own broker connection and its own signal; both read the shared queue."""
+    url = await empty_redis(redis_server)
+    clock = FakeClock()
+    one, two = RedisBroker(url, BrokerSettings(clock=clock)), RedisBroker(url, BrokerSettings(clock=clock))
+    await one.start()
+    await two.start()
+    try:
+        await one.register("w1", {"m": 16})
+        await one.put_report("w1", worker_report(clock, [("e1", 16)]), ttl_s=60)
+        await learn_rate(one, clock)
+        signals = [ScalingSignal(one, Metrics()), ScalingSignal(two, Metrics())]
+        for signal in signals:
+            await signal.poll()
+        for i in range(60):  # admitted through both gateways
+            await (one if i % 2 else two).admit(
+                make_job(clock, priority="high" if i % 3 else "low", prompt_tokens=10, max_tokens=190)
+            )
+        clock.advance(5)
+        a, b = [(await signal.poll())["m"] for signal in signals]
+        assert a.demand == b.demand and a.supply == b.supply
+        assert a.assessment == b.assessment and a.desired_engines == b.desired_engines
+        assert a.demand.queued_jobs == 60
+        assert a.demand.classes["high"].jobs == 40
+        assert a.desired_engines >= 1
+        for signal, s in zip(signals, (a, b), strict=True):
+            assert gauge(signal.metrics, "sluice_desired_engines", model="m") == s.desired_engines
+    finally:
+        await one.close()
+        await two.close()
