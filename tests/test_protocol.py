@@ -487,6 +487,46 @@ def test_system_fingerprint_and_service_tier_are_kept_and_the_identity_is_the_jo
     assert r["usage"] == USAGE
 
 
+def test_a_token_event_carries_its_chunks_own_fields_as_the_engine_sent_them() -> None:
+    # What a streaming client is relayed: each chunk's own fields beside its choices, never the
+    # engine's identity, usage or padding (the relay gives the job's identity back).
+    job = chat_job()
+    a = Assembler(job)
+    head = {"id": "chatcmpl-engine", "object": "chat.completion.chunk", "created": 1, "model": "gpt"}
+    first = {**head, "system_fingerprint": "fp_1", "service_tier": "default", "obfuscation": "x"}
+    choices = a.add({**first, **delta("Hi", role="assistant")})
+    assert a.event(choices) == {"system_fingerprint": "fp_1", "service_tier": "default", "choices": choices}
+    # The next chunk says another fingerprint and a field of its own: the event says what it said.
+    choices = a.add({**head, "system_fingerprint": "fp_2", "timings": {"n": 1}, **delta("!")})
+    assert a.event(choices) == {"system_fingerprint": "fp_2", "timings": {"n": 1}, "choices": choices}
+    # A chunk with nothing but choices gives an event with nothing but choices.
+    choices = a.add(delta("?"))
+    assert a.event(choices) == {"choices": choices}
+    # The whole answer keeps the latest value of each.
+    r = a.response()
+    assert (r["system_fingerprint"], r["service_tier"], r["timings"]) == ("fp_2", "default", {"n": 1})
+
+
+def test_a_relayed_chunk_has_the_jobs_identity_and_the_engines_own_fields() -> None:
+    job = completions_job()
+    a = Assembler(job)
+    engine = {"id": "cmpl-e", "object": "text_completion", "created": 5, "model": "e", "usage": USAGE}
+    choices = a.add({**engine, "system_fingerprint": "fp_c", **text("a")})
+    relayed = chunk(job, choices, fields=a.event(choices))
+    assert relayed == {
+        "id": response_id(job),
+        "object": "text_completion",
+        "created": int(job.created_at),
+        "model": "m",
+        "system_fingerprint": "fp_c",
+        "choices": choices,
+    }
+    # Fields that are Sluice's to say are never taken from what an engine sent.
+    odd = chunk(job, [], usage=USAGE, fields={"id": "x", "model": "y", "choices": [1], "usage": {}})
+    assert odd["id"] == response_id(job) and odd["model"] == "m"
+    assert odd["choices"] == [] and odd["usage"] == USAGE
+
+
 def test_unknown_fields_are_kept_text_in_deltas_joined_and_state_the_latest() -> None:
     # vLLM's stop_reason (null until the end) and token_ids (per chunk), llama-server's timings
     # (the chunk's, latest wins), an unknown delta text (joined like content).

@@ -489,6 +489,42 @@ async def test_errors_in_openai_shape(client: openai.AsyncOpenAI) -> None:
         await client.responses.cancel(done.id)  # only background responses can be cancelled
 
 
+async def test_a_stream_the_engine_refuses_is_its_status_in_the_requests_words(
+    client: openai.AsyncOpenAI, gw: Gateway
+) -> None:
+    # The engine refuses max_tokens past its window: a 400 naming what the client sent, streamed
+    # or not, never an HTTP 200 whose stream holds response.failed.
+    ask = {"model": "script", "input": "hello", "max_output_tokens": ScriptedEngine.MOST_TOKENS + 1}
+    errors = []
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.responses.create(**ask, stream=stream)  # type: ignore[call-overload]
+        errors.append(info.value)
+    for error in errors:
+        assert error.status_code == 400 and error.param == "max_output_tokens"
+        assert "at most 1000" in error.message  # the engine's own words
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=30) as http:
+        raw = await http.post("/v1/responses", json={**ask, "stream": True})
+    assert raw.status_code == 400 and raw.headers["content-type"].startswith("application/json")
+    assert raw.json()["error"]["param"] == "max_output_tokens"
+    job = await gw.broker.get(raw.headers["x-sluice-job-id"])
+    assert job is not None and job.terminal
+
+
+async def test_the_engines_service_tier_is_the_responses(client: openai.AsyncOpenAI) -> None:
+    tier = ScriptedEngine.FIELDS["service_tier"]
+    whole = await client.responses.create(model="script", input="hello")
+    assert whole.service_tier == tier
+    stream = await client.responses.create(model="script", input="hello", stream=True)
+    events = [e async for e in stream]
+    final = events[-1]
+    assert final.type == "response.completed" and final.response.service_tier == tier
+    assert (await client.responses.retrieve(final.response.id)).service_tier == tier
+    # An engine that says no tier (the simulator): the field is left out, as the spec allows.
+    plain = await client.responses.with_raw_response.create(model="sim", input="x", max_output_tokens=1)
+    assert "service_tier" not in json.loads(plain.text)
+
+
 async def test_chat_jobs_are_not_responses(client: openai.AsyncOpenAI) -> None:
     raw = await client.chat.completions.with_raw_response.create(
         model="sim", messages=[{"role": "user", "content": "x"}], max_tokens=1
