@@ -374,7 +374,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def summarise(
-    mode: str, outcomes: list[Outcome], elapsed: float, engines: list[dict[str, float]], ttft_slo: float
+    mode: str, outcomes: list[Outcome], elapsed: float, engines: list[dict[str, Any]], ttft_slo: float
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.status == 200 and o.e2e_s is not None and o.ttft_s is not None]
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
