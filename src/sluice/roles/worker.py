@@ -1,7 +1,10 @@
 """``sluice worker``: a dispatcher (and webhook delivery) on a Redis broker, with no HTTP API.
 
 It claims jobs only when one of its backends has room, runs them, and settles them in the broker;
-any number of workers share one Redis. This module never imports the web framework.
+any number of workers share one Redis. On SIGTERM it drains (:mod:`sluice.drain`): it stops
+claiming, lets its jobs finish within ``--drain-grace-s``, hands the rest back to the head of their
+queues and exits 0; a second SIGTERM hands them back at once. This module never imports the web
+framework.
 """
 
 from __future__ import annotations
@@ -9,10 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-from sluice import aio, runtime
+from sluice import aio, drain, runtime
 from sluice.config import ConfigError, Settings
 from sluice.logs import setup_logging
 from sluice.roles import flags
@@ -28,20 +30,22 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     flags.add_config(parser)
     flags.add_backends(parser)
     flags.add_flags(parser, flags.COMMON, flags.DISPATCH)
+    drain.add_grace_flag(parser)
 
 
-async def work(settings: Settings) -> None:
-    """Run until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with runtime.running_worker(settings) as worker:
-        log.info(
-            "worker running",
-            extra={"fields": {"worker": worker.dispatcher.worker_id, "models": worker.dispatcher.models()}},
-        )
-        await stop.wait()
+async def work(settings: Settings, grace_s: float = drain.DEFAULT_GRACE_S) -> None:
+    """Run until SIGINT or SIGTERM, then drain (a second signal hurries the drain)."""
+    shutdown = drain.Drain(grace_s=grace_s)
+    with drain.signals_drain(shutdown, asyncio.get_running_loop()):
+        async with runtime.running_worker(settings) as worker:
+            log.info(
+                "worker running",
+                extra={
+                    "fields": {"worker": worker.dispatcher.worker_id, "models": worker.dispatcher.models()}
+                },
+            )
+            await shutdown.started.wait()
+            await drain.drain_dispatcher(worker.dispatcher, shutdown)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
         settings = flags.shared_settings(args, "worker")
         if not settings.backends:
             raise ConfigError("a worker needs at least one --backend")
-    except ConfigError as exc:
+        grace_s = drain.grace_from_args(args)
+    except (ConfigError, argparse.ArgumentTypeError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
-    aio.run(work(settings))
+    aio.run(work(settings, grace_s))
     return 0
