@@ -56,6 +56,121 @@ class BackendConfig(_Strict):
     api_key: str | None = Field(
         default=None, description="bearer token Sluice sends to the engine, if it needs one"
     )
+    adaptive: bool = Field(
+        default=False,
+        description="learn the engine's in-flight limit, `max_concurrency` its ceiling; false: "
+        "`max_concurrency` is the limit",
+    )
+
+
+class PoolConfig(_Strict):
+    """A pool of engines serving the same models (``[[pools]]``); each field's ``description`` says what
+    it is. docs/fleet-config.md shows pools, aliases and DNS membership at work."""
+
+    name: str = Field(
+        min_length=1, description="the pool's name, for logs, `/admin` and draining the whole pool"
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="engine model names its engines serve; empty: ask each engine's `/v1/models`",
+    )
+    engines: list[str] = Field(
+        min_length=1,
+        description="the engines' addresses: `http://HOST:PORT` URLs, or `dns://NAME:PORT`, re-resolved "
+        "every `dns_refresh_s`, each A/AAAA record one engine (a Kubernetes headless Service gives one "
+        "per pod)",
+    )
+    max_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        description="the most sequences an engine of the pool runs at once: with `adaptive` the ceiling "
+        "of the learned limit (unset: none), without it the fixed limit (required then)",
+    )
+    adaptive: bool = Field(
+        default=True,
+        description="learn each engine's in-flight limit from what it reports and what Sluice measures; "
+        "false: `max_concurrency` is the limit",
+    )
+    tpot_objective_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="adaptive: the time per output token (seconds) the learned limit keeps each stream "
+        "within; unset: the limiter's own objective",
+    )
+    max_inflight_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="optional budget of in-flight tokens (prompt + max_tokens) per engine, e.g. its KV "
+        "cache size; unset: no budget",
+    )
+    priority: dict[str, int] | None = Field(
+        default=None,
+        description="priority class -> the `priority` value sent in each request (vLLM "
+        "`--scheduling-policy priority`: lower runs sooner); unset: no `priority` field is sent",
+    )
+    api_key: str | None = Field(
+        default=None, description="bearer token Sluice sends to the pool's engines, if they need one"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if not self.adaptive and self.max_concurrency is None:
+            raise ValueError(f"pool {self.name!r}: adaptive = false needs max_concurrency (the fixed limit)")
+        for address in self.engines:
+            problem = engine_address_problem(address)
+            if problem is not None:
+                raise ValueError(f"pool {self.name!r}: engine {address!r}: {problem}")
+        if len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"pool {self.name!r}: an engine is listed twice")
+        return self
+
+
+def engine_address_problem(address: str) -> str | None:
+    """What is wrong with an engine's address (None: nothing): ``http(s)://HOST[:PORT][/v1]`` or
+    ``dns://NAME:PORT``."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("http", "https", "dns"):
+        return "must start with http://, https:// or dns://"
+    if scheme == "dns":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or "/" in rest:
+            return "a DNS address is dns://NAME:PORT"
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            return "the port must be a number from 1 to 65535"
+        return None
+    host_port = rest.rstrip("/").removesuffix("/v1")
+    if not host_port or "/" in host_port:
+        return "a URL is http://HOST:PORT (with or without /v1)"
+    host, colon, port = host_port.rpartition(":")
+    if colon and host and not host.endswith("]") and "]" not in port and not port.isdigit():
+        return "the port must be a number"
+    return None
+
+
+class AliasTarget(_Strict):
+    """One engine model a public name may go to, and its share (``targets`` of ``[[aliases]]``)."""
+
+    model: str = Field(min_length=1, description="the engine model name (what the engines serve)")
+    weight: float = Field(
+        default=1.0, gt=0, description="its share of the alias's requests, relative to the others'"
+    )
+
+
+class AliasConfig(_Strict):
+    """A public model name (``[[aliases]]``) that clients ask for, sent to one of its targets by weight
+    (a canary: `weight = 95` and `weight = 5`)."""
+
+    name: str = Field(min_length=1, description="the public model name, as clients send it in `model`")
+    targets: list[AliasTarget] = Field(
+        min_length=1, description="the engine models it goes to, each `{model = ..., weight = N}`"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AliasConfig:
+        models = [t.model for t in self.targets]
+        if len(set(models)) != len(models):
+            raise ValueError(f"alias {self.name!r}: a target model is listed twice")
+        return self
 
 
 class ClassConfig(_Strict):
@@ -206,6 +321,32 @@ class Settings(_Strict):
         default_factory=list,
         description="the engines (see `[[backends]]`); none: `sluice serve` builds and starts a local "
         "llama-server",
+    )
+    pools: list[PoolConfig] = Field(
+        default_factory=list,
+        description="pools of engines, by URL or DNS name, each serving some models (see `[[pools]]` "
+        "and docs/fleet-config.md)",
+    )
+    aliases: list[AliasConfig] = Field(
+        default_factory=list,
+        description="public model names sent on to engine models by weight (see `[[aliases]]`)",
+    )
+    dns_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how often the `dns://` engines of the pools are resolved again (seconds): new "
+        "addresses join, vanished ones are drained and removed",
+    )
+    routing: Literal["predicted", "least_loaded"] = Field(
+        default="predicted",
+        description="how an engine is picked among those serving a model: `predicted` (where the job "
+        "should finish soonest, from each engine's measured speed and room) or `least_loaded` (the "
+        "most free room)",
+    )
+    prefix_affinity: bool = Field(
+        default=True,
+        description="requests sharing a prompt prefix (`prompt_cache_key`, `user`, the system prompt "
+        "and first message) go to the same engine while its load allows, for its prefix cache",
     )
     max_concurrency: int = Field(
         default=8,
@@ -492,7 +633,28 @@ class Settings(_Strict):
                 object.__setattr__(self, default, getattr(self, cap))
         if self.queue_interval_s < self.queue_early_s:
             raise ValueError("queue_interval_s must not be shorter than queue_early_s")
+        self._check_fleet(names)
         return self
+
+    def _check_fleet(self, classes: list[str]) -> None:
+        """Pools, backends and aliases name distinct things, and a pool's priority map names classes."""
+        engines = [p.name for p in self.pools] + [b.name or b.url for b in self.backends]
+        duplicated = sorted({n for n in engines if engines.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"pools and backends must have distinct names: {', '.join(duplicated)}")
+        aliases = [a.name for a in self.aliases]
+        if len(set(aliases)) != len(aliases):
+            raise ValueError("two aliases have the same name")
+        known = set(classes) | {self.batch_class}
+        for pool in self.pools:
+            unknown = sorted(set(pool.priority or {}) - known)
+            if unknown:
+                raise ValueError(f"pool {pool.name!r}: priority names unknown classes: {', '.join(unknown)}")
+
+    @property
+    def has_engines(self) -> bool:
+        """Whether any engine is configured (backends or pools); none: `sluice serve` starts its own."""
+        return bool(self.backends or self.pools)
 
     def policy(self) -> QueuePolicy:
         params: dict[str, float] = {}
@@ -569,7 +731,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in Settings.model_fields:
         raw = environ.get(f"SLUICE_{name.upper()}")
-        if raw is None or name in ("classes", "models"):
+        if raw is None or name in ("classes", "models", "pools", "aliases"):
             continue
         if name == "keys":
             continue

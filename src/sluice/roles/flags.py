@@ -76,8 +76,12 @@ ADMISSION = (
     Flag("--max-attempts", "max_attempts", int),
 )
 
-#: what a dispatcher reads: the engines and how much each takes at once
-DISPATCH = (Flag("--max-concurrency", "max_concurrency", int),)
+#: what a dispatcher reads: the engines, how much each takes at once, how one is picked
+DISPATCH = (
+    Flag("--max-concurrency", "max_concurrency", int),
+    Flag("--routing", "routing", str),
+    Flag("--dns-refresh", "dns_refresh_s", float),
+)
 
 
 #: the local engine that ``sluice serve`` runs when no backend is given
