@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from sluice.backends.base import BackendError
 from sluice.backends.openai import OpenAIBackend
@@ -17,6 +20,7 @@ from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
 from tests.backends.conformance import MODES, SHORT, assemble, engine_job
 from tests.helpers import free_port
+from tests.servers import run_app
 
 
 def test_the_url_may_name_v1_or_not() -> None:
@@ -155,3 +159,73 @@ def test_an_engine_error_quoting_the_prompt_reaches_the_client_not_the_log(statu
     exc = _status_error(status, body)
     assert marker in exc.message  # the client hears what the engine said
     assert marker not in exc.detail and str(status) in exc.detail  # the log hears only the status
+
+
+# ------------------------------------------------------------------ priority reaches the engine
+
+
+@contextlib.asynccontextmanager
+async def _recording_engine() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    """A loopback engine that keeps every request body it is sent and answers one short answer,
+    streamed or whole as asked."""
+    bodies: list[dict[str, Any]] = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        bodies.append(body)
+        choice = {"index": 0, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        if not body.get("stream"):
+            answer = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"]}
+            message = {"role": "assistant", "content": "hi"}
+            return JSONResponse({**answer, "choices": [{**choice, "message": message}], "usage": usage})
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+        events = [
+            {**chunk, "choices": [{**choice, "delta": {"role": "assistant", "content": "hi"}}]},
+            {**chunk, "choices": [], "usage": usage},
+        ]
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return Response(text, media_type="text/event-stream")
+
+    async with run_app(app) as url:
+        yield url, bodies
+
+
+@MODES
+async def test_the_priority_map_puts_the_class_in_the_body(stream_tokens: bool) -> None:
+    async with _recording_engine() as (url, bodies):
+        backend = OpenAIBackend(url, priority_map={"high": -10, "normal": 0})
+        try:
+            job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT, stream_tokens=stream_tokens)
+            for priority in ("high", "normal", "low"):
+                await assemble(backend, dataclasses.replace(job, priority=priority))
+        finally:
+            await backend.aclose()
+    # "low" is not in the map: it goes without a priority (the engine's default).
+    assert [b.get("priority") for b in bodies] == [-10, 0, None]
+    assert all(b["stream"] is stream_tokens for b in bodies)
+
+
+async def test_without_a_priority_map_no_priority_is_sent() -> None:
+    async with _recording_engine() as (url, bodies):
+        backend = OpenAIBackend(url)
+        try:
+            job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT)
+            await assemble(backend, dataclasses.replace(job, priority="high"))
+        finally:
+            await backend.aclose()
+    assert len(bodies) == 1 and "priority" not in bodies[0]
+
+
+async def test_a_client_priority_is_replaced_by_the_map() -> None:
+    async with _recording_engine() as (url, bodies):
+        backend = OpenAIBackend(url, priority_map={"normal": 5})
+        try:
+            job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT)
+            job = dataclasses.replace(job, body={**job.body, "priority": -100})
+            await assemble(backend, job)
+        finally:
+            await backend.aclose()
+    assert bodies[0]["priority"] == 5

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sluice.core.concurrency import EngineLoad
 from sluice.core.job import Job
 from sluice.core.model_info import ModelInfo
 
@@ -100,6 +101,12 @@ class Backend(ABC):
     @abstractmethod
     async def healthy(self) -> bool:
         """Whether the engine answers at all."""
+
+    async def engine_load(self) -> EngineLoad | None:
+        """What the engine reports of its own load now (running, waiting, KV use, preemptions),
+        for the adaptive in-flight limit; None: it reports nothing, or could not be read. Never
+        raises: a report is a hint, polled on the heartbeat."""
+        return None
 
     async def aclose(self) -> None:
         """Release connections."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
 
 from sluice.backends.base import Backend, BackendError
+from sluice.backends.engine_load import EngineKind, EngineLoadReader
+from sluice.core.concurrency import EngineLoad
 from sluice.core.job import Job
 from sluice.core.model_info import ModelInfo
 
@@ -29,6 +31,11 @@ class OpenAIBackend(Backend):
     yields its whole answer as one chunk in the shape of a stream chunk. Either way an abort
     (closing the stream, or cancelling the task that waits on it) closes the connection, which vLLM
     and llama-server treat as "stop generating".
+
+    ``priority_map`` (class -> number), when set, puts ``"priority": priority_map[job.priority]`` in
+    every request body: vLLM's field for ``--scheduling-policy priority`` (lower runs sooner). A
+    class the map does not name is sent without one. :meth:`engine_load` reads the engine's
+    ``/metrics`` or ``/slots`` (:mod:`sluice.backends.engine_load`).
     """
 
     def __init__(
@@ -42,6 +49,7 @@ class OpenAIBackend(Backend):
         api_key: str | None = None,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 120.0,
+        priority_map: Mapping[str, int] | None = None,
     ) -> None:
         base = url.rstrip("/").removesuffix("/v1")
         super().__init__(
@@ -58,6 +66,23 @@ class OpenAIBackend(Backend):
             timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(max_concurrency, 8)),
         )
+        self.priority_map: dict[str, int] | None = dict(priority_map) if priority_map is not None else None
+        self._load_reader = EngineLoadReader(self._client)
+
+    @property
+    def engine_kind(self) -> EngineKind | None:
+        """What the engine's report was found to be (None until first read)."""
+        return self._load_reader.kind
+
+    async def engine_load(self) -> EngineLoad | None:
+        return await self._load_reader.read()
+
+    def _body(self, job: Job) -> dict[str, Any]:
+        """The job's body as the engine gets it: with its priority, where a map gives one."""
+        body = dict(job.body)
+        if self.priority_map is not None and job.priority in self.priority_map:
+            body["priority"] = self.priority_map[job.priority]
+        return body
 
     async def discover_models(self) -> list[str]:
         try:
@@ -104,7 +129,7 @@ class OpenAIBackend(Backend):
         if not job.stream_tokens:
             yield await self._whole(job)
             return
-        body = dict(job.body)
+        body = self._body(job)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         try:
@@ -143,7 +168,7 @@ class OpenAIBackend(Backend):
 
         Closing the connection still aborts the generation: vLLM and llama-server watch for it.
         """
-        body = {k: v for k, v in job.body.items() if k != "stream_options"}
+        body = {k: v for k, v in self._body(job).items() if k != "stream_options"}
         body["stream"] = False
         try:
             response = await self._client.post(job.endpoint.path, content=_encode(body), headers=_JSON)

@@ -79,6 +79,7 @@ class EngineLoad:
     waiting: int | None  # requests in its own waiting queue (vllm:num_requests_waiting)
     kv_usage: float | None  # KV-cache use, 0..1
     preemptions: int | None  # cumulative count of preemptions since the engine started
+    slots: int | None = None  # sequences it can run at all, where it says (llama-server's slot count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +201,7 @@ class ConcurrencyLimit:
         self._waiting_polls = 0
         self._preemptions: int | None = None
         self._kv_hold = False
+        self._engine_slots: int | None = None
         # Measurements.
         self._tpot_ewma: float | None = None
         self._ttft_base: float | None = None
@@ -234,6 +236,7 @@ class ConcurrencyLimit:
             "ceiling": self.ceiling,
             "tpot_objective_s": self.tpot_objective_s,
             "known_capacity": self._known_capacity,
+            "engine_slots": self._engine_slots,
             "seconds_per_token": self._tpot_ewma,
             "ttft_baseline_s": self._ttft_base,
             "tpot_at_one_s": line.at(1) if line is not None else None,
@@ -281,7 +284,13 @@ class ConcurrencyLimit:
         if load.preemptions is not None:
             self._preemptions = load.preemptions
         self._kv_hold = load.kv_usage is not None and load.kv_usage >= KV_HOLD
+        if load.slots is not None and load.slots > 0:
+            self._engine_slots = load.slots
         if not self.adaptive:
+            return
+        if self._engine_slots is not None and self._value > self._engine_slots:
+            # The engine says how many it can run at all: more would only wait in it.
+            self._set(self._engine_slots, "engine slots", now)
             return
         # One waiting request on one poll is often just an arrival between two engine steps.
         waiting = load.waiting or 0
@@ -341,6 +350,8 @@ class ConcurrencyLimit:
             if self.phase is LimitPhase.STARTING:
                 self.phase = LimitPhase.STEADY
             return
+        if self._engine_slots is not None and current >= self._engine_slots:
+            return
         if self._known_capacity is not None and current >= self._known_capacity:
             if now - self._last_congestion < self._reprobe_s:
                 return
@@ -357,6 +368,8 @@ class ConcurrencyLimit:
             if self._known_capacity is not None:
                 target = min(target, float(self._known_capacity))
             reason = "additive increase"
+        if self._engine_slots is not None:
+            target = min(target, float(self._engine_slots))
         if self.ceiling is not None:
             target = min(target, float(self.ceiling))
         if target > self._value:
