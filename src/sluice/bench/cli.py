@@ -8,7 +8,8 @@ as child processes, so that one command reproduces a documented number; they lis
 unless ``--sim-port`` and ``--sluice-port`` choose them.
 
 Writes ``LABEL.json`` (every request and the summary), ``LABEL.md`` and ``LABEL.png`` to ``--out``;
-``sluice bench compare A.json B.json ...`` merges saved runs into one table and overlaid plots.
+``sluice bench compare A.json B.json ...`` merges saved runs into one table and overlaid plots;
+``sluice bench fleet`` compares ways of feeding a fleet of different engines (:mod:`sluice.bench.fleet`).
 ``--policies direct,cap,codel`` runs the same arrivals once per entry, each against freshly spawned
 targets (the engine alone, or a gateway with that ``--queue-policy``), and writes the comparison too.
 """
@@ -23,7 +24,7 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -169,11 +170,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--no-progress", action="store_true", help="no progress bar")
     report.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="compare")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,fleet}")
     compare = sub.add_parser("compare", help="merge saved runs into one table and overlaid plots")
     compare.add_argument("results", nargs="+", type=Path, metavar="RESULT.json")
     compare.add_argument("--out", type=Path, help="output folder (default: that of the first result)")
     compare.add_argument("--name", default="compare", help="file name of the table and plot (compare)")
+    from sluice.bench import fleet
+
+    fleet.configure_parser(
+        sub.add_parser(
+            "fleet",
+            help="a fleet of different engines fed by Sluice (adaptive, fixed limits) and by the peers' "
+            "routing (round-robin, least-busy), on the same arrivals",
+        )
+    )
 
 
 # -- spawned servers -----------------------------------------------------------------------------
@@ -239,15 +249,13 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def _spawn_sim(
-    preset_name: str, log: IO[bytes], port: int | None = None
+async def _spawn_listener(
+    argv: list[str], log: IO[bytes], what: str
 ) -> tuple[asyncio.subprocess.Process, str]:
-    # Without a chosen port the simulator binds port 0 itself: no window for another to take it.
-    listen = "0" if port is None else str(choose_port(port))
+    """Start ``python ARGV``, a server that binds its own port and prints ``listening on URL`` first."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sluice.cli", "sim", "--preset", preset_name, "--port", listen,
-        stdout=asyncio.subprocess.PIPE, stderr=log,
-    )  # fmt: skip
+        sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=log
+    )
     assert proc.stdout is not None
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -255,16 +263,34 @@ async def _spawn_sim(
         line = ""
     if "listening on " not in line:
         await _stop(proc)
-        raise RuntimeError(f"the simulator did not start (see {log.name})")
+        raise RuntimeError(f"the {what} did not start (see {log.name})")
     return proc, line.split("listening on ")[1].split()[0]
+
+
+async def _spawn_sim(
+    preset_name: str, log: IO[bytes], port: int | None = None, extra: list[str] | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``sluice sim --preset PRESET`` with ``extra`` flags (they override the preset's); its URL."""
+    # Without a chosen port the simulator binds port 0 itself: no window for another to take it.
+    listen = "0" if port is None else str(choose_port(port))
+    argv = ["-m", "sluice.cli", "sim", "--preset", preset_name, "--port", listen, *(extra or [])]
+    return await _spawn_listener(argv, log, "simulator")
 
 
 async def _spawn_sluice(
     backend: str, concurrency: int, extra: list[str], log: IO[bytes], port: int | None = None
 ) -> tuple[asyncio.subprocess.Process, str]:
+    args = ["--backend", backend, "--max-concurrency", str(concurrency), *extra]
+    return await _spawn_gateway(args, log, port)
+
+
+async def _spawn_gateway(
+    serve_args: list[str], log: IO[bytes], port: int | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``sluice serve SERVE_ARGS`` on ``port`` (a free one if None), once ``/readyz`` answers 200."""
     port = choose_port(port)
-    args = ["--backend", backend, "--max-concurrency", str(concurrency), "--port", str(port)]
-    args += ["--log-level", "warning", *extra]
+    # Flags given later win: the caller's may override the log level.
+    args = ["--port", str(port), "--log-level", "warning", *serve_args]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sluice.cli", "serve", *args, stdout=log, stderr=log
     )
@@ -434,11 +460,13 @@ async def measure(
     label: str | None = None,
     policy: str | None = None,
     step: str = "",
+    on_start: Callable[[float], None] | None = None,
 ) -> dict[str, Any]:
     """Drive one run against ``found`` and return its result (config, summary, records, samples).
 
     ``policy`` is the --policies entry this run is (recorded in its config); ``step`` prefixes the
-    progress bar's description, e.g. "2/5 ".
+    progress bar's description, e.g. "2/5 "; ``on_start`` is called with the run's origin (its
+    ``time.perf_counter()`` at second 0 of the arrivals) as the load starts.
     """
     schedule = arrivals(profile, args.seed)
     timeout = args.client_timeout if args.client_timeout and args.client_timeout > 0 else None
@@ -473,6 +501,8 @@ async def measure(
 
         load_before = os.getloadavg()[0]
         client.origin = sampler.origin = time.perf_counter()
+        if on_start is not None:
+            on_start(client.origin)
         sampling = asyncio.create_task(sampler.run_forever())
         try:
             records = await run_load(client, schedule, done)
@@ -676,6 +706,10 @@ def _plots_or_say_why(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "fleet":
+        from sluice.bench import fleet
+
+        return fleet.run(args)
     _plots_or_say_why(args)
     if getattr(args, "bench_command", None) == "compare":
         return _compare(args)
