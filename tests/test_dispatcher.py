@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sluice.backends.base import Backend
+from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
+from sluice.core.health import EngineHealth, HealthState
 from sluice.core.job import Job, JobState
 from sluice.dispatcher import Dispatcher
+from sluice.fleet import Fleet, PoolSpec
 from tests.helpers import make_job, wait_until
 
 
@@ -261,3 +265,115 @@ async def test_a_job_wider_than_its_backend_takes_it_whole() -> None:
     jobs = [make_job(), wide_job(200), *(make_job() for _ in range(6))]
     await run_jobs([backend], jobs)
     assert backend.served == 8 and backend.peak_sequences == 4
+
+
+# --- the fleet: aliases, health, draining --------------------------------------------------------
+
+
+class ModelBackend(FakeBackend):
+    """A FakeBackend serving ``models``, recording the model each request asked for, failing its
+    first ``fail_first`` requests as an engine error would."""
+
+    def __init__(self, name: str, models: list[str], *, fail_first: int = 0, delay: float = 0.01) -> None:
+        super().__init__(name, 4, delay=delay)
+        self.models = list(models)
+        self.fail_first = fail_first
+        self.asked: list[str] = []
+
+    async def discover_models(self) -> list[str]:
+        return list(self.models)
+
+    async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        self.asked.append(str(job.body.get("model")))
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            raise BackendError("engine answered 500", retryable=True, status=500)
+        async for chunk in super().stream(job):
+            yield chunk
+
+
+async def test_an_alias_asks_the_engine_for_its_target_model() -> None:
+    v1, v2 = ModelBackend("one", ["chat-v1"]), ModelBackend("two", ["chat-v2"])
+    fleet = Fleet(
+        engines=[(b, PoolSpec(b.name, max_concurrency=4, adaptive=False)) for b in (v1, v2)],
+        aliases={"chat": [("chat-v1", 1.0), ("chat-v2", 1.0)]},
+        rng=random.Random(3),
+    )
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, fleet=fleet)
+    await dispatcher.start()
+    try:
+        assert await broker.served_models() == {"chat": 8, "chat-v1": 4, "chat-v2": 4}
+        jobs = [make_job(model="chat") for _ in range(40)]
+        for job in jobs:
+            await broker.admit(job)
+        for job in jobs:
+            done = await broker.wait(job.id, 10)
+            assert done is not None and done.state is JobState.SUCCEEDED
+            assert done.model == "chat" and done.backend in ("one", "two")
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+    assert set(v1.asked) == {"chat-v1"} and set(v2.asked) == {"chat-v2"}
+    assert v1.served > 5 and v2.served > 5 and v1.served + v2.served == 40
+
+
+async def test_an_ejected_engine_is_probed_back_in() -> None:
+    flaky, steady = ModelBackend("flaky", ["m"], fail_first=2), ModelBackend("steady", ["m"])
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, [flaky, steady], retry_backoff_s=0.01, prefix_affinity=False)
+    engine = next(e for e in dispatcher.slots if e.name == "flaky")
+    engine.health = EngineHealth(base_ejection_s=0.2, max_ejection_s=1.0)
+    await dispatcher.start()
+    try:
+        ejected_seen = False
+        for _ in range(60):
+            job = make_job()
+            await broker.admit(job)
+            done = await broker.wait(job.id, 10)
+            assert done is not None and done.state is JobState.SUCCEEDED
+            ejected_seen = ejected_seen or engine.health.total_ejections > 0
+            if flaky.served > 0 and engine.health.state(time.monotonic()) is HealthState.HEALTHY:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+    # It failed, was ejected, got a probe when the ejection ended, and took work again after.
+    assert ejected_seen and flaky.fail_first == 0 and flaky.served > 0
+    assert engine.health.state(time.monotonic()) is HealthState.HEALTHY
+
+
+async def test_a_drained_pool_takes_no_new_work_and_its_running_work_finishes() -> None:
+    a, b = ModelBackend("a", ["m"], delay=0.3), ModelBackend("b", ["m"], delay=0.01)
+    fleet = Fleet(
+        engines=[
+            (a, PoolSpec("gpu-a", max_concurrency=4, adaptive=False)),
+            (b, PoolSpec("b", max_concurrency=4, adaptive=False)),
+        ]
+    )
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, fleet=fleet, prefix_affinity=False)
+    await dispatcher.start()
+    try:
+        first = [make_job() for _ in range(8)]
+        for job in first:
+            await broker.admit(job)
+        await wait_until(lambda: a.active > 0)
+        dispatcher.apply_draining({"gpu-a"})  # the pool's name drains its engines
+        running_on_a = a.active
+        later = [make_job() for _ in range(20)]
+        for job in later:
+            await broker.admit(job)
+        for job in first + later:
+            done = await broker.wait(job.id, 10)
+            assert done is not None and done.state is JobState.SUCCEEDED
+        later_on_a = [j for j in later if (await broker.get(j.id)).backend == "a"]  # type: ignore[union-attr]
+        assert later_on_a == [] and running_on_a > 0
+        assert {row["name"]: row["draining"] for row in dispatcher.backends()} == {"a": True, "b": False}
+    finally:
+        await dispatcher.stop()
+        await broker.close()

@@ -21,6 +21,16 @@ tells the client not to retry it again (``x-should-retry: false``).
 The dispatcher also tells the broker what it knows of each model it serves (``ModelInfo``): what
 the engines' model lists say, and how long the answers of requests without a length limit were
 (:class:`~sluice.core.output_lengths.OutputLengths`), from which the gateway estimates their cost.
+
+The engines are a :class:`~sluice.fleet.Fleet`: pools whose members may join and leave (DNS), and
+aliases from public model names to engine models. Each engine's room is its current in-flight
+limit (:class:`~sluice.core.concurrency.ConcurrencyLimit`, learned from every finished stream's
+token timestamps and from the load the engine reports, polled about every ``load_poll_s`` while it
+is busy), so the capacity registered with the broker, the sum of the limits, moves with them. A
+job goes to the engine a :class:`~sluice.core.routing.Router` picks among those serving its model
+(the soonest predicted completion, its prompt prefix's home engine while load allows), never to
+one ejected by its :class:`~sluice.core.health.EngineHealth` (errors eject it with backoff; when
+the ejection ends one request, the probe, goes through, and its success brings it back).
 """
 
 from __future__ import annotations
@@ -33,94 +43,84 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, TypeGuard
 
-from sluice.backends.base import Backend, BackendError, public_name
+from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import Broker, EventType
+from sluice.core.concurrency import EngineLoad, StreamSample
 from sluice.core.errors import deadline_error, internal_error
+from sluice.core.health import speed_weights
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
 from sluice.core.output_lengths import OutputLengths
+from sluice.core.routing import Candidate, Router, prefix_key
+from sluice.fleet import Engine, Fleet, PoolSpec
 from sluice.metrics import Metrics
 from sluice.outage import OutageLog
 from sluice.protocol import Assembler
 
 log = logging.getLogger("sluice.worker")
 
-# After a connection error a backend sits out this long (doubling, capped) before it gets work again.
-COOLDOWN_S = 1.0
-MAX_COOLDOWN_S = 30.0
 CLAIM_WAIT_S = 1.0
+#: an engine's answer that says it is full (its limit should come down), not broken
+OVERLOAD_STATUS = frozenset({429, 503})
+#: the longest an engine's load report may take before it is skipped this round
+LOAD_TIMEOUT_S = 1.0
 
-
-@dataclass
-class _Slots:
-    backend: Backend
-    #: what clients may be told of the backend (its name, or "backend N" when the name is a URL)
-    label: str = ""
-    inflight: int = 0
-    inflight_tokens: int = 0
-    cooldown_until: float = 0.0
-    failures: int = 0
-
-    draining: bool = False
-    #: whether the engine's model list was read (``Backend.model_info`` holds what it said)
-    described: bool = False
-
-    def available(self, now: float) -> bool:
-        return (
-            self.inflight < self.backend.max_concurrency and now >= self.cooldown_until and not self.draining
-        )
-
-    def width(self, job: Job) -> int:
-        """The slots ``job`` takes here: one per sequence the engine runs for it, at most all of
-        the backend's. A job wider than the backend takes it whole (the engine queues the rest of
-        its sequences): it runs alone there rather than never."""
-        return max(1, min(job.sequences, self.backend.max_concurrency))
-
-    def has_slots_for(self, job: Job) -> bool:
-        return self.inflight + self.width(job) <= self.backend.max_concurrency
-
-    def has_room(self) -> bool:
-        """Whether the token budget has any room left (a claim is worth making for it)."""
-        budget = self.backend.max_inflight_tokens
-        return budget is None or self.inflight == 0 or self.inflight_tokens < budget
-
-    def fits(self, cost: int) -> bool:
-        budget = self.backend.max_inflight_tokens
-        # An idle engine takes any job, or a job larger than the budget would wait forever.
-        return budget is None or self.inflight == 0 or self.inflight_tokens + cost <= budget
-
-    @property
-    def free_fraction(self) -> float:
-        return 1.0 - self.inflight / self.backend.max_concurrency
+Routing = Literal["predicted", "least_loaded"]
 
 
 class Dispatcher:
-    """Feeds ``backends`` from ``broker``.
+    """Feeds the engines of a fleet from ``broker``.
 
     Args:
+        backends: engines given built, each a pool of one with its fixed ``max_concurrency``
+            (tests, and callers without pools); more may come in ``fleet``.
+        fleet: the pools, their engines and the aliases (built from ``backends`` when None).
         heartbeat_s: how often leases are renewed and the capacity re-registered; well under the
             broker's lease.
         retry_backoff_s: pause before a failed attempt is retried, doubled each time.
+        routing: ``predicted`` (soonest predicted completion, engines weighted by speed) or
+            ``least_loaded`` (the largest free fraction of the limit).
+        prefix_affinity: jobs sharing a prompt prefix go to its home engine while load allows.
+        load_poll_s: how often busy engines are asked for their load (idle ones every heartbeat).
+        dns_refresh_s: how often the fleet's ``dns://`` names are resolved again.
         clock: wall-clock seconds, the same clock the broker uses for deadlines.
     """
 
     def __init__(
         self,
         broker: Broker,
-        backends: Sequence[Backend],
+        backends: Sequence[Backend] = (),
         *,
+        fleet: Fleet | None = None,
         worker_id: str | None = None,
         heartbeat_s: float | None = None,
         retry_backoff_s: float = 0.1,
+        routing: Routing = "predicted",
+        prefix_affinity: bool = True,
+        load_poll_s: float = 0.5,
+        dns_refresh_s: float = 5.0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
-        self.slots = [_Slots(b, public_name(b.name, i)) for i, b in enumerate(backends)]
+        self.fleet = fleet or Fleet()
+        for b in backends:
+            spec = PoolSpec(
+                b.name,
+                max_concurrency=b.max_concurrency,
+                adaptive=False,
+                max_inflight_tokens=b.max_inflight_tokens,
+            )
+            self.fleet.adopt(b, spec)
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:12]}"
         self.heartbeat_s = heartbeat_s or max(min(broker.settings.lease_s / 3, 5.0), 0.05)
         self.retry_backoff_s = retry_backoff_s
+        self.routing = routing
+        self.router = Router(affinity=prefix_affinity)
+        self.load_poll_s = load_poll_s
+        self.dns_refresh_s = dns_refresh_s
         self.metrics = metrics
         self.clock = clock
         self.running: dict[str, asyncio.Task[None]] = {}
@@ -133,24 +133,30 @@ class Dispatcher:
         self._first_seen: dict[str, int] = {}
         #: claimed jobs waiting for a slot with room, in the order they began to wait
         self._waiting: dict[str, Job] = {}
+        #: per running job: the engine model its current attempt goes to (an alias's draw)
+        self._targets: dict[str, str] = {}
+        #: the engine and pool names the broker says are draining
+        self._drained: set[str] = set()
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def slots(self) -> list[Engine]:
+        """The engines now in the fleet (each with its in-flight work, limit and health)."""
+        return self.fleet.engines
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for s in self.slots:
-            if not s.backend.models:
-                try:
-                    s.backend.models = await s.backend.discover_models()
-                    s.described = True
-                except BackendError as exc:
-                    log.warning("backend %s: %s; will retry", s.backend.name, exc.detail)
+        if self.fleet.dynamic:
+            await self.fleet.refresh()
+        await asyncio.gather(*(self._describe(e, first=True) for e in self.fleet.engines))
         await self.broker.register(self.worker_id, self.capacity())
         await self.broker.describe_models(self.worker_id, self.model_info())
         self._tasks = [
             asyncio.create_task(self._dispatch_forever(), name="dispatch"),
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
+            asyncio.create_task(self._engines_forever(), name="engines"),
         ]
 
     async def stop(self) -> None:
@@ -165,45 +171,54 @@ class Dispatcher:
             await self.broker.unregister(self.worker_id)
 
     def capacity(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.slots:
-            for model in s.backend.models:
-                out[model] = out.get(model, 0) + s.backend.max_concurrency
-        return out
+        """Public model name -> the sum of the current limits of the engines that may run it."""
+        return self.fleet.capacity()
 
     def apply_draining(self, names: set[str]) -> None:
-        for s in self.slots:
-            s.draining = s.backend.name in names
+        """Drain the engines named, or whose pool is named; resume the others."""
+        self._drained = set(names)
+        for e in self.fleet.engines:
+            e.draining = e.name in names or e.pool in names
         self._capacity.set()
 
     def backends(self) -> list[dict[str, object]]:
+        now = time.monotonic()
         return [
             {
-                "name": s.backend.name,
-                "models": list(s.backend.models),
-                "max_concurrency": s.backend.max_concurrency,
-                "inflight": s.inflight,
-                "inflight_tokens": s.inflight_tokens,
-                "draining": s.draining,
-                "failures": s.failures,
+                "name": e.name,
+                "pool": e.pool,
+                "models": list(e.backend.models),
+                "max_concurrency": e.limiter.ceiling,
+                "limit": e.limit,
+                "adaptive": e.limiter.adaptive,
+                "inflight": e.inflight,
+                "inflight_tokens": e.inflight_tokens,
+                "draining": e.draining,
+                "leaving": e.leaving,
+                "failures": e.failures,
+                "health": e.health.snapshot(now),
+                "limiter": e.limiter.snapshot(),
+                "ttft_s": e.ttft_s,
             }
-            for s in self.slots
+            for e in self.fleet.engines
         ]
 
     def models(self) -> list[str]:
         return sorted(self.capacity())
 
     def model_info(self) -> dict[str, ModelInfo]:
-        """What this dispatcher knows of each model it serves: its engines' accounts merged, the
-        time it first served the model where no engine gives a creation time, and the answers'
-        lengths it measured."""
+        """What this dispatcher knows of each model it serves: its engines' accounts merged (an
+        alias's, those of its targets), the time it first served the model where no engine gives
+        a creation time, and the answers' lengths it measured."""
         out: dict[str, ModelInfo] = {}
         now = int(self.clock())
         for model in self.capacity():
+            targets = [m for m, _ in self.fleet.targets(model)]
             engines = merge(
-                s.backend.model_info[model]
-                for s in self.slots
-                if model in s.backend.models and model in s.backend.model_info
+                e.backend.model_info[m]
+                for m in targets
+                for e in self.fleet.serving(m)
+                if m in e.backend.model_info
             )
             created = engines.created or self._first_seen.setdefault(model, now)
             learned = self.output_lengths.get(model) or OutputLengths()
@@ -234,32 +249,55 @@ class Dispatcher:
         return models
 
     def _free_models(self) -> list[str]:
-        """The models worth claiming: served by a slot that is available, has room in its budget
-        and that no waiting job is next in line for."""
+        """The public models worth claiming: run by an engine that is available, has room in its
+        budget and that no waiting job is next in line for."""
         now = time.monotonic()
         ahead = self._ahead(None)
-        return sorted(
-            {
-                m
-                for s in self.slots
-                if s.available(now) and s.has_room() and ahead.isdisjoint(s.backend.models)
-                for m in s.backend.models
-            }
-        )
+        free: set[str] = set()
+        for e in self.fleet.engines:
+            if e.available(now) and e.has_room():
+                names = self.fleet.public_names(e)
+                if ahead.isdisjoint(names):
+                    free |= names
+        return sorted(free)
 
-    def _pick(self, job: Job, exclude: Collection[str] = ()) -> _Slots | None:
+    def _pick(self, job: Job, target: str, exclude: Collection[str] = ()) -> Engine | None:
+        """The engine for the job's next attempt on engine model ``target``, or None while none
+        serving it has room. Engines in ``exclude`` (tried already) only when no other fits."""
         now = time.monotonic()
-        ahead = self._ahead(job)  # a slot a job waits for goes to it first
-        candidates = [
-            s
-            for s in self.slots
-            if job.model in s.backend.models and s.available(now) and ahead.isdisjoint(s.backend.models)
+        ahead = self._ahead(job)  # an engine a job waits for goes to it first
+        engines = [
+            e
+            for e in self.fleet.serving(target)
+            if e.open_for_work(now) and ahead.isdisjoint(self.fleet.public_names(e))
         ]
-        preferred = [s for s in candidates if s.backend.name not in exclude] or candidates
-        fitting = [s for s in preferred if s.has_slots_for(job) and s.fits(job.cost)]
-        if not fitting:
+        fitting = {e.name for e in engines if e.has_slots_for(job) and e.fits(job.cost)}
+        preferred = {name for name in fitting if name not in exclude} or fitting
+        if not preferred:
             return None
-        return max(fitting, key=lambda s: s.free_fraction)
+        if self.routing == "predicted":
+            weights = speed_weights({e.name: e.limiter.seconds_per_token for e in engines})
+        else:
+            weights = {}
+        candidates = [
+            Candidate(
+                name=e.name,
+                inflight=e.inflight,
+                # An engine the job does not fit stays on the ring (prefix homes stay put) but full.
+                limit=e.limit if e.name in preferred else e.inflight,
+                seconds_per_token=e.limiter.seconds_per_token if self.routing == "predicted" else None,
+                ttft_s=e.ttft_s if self.routing == "predicted" else None,
+                weight=weights.get(e.name, 1.0),
+            )
+            for e in engines
+        ]
+        name = self.router.pick(
+            candidates,
+            prompt_tokens=job.prompt_tokens,
+            output_tokens=job.max_tokens or 1,
+            prefix=prefix_key({**job.body, "model": target}),
+        )
+        return next((e for e in engines if e.name == name), None)
 
     async def _wait_capacity(self, timeout: float) -> None:
         self._capacity.clear()
@@ -296,31 +334,37 @@ class Dispatcher:
         # Only this task's entries: the job may have been claimed again since (its lease lost).
         if self.running.get(job_id) is task:
             del self.running[job_id]
+            self._targets.pop(job_id, None)
             if self._waiting.pop(job_id, None) is not None:
                 self._capacity.set()
 
-    async def _acquire(self, job: Job, exclude: Collection[str] = ()) -> _Slots | None:
-        """Wait for a slot with room for the job and reserve it; None once its deadline passes."""
+    async def _acquire(self, job: Job, exclude: Collection[str] = ()) -> _Hold | None:
+        """Wait for an engine with room for the job and reserve it; None once its deadline passes.
+        An alias's target is drawn once per attempt."""
         self._waiting.setdefault(job.id, job)
+        target = self._targets[job.id] = self.fleet.choose(job.model)
         try:
             while self.clock() < job.deadline:
-                slot = self._pick(job, exclude)
-                if slot is not None:
-                    self._reserve(slot, job)
-                    return slot
+                engine = self._pick(job, target, exclude)
+                if engine is not None:
+                    return self._reserve(engine, job, target)
                 await self._wait_capacity(min(0.5, max(job.deadline - self.clock(), 0.01)))
             return None
         finally:
             self._waiting.pop(job.id, None)
             self._capacity.set()  # claims held back behind this job may go on
 
-    def _reserve(self, slot: _Slots, job: Job) -> None:
-        slot.inflight += slot.width(job)
-        slot.inflight_tokens += job.cost
+    def _reserve(self, engine: Engine, job: Job, target: str) -> _Hold:
+        # The width is kept: the limit (and so a wide job's width) may change while it runs.
+        hold = _Hold(engine, engine.width(job), job.cost, target)
+        engine.inflight += hold.width
+        engine.inflight_tokens += hold.cost
+        engine.health.on_dispatch(time.monotonic())
+        return hold
 
-    def _release(self, slot: _Slots, job: Job) -> None:
-        slot.inflight -= slot.width(job)
-        slot.inflight_tokens -= job.cost
+    def _release(self, hold: _Hold) -> None:
+        hold.engine.inflight -= hold.width
+        hold.engine.inflight_tokens -= hold.cost
         self._capacity.set()
 
     # --- one job ------------------------------------------------------------------------------
@@ -328,21 +372,21 @@ class Dispatcher:
     async def _run(self, job: Job) -> None:
         attempts = job.attempts
         tried: set[str] = set()
-        held: _Slots | None = None
+        held: _Hold | None = None
         backend: Backend | None = None
         try:
             held = await self._acquire(job)
             while held is not None:
-                backend = held.backend
+                engine, backend = held.engine, held.engine.backend
                 try:
                     remaining = job.deadline - self.clock()
                     async with asyncio.timeout(max(remaining, 0)):
-                        assembler = await self._generate(job, backend)
+                        assembler = await self._generate(job, held)
                 except BackendError as exc:
-                    self._note_failure(held, exc)
-                    tried.add(backend.name)
-                    label = held.label
-                    self._release(held, job)
+                    self._note_failure(engine, exc)
+                    tried.add(engine.name)
+                    label = engine.label
+                    self._release(held)
                     held = None
                     retry_at = self._retry_at(job, attempts) if exc.retryable else None
                     if retry_at is None or attempts >= job.max_attempts:
@@ -376,7 +420,7 @@ class Dispatcher:
                     )
                     await self._finish(job, JobState.FAILED, attempts, backend, error=internal_error())
                     return
-                held.failures = 0
+                engine.health.on_success(time.monotonic())
                 await self._finish(
                     job,
                     JobState.SUCCEEDED,
@@ -395,43 +439,115 @@ class Dispatcher:
             raise
         finally:
             if held is not None:
-                self._release(held, job)
+                # No outcome came (cancelled, expired): a probe it carried is over all the same.
+                held.engine.health.probe_in_flight = False
+                self._release(held)
 
     def _retry_at(self, job: Job, attempts: int) -> float | None:
         """When the job's next attempt may start (clock time): after the backoff, and once some
-        backend of its model is out of its cooldown; None when that is not before the deadline."""
+        engine of its model is out of its ejection; None when that is not before the deadline."""
         backoff = min(self.retry_backoff_s * 2 ** (attempts - 1), 2.0)
-        serving = [s for s in self.slots if job.model in s.backend.models and not s.draining]
+        serving = [
+            e
+            for model, _ in self.fleet.targets(job.model)
+            for e in self.fleet.serving(model)
+            if not e.draining
+        ]
         if not serving:
             return None
         mono = time.monotonic()
-        cooldown = min(max(s.cooldown_until - mono, 0.0) for s in serving)
-        at = self.clock() + max(backoff, cooldown)
+        ejected = min(e.ejected_for(mono) for e in serving)
+        at = self.clock() + max(backoff, ejected)
         return at if at < job.deadline else None
 
-    async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> _Slots | None:
+    async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> _Hold | None:
         await asyncio.sleep(max(retry_at - self.clock(), 0.0))
         return await self._acquire(job, exclude=tried)
 
-    async def _generate(self, job: Job, backend: Backend) -> Assembler:
+    async def _generate(self, job: Job, hold: _Hold) -> Assembler:
+        """Run one attempt on the held engine; what it measured of the stream feeds the engine's
+        limit and speed."""
+        engine = hold.engine
         assembler = Assembler(job)
-        stream = backend.stream(job)
+        # The engine is asked for its own model name (an alias's target), the client answered in
+        # the name it asked for.
+        sent = (
+            job
+            if job.body.get("model") == hold.target
+            else replace(job, body={**job.body, "model": hold.target})
+        )
+        inflight = engine.inflight
+        started = time.monotonic()
+        first: float | None = None
+        chunks = 0
+        stream = engine.backend.stream(sent)
         try:
             async for data in stream:
                 choices = assembler.add(data)
                 if choices:
+                    first = first or time.monotonic()
+                    chunks += 1
                     await self.broker.publish(job.id, EventType.TOKEN, assembler.event(choices))
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+        self._observe(engine, job, assembler, inflight, started, first, chunks)
         return assembler
 
-    def _note_failure(self, slot: _Slots, exc: BackendError) -> None:
-        if exc.retryable:
-            slot.failures += 1
-            slot.cooldown_until = time.monotonic() + min(
-                COOLDOWN_S * 2 ** (slot.failures - 1), MAX_COOLDOWN_S
+    def _observe(
+        self,
+        engine: Engine,
+        job: Job,
+        assembler: Assembler,
+        inflight: int,
+        started: float,
+        first: float | None,
+        chunks: int,
+    ) -> None:
+        """Feed the engine's limit a finished stream: its first token's time and the mean time of
+        each token after it, per sequence (a whole answer, not streamed, gives only the mean time
+        per token over all of it)."""
+        ended = time.monotonic()
+        usage = assembler.final_usage() or {}
+        out = usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens")
+        output_tokens = out if _count(out) else chunks
+        prompt_tokens = prompt if _count(prompt) else job.prompt_tokens
+        per_sequence = output_tokens / max(job.sequences, 1)
+        ttft: float | None = None
+        tpot: float | None = None
+        if job.stream_tokens and first is not None:
+            ttft = first - started
+            engine.observe_ttft(ttft)
+            if per_sequence >= 2:
+                tpot = (ended - first) / (per_sequence - 1)
+        elif per_sequence >= 2:
+            tpot = (ended - started) / per_sequence
+        before = engine.limit
+        engine.limiter.on_sample(
+            StreamSample(
+                inflight=inflight,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                output_tokens=output_tokens,
+                prompt_tokens=prompt_tokens,
             )
-            log.warning("backend %s failed: %s", slot.backend.name, exc.detail)
+        )
+        if engine.limit != before:
+            self._capacity.set()
+
+    def _note_failure(self, engine: Engine, exc: BackendError) -> None:
+        now = time.monotonic()
+        if not exc.retryable:
+            # The engine answered (it refused the request itself): it is up, and a probe is over.
+            engine.health.on_success(now)
+            return
+        if exc.status in OVERLOAD_STATUS:
+            engine.limiter.on_overload()
+        if exc.status != 429:  # "too many" is a full engine, not a broken one
+            engine.health.on_failure(now)
+        else:
+            engine.health.probe_in_flight = False
+        log.warning("backend %s failed: %s", engine.name, exc.detail)
 
     async def _finish(
         self,
@@ -487,21 +603,101 @@ class Dispatcher:
                     task.cancel()
             await self._rediscover()
 
+    async def _describe(self, engine: Engine, *, first: bool = False) -> None:
+        """Read the engine's model list: the models it serves when none are configured, what it
+        says of them (their context window) either way."""
+        if engine.described and engine.backend.models:
+            return
+        try:
+            listed = await engine.backend.discover_models()
+        except BackendError as exc:
+            if first:
+                log.warning("backend %s: %s; will retry", engine.name, exc.detail)
+            return
+        engine.described = True
+        if not engine.backend.models:
+            # Models configured, not listed: the configured names stay.
+            engine.backend.models = listed
+            if listed and not first:
+                log.info("backend %s serves %s", engine.name, ", ".join(listed))
+            self._capacity.set()
+
     async def _rediscover(self) -> None:
-        for s in self.slots:
-            if not s.backend.models:
-                with contextlib.suppress(BackendError):
-                    s.backend.models = await s.backend.discover_models()
-                    s.described = True
-                    if s.backend.models:
-                        log.info("backend %s serves %s", s.backend.name, ", ".join(s.backend.models))
-                        self._capacity.set()
-            elif not s.described:
-                # Models configured, not listed: the engine's list still says what it knows of
-                # them (their context window), and the configured names stay.
-                with contextlib.suppress(BackendError):
-                    await s.backend.discover_models()
-                    s.described = True
+        await asyncio.gather(*(self._describe(e) for e in self.fleet.engines))
+
+    # --- engines: their load, and who is in the fleet ----------------------------------------
+
+    async def _engines_forever(self) -> None:
+        """Every ``load_poll_s``: ask the busy engines for their load (every engine once per
+        heartbeat), resolve the fleet's DNS names every ``dns_refresh_s``, and drop the engines
+        that left once their work is done."""
+        mono = time.monotonic
+        polled_all = refreshed = mono()
+        while True:
+            await asyncio.sleep(self.load_poll_s)
+            everyone = mono() - polled_all >= self.heartbeat_s
+            if everyone:
+                polled_all = mono()
+            await self._poll_loads([e for e in self.fleet.engines if everyone or e.inflight > 0])
+            if self.fleet.dynamic and mono() - refreshed >= self.dns_refresh_s:
+                refreshed = mono()
+                await self.refresh_membership()
+            for engine in self.fleet.departed():
+                log.info("backend %s left the fleet", engine.name)
+                with contextlib.suppress(Exception):
+                    await engine.backend.aclose()
+
+    async def _poll_loads(self, engines: Sequence[Engine]) -> None:
+        loads = await asyncio.gather(*(self._load(e) for e in engines))
+        changed = False
+        for engine, load in zip(engines, loads, strict=True):
+            if load is not None:
+                before = engine.limit
+                engine.limiter.on_engine_load(load)
+                changed = changed or engine.limit != before
+        if changed:
+            self._capacity.set()
+
+    async def _load(self, engine: Engine) -> EngineLoad | None:
+        """What the engine says of its load now (None: it says nothing, or not in time)."""
+        try:
+            async with asyncio.timeout(LOAD_TIMEOUT_S):
+                return await engine.backend.engine_load()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return None
+
+    async def refresh_membership(self) -> None:
+        """Resolve the fleet's DNS names now: engines that joined are described and take work,
+        those that left take no more."""
+        change = await self.fleet.refresh()
+        for engine in change.joined:
+            engine.draining = engine.name in self._drained or engine.pool in self._drained
+        await asyncio.gather(*(self._describe(e, first=True) for e in change.joined))
+        if change.joined or change.leaving:
+            self._capacity.set()
+            with contextlib.suppress(Exception):
+                await self.broker.register(self.worker_id, self.capacity())
+                await self.broker.describe_models(self.worker_id, self.model_info())
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """A job's reservation on an engine: what it took, and the engine model it asks for."""
+
+    engine: Engine
+    #: slots taken (kept: the engine's limit, and so a wide job's width, may change meanwhile)
+    width: int
+    #: tokens of the engine's budget taken
+    cost: int
+    #: the engine model name the attempt asks for (an alias's draw, else the job's model)
+    target: str
+
+
+def _count(value: object) -> TypeGuard[int]:
+    """Whether a usage field is a count (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _job_error(exc: BackendError, attempts: int = 1) -> JobError:

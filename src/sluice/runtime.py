@@ -26,6 +26,7 @@ from sluice.broker import BrokerSettings, create_broker
 from sluice.broker.base import Broker
 from sluice.config import Settings
 from sluice.dispatcher import Dispatcher
+from sluice.fleet import Fleet, PoolSpec, Resolver, resolve_system
 from sluice.metrics import Metrics
 from sluice.reports import worker_reporter
 from sluice.startup import EngineStartup, StartupPhase
@@ -65,7 +66,7 @@ def build_broker(settings: Settings) -> Broker:
 
 
 def build_backends(settings: Settings) -> list[Backend]:
-    """One OpenAI-compatible backend per configured engine."""
+    """One OpenAI-compatible backend per configured ``[[backends]]`` engine."""
     return [
         OpenAIBackend(
             b.url,
@@ -79,6 +80,59 @@ def build_backends(settings: Settings) -> list[Backend]:
     ]
 
 
+def pool_specs(settings: Settings) -> list[PoolSpec]:
+    """The configured ``[[pools]]``, as the fleet builds their engines."""
+    return [
+        PoolSpec(
+            p.name,
+            addresses=tuple(p.engines),
+            models=tuple(p.models),
+            max_concurrency=p.max_concurrency,
+            adaptive=p.adaptive,
+            tpot_objective_s=p.tpot_objective_s,
+            max_inflight_tokens=p.max_inflight_tokens,
+            priority=p.priority,
+            api_key=p.api_key,
+        )
+        for p in settings.pools
+    ]
+
+
+def pool_backend(spec: PoolSpec, url: str, name: str) -> Backend:
+    """The adapter of one engine of a pool (one that joins by DNS too)."""
+    return OpenAIBackend(
+        url,
+        name=name,
+        max_concurrency=spec.connections,
+        max_inflight_tokens=spec.max_inflight_tokens,
+        models=list(spec.models),
+        api_key=spec.api_key,
+        priority_map=spec.priority,
+    )
+
+
+def build_fleet(settings: Settings, *, resolver: Resolver = resolve_system) -> Fleet:
+    """The engines: each ``[[backends]]`` entry a pool of one (its limit fixed unless it sets
+    ``adaptive``), the ``[[pools]]``, and the ``[[aliases]]``."""
+    engines = [
+        (
+            backend,
+            PoolSpec(
+                backend.name,
+                # Learning, the limit's ceiling is the one set for this engine (None: none).
+                max_concurrency=b.max_concurrency if b.adaptive else backend.max_concurrency,
+                adaptive=b.adaptive,
+                max_inflight_tokens=b.max_inflight_tokens,
+            ),
+        )
+        for b, backend in zip(settings.backends, build_backends(settings), strict=True)
+    ]
+    aliases = {a.name: [(t.model, t.weight) for t in a.targets] for a in settings.aliases}
+    return Fleet(
+        pool_specs(settings), engines=engines, factory=pool_backend, aliases=aliases, resolver=resolver
+    )
+
+
 def webhook_secrets(settings: Settings) -> dict[str, str]:
     """The configured keys' webhook secrets, by the key's SHA-256 (a job is signed with the secret
     of the key that submitted it)."""
@@ -90,20 +144,18 @@ class Worker:
 
     Attributes:
         broker: the queue it claims from (started and closed by whoever built it).
-        backends: the engines' adapters; closed by :meth:`stop`.
-        dispatcher: claims, runs and settles jobs on ``backends``.
+        dispatcher: claims, runs and settles jobs on the engines of its fleet (whose adapters
+            :meth:`stop` closes).
         webhooks: delivers the callbacks of ended jobs; None when the broker keeps none.
     """
 
     def __init__(
         self,
         broker: Broker,
-        backends: list[Backend],
         dispatcher: Dispatcher,
         webhooks: WebhookDelivery | None,
     ) -> None:
         self.broker = broker
-        self.backends = backends
         self.dispatcher = dispatcher
         self.webhooks = webhooks
         #: tells every gateway's dashboard about this worker's engines and counters
@@ -120,15 +172,26 @@ class Worker:
         if self.webhooks is not None:
             await self.webhooks.stop()
         await self.dispatcher.stop()
-        for backend in self.backends:
-            await backend.aclose()
+        for engine in self.dispatcher.fleet.engines:
+            await engine.backend.aclose()
+
+    @property
+    def backends(self) -> list[Backend]:
+        """The adapters of the engines in the fleet now."""
+        return [e.backend for e in self.dispatcher.fleet.engines]
 
 
 def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = None) -> Worker:
-    """A worker on ``broker`` for the configured backends (at least one)."""
-    backends = build_backends(settings)
+    """A worker on ``broker`` for the configured engines (backends and pools, at least one)."""
     # A worker of its own (``sluice worker``) counts too: its dashboard report carries the counts.
-    dispatcher = Dispatcher(broker, backends, metrics=metrics if metrics is not None else Metrics())
+    dispatcher = Dispatcher(
+        broker,
+        fleet=build_fleet(settings),
+        routing=settings.routing,
+        prefix_affinity=settings.prefix_affinity,
+        dns_refresh_s=settings.dns_refresh_s,
+        metrics=metrics if metrics is not None else Metrics(),
+    )
     webhooks = None
     if broker.supports_callbacks:
         webhooks = WebhookDelivery(
@@ -137,7 +200,7 @@ def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = N
             secrets=webhook_secrets(settings),
             allow_private=settings.webhooks_allow_private,
         )
-    return Worker(broker, backends, dispatcher, webhooks)
+    return Worker(broker, dispatcher, webhooks)
 
 
 @contextlib.asynccontextmanager
@@ -218,7 +281,7 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
 
     metrics = Metrics()
     broker = build_broker(settings)
-    worker = build_worker(settings, broker, metrics) if dispatch and settings.backends else None
+    worker = build_worker(settings, broker, metrics) if dispatch and settings.has_engines else None
     local = _LocalBackends()
 
     @contextlib.asynccontextmanager

@@ -1,4 +1,5 @@
-"""Admin endpoints, behind an admin key: queue statistics, draining backends, dead letters, API keys.
+"""Admin endpoints, behind an admin key: queue statistics, draining backends (an engine or a pool),
+dead letters, API keys.
 
 Without an admin key every path here answers 404, so the surface stays invisible to others.
 """
@@ -27,11 +28,12 @@ class BackendControl(Protocol):
     """The backends a dispatcher in this process feeds (the dispatcher is one)."""
 
     def backends(self) -> list[dict[str, object]]:
-        """Each backend's name, models, limits, in-flight work and health."""
+        """Each backend's name, pool, models, limit, in-flight work and health."""
         ...
 
     def apply_draining(self, names: set[str]) -> None:
-        """Stop giving new work to the backends named (and resume the others)."""
+        """Stop giving new work to the backends named, or whose pool is named (and resume the
+        others)."""
         ...
 
 
@@ -55,8 +57,11 @@ async def queues(request: Request, _: Admin) -> JSONResponse:
 async def _drain(request: Request, name: str, draining: bool) -> JSONResponse:
     gw = gateway(request)
     local = local_backends(request)
-    if local is not None and name not in {b["name"] for b in local.backends()}:
-        raise APIError(404, f"No backend named '{name}'.", "backend_not_found")
+    # An engine, or a whole pool (engines that join it later are drained too).
+    if local is not None:
+        known = {str(b[key]) for b in local.backends() for key in ("name", "pool") if b.get(key)}
+        if name not in known:
+            raise APIError(404, f"No backend or pool named '{name}'.", "backend_not_found")
     await gw.broker.set_draining(name, draining)
     if local is not None:
         local.apply_draining(await gw.broker.draining())
