@@ -326,6 +326,16 @@ def test_grace_periods_cover_the_drain(
     )
 
 
+def test_a_leaving_engine_is_out_of_the_pool_before_it_stops(
+    objects: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A terminating vLLM pod leaves the headless Service's DNS at once; the workers see it gone at
+    their next resolution, through CoreDNS's cache (30 s at most in its default Corefile). The
+    preStop sleep keeps vLLM serving until then, so no new work is sent to an engine that stopped."""
+    refresh = settings_of(objects, tmp_path).dns_refresh_s
+    assert pre_stop_sleep(container(find(objects, "Deployment", "vllm"), "vllm")) > refresh + 30
+
+
 def test_services_select_pods_and_their_ports(objects: list[dict[str, Any]]) -> None:
     for service in of_kind(objects, "Service"):
         matched = [
