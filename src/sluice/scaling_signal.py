@@ -229,10 +229,14 @@ class ScalingSignal:
             engine_count = 0
         if engine_count > 0 and slots > 0:
             state.slots_per_engine = slots / engine_count
-        supply = Supply(engine_count, slots, slot_rate, state.slots_per_engine)
         rate = state.arrivals.observe(
-            now, urgent_tokens(classes, self.policy.objectives), throughput(running, slots, slot_rate)
+            now,
+            urgent_tokens(classes, self.policy.objectives),
+            throughput(running, slots, slot_rate),
+            slot_rate,
         )
+        # the smoothed slot rate, the one the arrival rate was smoothed with (ArrivalEstimator)
+        supply = Supply(engine_count, slots, state.arrivals.slot_rate, state.slots_per_engine)
         demand = Demand(
             queued_jobs=queued_jobs,
             queued_tokens=queued_tokens,

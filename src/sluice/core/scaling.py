@@ -308,8 +308,16 @@ class ArrivalEstimator:
     best-effort batch pushed in at once does not read as a surge of demand. Each reading is
     smoothed with a time constant ``tau_s`` (an exponential moving average in continuous time).
 
+    The slot rate is smoothed the same way (:attr:`slot_rate`): the broker's moves with every job
+    that finishes, and one long job or a few short ones swing it by half; the engines one needs are
+    the smoothed rate over the smoothed slot rate, so that the swings of both cancel.
+
     Args:
         tau_s: the smoothing time constant, in seconds.
+
+    Attributes:
+        rate: the smoothed arrival rate (tokens per second).
+        slot_rate: the smoothed slot rate given to :meth:`observe` (0 before the first).
     """
 
     def __init__(self, tau_s: float = 30.0) -> None:
@@ -317,21 +325,30 @@ class ArrivalEstimator:
             raise ValueError("tau_s must be positive")
         self.tau_s = tau_s
         self.rate: float = 0.0
+        self.slot_rate: float = 0.0
         self._last: tuple[float, float] | None = None
 
-    def observe(self, now: float, urgent_queued_tokens: float, throughput: float) -> float:
-        """Count one reading at ``now``: the urgent classes' queued tokens and the tokens per second
-        being served; returns the smoothed rate."""
+    def observe(
+        self, now: float, urgent_queued_tokens: float, throughput: float, slot_rate: float | None = None
+    ) -> float:
+        """Count one reading at ``now``: the urgent classes' queued tokens, the tokens per second
+        being served, and the slot rate it was computed with; returns the smoothed rate."""
         if self._last is None:
             self._last = (now, urgent_queued_tokens)
             self.rate = max(throughput, 0.0)
+            self.slot_rate = max(slot_rate or 0.0, 0.0)
             return self.rate
         then, queued = self._last
         dt = now - then
         if dt <= 0:
             return self.rate
+        weight = 1.0 - math.exp(-dt / self.tau_s)
         sample = max(throughput + (urgent_queued_tokens - queued) / dt, 0.0)
-        self.rate += (1.0 - math.exp(-dt / self.tau_s)) * (sample - self.rate)
+        self.rate += weight * (sample - self.rate)
+        if slot_rate is not None and slot_rate > 0:
+            self.slot_rate = (
+                slot_rate if self.slot_rate <= 0 else self.slot_rate + weight * (slot_rate - self.slot_rate)
+            )
         self._last = (now, urgent_queued_tokens)
         return self.rate
 
