@@ -396,3 +396,11 @@ def test_a_run_and_a_comparison_without_matplotlib_write_everything_but_the_plot
     assert capsys.readouterr().err.count(PLOTS_NEED) == 1
     assert "| | bare | bare |" in (tmp_path / "both.md").read_text()
     assert not (tmp_path / "both.png").exists()
+
+
+def test_fleet_is_a_bench_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser("bench").parse_args(["bench", "fleet", "--kill", "nobody", "--out", str(tmp_path)])
+    assert args.bench_command == "fleet"
+    # bench's run hands it to sluice.bench.fleet, which refuses the command line before spawning anything.
+    assert bench.run(args) == 2
+    assert "sluice bench fleet: --kill nobody: no such engine" in capsys.readouterr().err
