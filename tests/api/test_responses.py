@@ -46,8 +46,9 @@ class ScriptedEngine:
     thinks aloud first (``reasoning_content``). Streamed, every piece is a chunk of its own and a
     tool call's arguments come in fragments, as vLLM sends them. Every chunk and whole answer
     carries OpenAI's chunk-level fields (:data:`FIELDS`). A request asking for more than
-    :data:`MOST_TOKENS` tokens is refused with a 400 naming ``max_tokens``, as vLLM refuses one
-    past the context window. It keeps the bodies it got."""
+    :data:`MOST_TOKENS` tokens is refused with a 400 naming the field it came in
+    (``max_completion_tokens`` or ``max_tokens``), as vLLM refuses one past the context window.
+    It keeps the bodies it got."""
 
     #: What OpenAI says on every chunk besides the choices.
     FIELDS = {"system_fingerprint": "fp_script", "service_tier": "default"}
@@ -84,9 +85,10 @@ class ScriptedEngine:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
-        if int(body.get("max_tokens") or 0) > self.MOST_TOKENS:
-            message = f"max_tokens must be at most {self.MOST_TOKENS} (the context window)."
-            error = {"message": message, "type": "BadRequestError", "param": "max_tokens", "code": 400}
+        limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if int(body.get(limit) or 0) > self.MOST_TOKENS:
+            message = f"{limit} must be at most {self.MOST_TOKENS} (the context window)."
+            error = {"message": message, "type": "BadRequestError", "param": limit, "code": 400}
             return JSONResponse({"error": error}, status_code=400)
         deltas, finish = self.pieces(body)
         usage = {"prompt_tokens": 11, "completion_tokens": len(deltas), "total_tokens": 11 + len(deltas)}
