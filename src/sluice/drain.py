@@ -11,7 +11,6 @@ This module never imports the web framework: a worker uses it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -22,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
+
+from sluice.config import ConfigError
 
 if TYPE_CHECKING:
     from sluice.dispatcher import Dispatcher
@@ -49,50 +50,32 @@ class DrainPhase(StrEnum):
 
 
 def env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment (``default`` when unset); a bad value is an error
-    that names the variable, not a traceback."""
+    """A number of seconds from the environment (``default`` when unset); a bad value is a
+    :class:`~sluice.config.ConfigError` that names the variable."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, not {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{name} must not be negative, not {raw!r}")
+        raise ConfigError(f"{name} must be a number of seconds, not {raw!r}") from None
+    if value < 0 or value != value:
+        raise ConfigError(f"{name} must be zero or more seconds, not {raw!r}")
     return value
 
 
-def seconds(raw: str) -> float:
-    """argparse type: a number of seconds, zero or more."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {raw!r}")
-    return value
+def setting_seconds(settings: object, field: str, env: str, default: float) -> float:
+    """A drain setting: the settings' field where they have it, else the environment variable
+    ``env`` (the same name the field reads: ``SLUICE_<FIELD>``), else ``default``."""
+    value = getattr(settings, field, None)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return env_seconds(env, default)
 
 
-def add_grace_flag(parser: argparse.ArgumentParser) -> None:
-    """``--drain-grace-s``: the grace period (default from ``SLUICE_DRAIN_GRACE_S``, else 30 s)."""
-    parser.add_argument(
-        "--drain-grace-s",
-        type=seconds,
-        default=None,
-        metavar="SECONDS",
-        help=(
-            "after SIGTERM, how long running work may take to finish before it is handed back (a worker) "
-            f"or cut off (a gateway); a second SIGTERM cuts it short (env {GRACE_ENV}; "
-            f"default {DEFAULT_GRACE_S:g})"
-        ),
-    )
-
-
-def grace_from_args(args: argparse.Namespace) -> float:
-    """The grace period the flag, else the environment, else the default gives."""
-    flag: float | None = getattr(args, "drain_grace_s", None)
-    return flag if flag is not None else env_seconds(GRACE_ENV, DEFAULT_GRACE_S)
+def grace_of(settings: object) -> float:
+    """How long running work may take to finish after SIGTERM (``drain_grace_s``)."""
+    return setting_seconds(settings, "drain_grace_s", GRACE_ENV, DEFAULT_GRACE_S)
 
 
 @dataclass

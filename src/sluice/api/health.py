@@ -1,6 +1,8 @@
 """Liveness, readiness and metrics.
 
-``/healthz`` and ``/readyz`` answer anyone (load balancers ask them). ``/metrics`` is the operator's:
+``/healthz`` and ``/readyz`` answer anyone (load balancers ask them). From the first SIGTERM on,
+``/readyz`` answers 503 ``draining`` (the process drains, :mod:`sluice.roles.http`) while
+``/healthz`` stays 200: the process is alive and finishing its work. ``/metrics`` is the operator's:
 with keys it needs an admin key (401 without a key, 404 for other keys, as ``/admin``), unless
 ``metrics_public``; open mode serves it to all.
 """
@@ -27,13 +29,17 @@ async def healthz() -> JSONResponse:
     "/readyz",
     responses={
         503: {
-            "description": "Not ready: the broker is unreachable, or no backend serves a model yet.",
+            "description": "Not ready: the process is shutting down (draining), the broker is "
+            "unreachable, or no backend serves a model yet.",
             "content": {"application/json": {"schema": {}}},
         },
         **errors(),
     },
 )
 async def readyz(request: Request) -> JSONResponse:
+    shutdown = getattr(request.app.state, "drain", None)
+    if shutdown is not None and shutdown.draining:
+        return JSONResponse({"status": "draining", "reason": "shutting down"}, status_code=503)
     gw = gateway(request)
     try:
         served = await gw.broker.served_models()

@@ -2,12 +2,20 @@
 
 With no backend configured, the local engine (llama.cpp's llama-server with a small model) is built
 once and started, and the dispatcher feeds it.
+
+On SIGTERM it drains as a gateway does (:mod:`sluice.roles.http`), and its dispatcher with it. On
+the embedded broker no other worker could take its queue: the dispatcher goes on claiming until the
+queue is empty or the grace period ends, and what is still queued or running then is reported in the
+log (it ends with the process). On Redis the dispatcher drains as ``sluice worker`` does: no more
+claims, its jobs finish within the grace period, the rest are handed back to the queue.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -15,11 +23,13 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from sluice import aio, runtime
+from sluice import aio, drain, runtime
+from sluice.broker.memory import MemoryBroker
 from sluice.config import BackendConfig, ConfigError, Settings
+from sluice.dispatcher import Dispatcher
 from sluice.logs import setup_logging
 from sluice.roles import flags
-from sluice.roles.http import bind, check_exposure, serve_http
+from sluice.roles.http import accept_of, bind, check_exposure, serve_http
 from sluice.startup import EngineStartup
 
 log = logging.getLogger("sluice.serve")
@@ -73,11 +83,58 @@ def with_local_engine(settings: Settings, url: str, model: str, slots: int) -> S
     return local_engine_defaults(settings).model_copy(update={"backends": [backend]})
 
 
-async def serve(settings: Settings, sock: socket.socket) -> int:
-    """Serve until SIGINT/SIGTERM; with no backend configured, answer while the local engine is
-    provisioned (``/readyz`` and requests say how far along it is). 1 if the engine failed."""
+#: how often the queue of the embedded broker is read while the drain waits for it to empty
+SETTLE_POLL_S = 0.1
+
+
+def dispatcher_of(app: object) -> Dispatcher | None:
+    """The dispatcher the app runs (that of the local engine once it is up), if any."""
+    control = getattr(getattr(app, "state", None), "backends", None)
+    if isinstance(control, Dispatcher):
+        return control
+    local = getattr(control, "dispatcher", None)
+    return local if isinstance(local, Dispatcher) else None
+
+
+async def settle_jobs(app: object, shutdown: drain.Drain) -> None:
+    """The drain of the process's dispatcher (see the module docstring)."""
+    dispatcher = dispatcher_of(app)
+    if dispatcher is None:
+        return
+    if not isinstance(dispatcher.broker, MemoryBroker):
+        await drain.drain_dispatcher(dispatcher, shutdown)
+        return
+    broker = dispatcher.broker
+    queued = running = 0
+    while True:
+        stats = await broker.stats()
+        queued = sum(s.queued_jobs for s in stats.values())
+        running = sum(s.running_jobs for s in stats.values())
+        if queued + running == 0 or shutdown.remaining() <= 0 or shutdown.hurry.is_set():
+            break
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(SETTLE_POLL_S, shutdown.remaining())):
+                await shutdown.hurry.wait()
+    if queued + running:
+        log.warning(
+            "shutting down with jobs left: the embedded broker ends with the process, and they with it",
+            extra={"fields": {"queued": queued, "running": running, "grace_s": shutdown.grace_s}},
+        )
+
+
+async def serve(
+    settings: Settings,
+    sock: socket.socket,
+    *,
+    grace_s: float = drain.DEFAULT_GRACE_S,
+    accept_s: float = 0.0,
+) -> int:
+    """Serve until SIGINT/SIGTERM and the drain after it; with no backend configured, answer while
+    the local engine is provisioned (``/readyz`` and requests say how far along it is). 1 if the
+    engine failed."""
+    drained = functools.partial(serve_http, grace_s=grace_s, accept_s=accept_s, settle=settle_jobs)
     if settings.backends:
-        await serve_http(runtime.build_app(settings, dispatch=True), sock, settings, "serve")
+        await drained(runtime.build_app(settings, dispatch=True), sock, settings, "serve")
         return 0
     settings = local_engine_defaults(settings)
     startup = EngineStartup()
@@ -92,7 +149,7 @@ async def serve(settings: Settings, sock: socket.socket) -> int:
 
     pending = runtime.PendingEngine(startup, lambda: local_engine(settings, startup), failed)
     app = runtime.build_app(settings, dispatch=True, pending=pending)
-    await serve_http(app, sock, settings, "serve", on_server=server.append)
+    await drained(app, sock, settings, "serve", on_server=server.append)
     if failure:
         print(f"sluice: the local engine failed: {failure[0]}", file=sys.stderr)
         return 1
@@ -104,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
         settings = flags.settings_from_args(args)
         setup_logging(settings.log_level, settings.log_format)
         check_exposure(settings)
+        grace_s, accept_s = drain.grace_of(settings), accept_of(settings)
         sock = bind(settings.host, settings.port)
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     with sock, contextlib.suppress(KeyboardInterrupt):
-        return aio.run(serve(settings, sock))
+        return aio.run(serve(settings, sock, grace_s=grace_s, accept_s=accept_s))
     return 0

@@ -2,9 +2,9 @@
 
 It claims jobs only when one of its backends has room, runs them, and settles them in the broker;
 any number of workers share one Redis. On SIGTERM it drains (:mod:`sluice.drain`): it stops
-claiming, lets its jobs finish within ``--drain-grace-s``, hands the rest back to the head of their
-queues and exits 0; a second SIGTERM hands them back at once. This module never imports the web
-framework.
+claiming, lets its jobs finish within the grace period (``SLUICE_DRAIN_GRACE_S``), hands the rest
+back to the head of their queues and exits 0; a second SIGTERM hands them back at once. This module
+never imports the web framework.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     flags.add_config(parser)
     flags.add_backends(parser)
     flags.add_flags(parser, flags.COMMON, flags.DISPATCH)
-    drain.add_grace_flag(parser)
 
 
 async def work(settings: Settings, grace_s: float = drain.DEFAULT_GRACE_S) -> None:
@@ -53,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
         settings = flags.shared_settings(args, "worker")
         if not settings.backends:
             raise ConfigError("a worker needs at least one --backend")
-        grace_s = drain.grace_from_args(args)
-    except (ConfigError, argparse.ArgumentTypeError) as exc:
+        grace_s = drain.grace_of(settings)
+    except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
