@@ -285,36 +285,46 @@ def test_probes_ask_routes_the_gateway_serves(objects: list[dict[str, Any]]) -> 
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
 
-def drain_grace(workload: dict[str, Any], role: str, monkeypatch: pytest.MonkeyPatch) -> float:
-    """Sluice's drain in this pod, as the role reads it (sluice.drain: the flag, else the environment,
-    else the default): how long a draining process may take from SIGTERM to its exit, less the cut-off."""
+def drain_grace(
+    objects: list[dict[str, Any]],
+    workload: dict[str, Any],
+    role: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> float:
+    """Sluice's drain in this pod, as the role reads it (sluice.drain: from the pod's config file and
+    environment, else the default): how long a draining process may take from SIGTERM to its exit,
+    less the cut-off."""
     from sluice import drain
-    from sluice.roles.http import ACCEPT_ENV, accept_from_args
+    from sluice.roles.http import ACCEPT_ENV, accept_of
 
     c = container(workload, role)
-    parser = build_parser(role)
-    args = parser.parse_args(c["args"])
-    assert hasattr(args, "drain_grace_s"), f"sluice {role} has no --drain-grace-s: it does not drain"
-    monkeypatch.delenv(drain.GRACE_ENV, raising=False)
-    monkeypatch.delenv(ACCEPT_ENV, raising=False)
+    build_parser(role).parse_args(c["args"])
+    for name in (drain.GRACE_ENV, ACCEPT_ENV):
+        monkeypatch.delenv(name, raising=False)
     for var in c.get("env", []):
         monkeypatch.setenv(var["name"], var["value"])
-    grace = float(drain.grace_from_args(args))
+    path = tmp_path / f"{role}.toml"
+    path.write_text(config_file(objects, with_keys=role == "gateway"))
+    settings = load_settings(path)
+    grace = drain.grace_of(settings)
     if role == "gateway":
         # new requests still taken after SIGTERM, before the grace of the last one starts
-        grace += accept_from_args(args)
+        grace += accept_of(settings)
     return grace
 
 
 def test_grace_periods_cover_the_drain(
-    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    objects: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Kubernetes counts the preStop hook inside terminationGracePeriodSeconds, then SIGKILLs: the pod's
     grace must exceed preStop + Sluice's own drain grace, or a drain is cut short."""
     for name, role in [("sluice-gateway", "gateway"), ("sluice-worker", "worker")]:
         workload = find(objects, "Deployment", name)
-        grace = drain_grace(workload, role, monkeypatch)
-        assert grace > 0, name
+        grace = drain_grace(objects, workload, role, tmp_path, monkeypatch)
+        # the pod sets its grace; the process reads that one, not the default
+        env = {v["name"]: v["value"] for v in container(workload, role).get("env", [])}
+        assert grace >= float(env["SLUICE_DRAIN_GRACE_S"]) > 0, name
         pod_grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         # a margin for the exit itself (handing jobs back, closing connections) after the grace
         assert pod_grace >= pre_stop_sleep(container(workload, role)) + grace + 10, name
