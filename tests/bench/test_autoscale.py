@@ -47,7 +47,9 @@ def test_the_fixed_fleet_bills_its_engines_all_day_and_scalers_stay_in_bounds(
 def test_timelines_cover_the_day(report: dict[str, object]) -> None:
     timelines = report["timelines"]
     assert isinstance(timelines, dict)
-    for tl in timelines.values():
+    misses = {r["strategy"]: r["misses"] for r in report["rows"]}  # type: ignore[attr-defined]
+    for name, tl in timelines.items():
+        assert sum(tl["misses"]) == misses[name]
         samples = tl["samples"]
         assert len(samples) == int(TINY.day_s / TINY.sample_s) + 1 == len(tl["misses"])
         assert [s[0] for s in samples] == sorted(s[0] for s in samples)

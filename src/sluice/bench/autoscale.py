@@ -310,7 +310,7 @@ class Outcome:
     peak_engines: int = 0
     #: per sample: [t, arrivals/s, engines billed, engines serving, metric the scaler read, queued]
     timeline: list[list[float]] = field(default_factory=list)
-    #: per sample: deadline misses since the previous sample
+    #: per sample: deadline misses whose client gave up from that sample to the next
     misses_timeline: list[int] = field(default_factory=list)
 
     @property
@@ -359,7 +359,7 @@ class Cluster:
         self.fleet_peak = fleet_peak
         max_replicas = config.max_replicas or 2 * fleet_peak
         self.hpa = Hpa(strategy.target, config.min_replicas, max_replicas, config.down_window_s)
-        self._misses_seen = 0
+        self._miss_buckets: dict[int, int] = {}
 
     # --- the fleet ------------------------------------------------------------------------------
 
@@ -394,8 +394,11 @@ class Cluster:
     def at(self, t: float, kind: str, data: Any = None) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, data))
 
-    def miss(self, job: SimJob) -> None:
+    def miss(self, job: SimJob, now: float) -> None:
+        """Count a missed deadline, in the timeline's sample where the client gave up."""
         self.outcome.misses[CLASSES[job.cls].name] += 1
+        at = int(min(job.deadline, now) // self.config.sample_s)
+        self._miss_buckets[at] = self._miss_buckets.get(at, 0) + 1
 
     def start(self, job: SimJob, engine: Engine, now: float) -> None:
         engine.running += 1
@@ -414,7 +417,7 @@ class Cluster:
                 self.queued_tokens[k] -= job.cost
                 if job.deadline > now:
                     return job
-                self.miss(job)  # expired while queued
+                self.miss(job, now)  # expired while queued
         return None
 
     def dispatch(self, now: float) -> None:
@@ -435,7 +438,7 @@ class Cluster:
         """A plain balancer: the ready engine with the fewest outstanding requests."""
         ready = [e for e in self.engines if e.ready(now)]
         if not ready:
-            self.miss(job)  # no endpoint: the connection is refused
+            self.miss(job, now)  # no endpoint: the connection is refused
             return
         engine = min(ready, key=lambda e: e.running + len(e.waiting))
         if engine.running < self.slots:
@@ -449,7 +452,7 @@ class Cluster:
             if job.deadline > now:
                 self.start(job, engine, now)
             else:
-                self.miss(job)
+                self.miss(job, now)
 
     def free(self, engine: Engine, now: float) -> None:
         engine.running -= 1
@@ -470,7 +473,7 @@ class Cluster:
             kept = deque(j for j in engine.waiting if j.deadline > now)
             for job in engine.waiting:
                 if job.deadline <= now:
-                    self.miss(job)
+                    self.miss(job, now)
             engine.waiting = kept
             total += len(kept)
         return float(total)
@@ -521,9 +524,6 @@ class Cluster:
         queued = sum(len(q) for q in self.queues) + sum(len(e.waiting) for e in self.engines)
         metric = float(self.signal) if self.strategy.scaler is Scaler.SLUICE else self.metric
         self.outcome.timeline.append([round(now, 1), round(rate, 2), billed, serving, metric, queued])
-        total = sum(self.outcome.misses.values())
-        self.outcome.misses_timeline.append(total - self._misses_seen)
-        self._misses_seen = total
 
     # --- the day --------------------------------------------------------------------------------
 
@@ -569,7 +569,7 @@ class Cluster:
                 self.free(engine, now)
             elif kind == "abort":
                 job, engine = data
-                self.miss(job)
+                self.miss(job, now)
                 self.free(engine, now)
             elif kind == "ready":
                 if self.strategy.routing is Routing.SLUICE:
@@ -590,10 +590,13 @@ class Cluster:
         # what is still queued when the last client has given up is a miss; engines stop billing
         for q in self.queues:
             for job in q:
-                self.miss(job)
+                self.miss(job, job.deadline)
         for engine in self.engines:
             for job in engine.waiting:
-                self.miss(job)
+                self.miss(job, job.deadline)
+        samples = len(out.timeline)
+        out.misses_timeline = [self._miss_buckets.get(i, 0) for i in range(samples)]
+        out.misses_timeline[-1] += sum(n for i, n in self._miss_buckets.items() if i >= samples)
         stop = c.day_s
         out.engine_seconds = sum(
             (min(e.stopped_at, stop) if e.stopped_at is not None else stop) - e.started_at
@@ -681,6 +684,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         axes[1].step(t, [s[2] for s in tl["samples"]], where="post", label=name)
         axes[2].plot(t, tl["misses"], label=name)
     axes[1].set_ylabel("engines billed")
+    axes[2].set_yscale("symlog", linthresh=10)
     axes[1].legend(fontsize=8)
     axes[2].set_ylabel(f"deadline misses / {report['config']['sample_s']:.0f} s")
     axes[2].set_xlabel("simulated seconds (a day compressed)")
