@@ -976,3 +976,24 @@ def _read_by_the_sdk(result: dict[str, Any]) -> None:
         " in Paris.",
     ]
     assert sdk.system_fingerprint == "b6123-4a1c"
+
+
+async def test_a_stream_relays_each_chunks_own_fields_as_the_engine_sent_them(
+    replay: tuple[Gateway, list[dict[str, Any]]], http: httpx.AsyncClient
+) -> None:
+    gw, _ = replay
+    body = {**_ASK, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        payloads = [line[5:].strip() async for line in r.aiter_lines() if line.startswith("data:")]
+    assert payloads[-1] == "[DONE]"
+    relayed = [json.loads(p) for p in payloads[:-1]]
+    sent = [c for c in _STREAM if c["choices"]]
+    assert [c["choices"] for c in relayed[:-1]] == [c["choices"] for c in sent]
+    for mine, theirs in zip(relayed, [*sent, _STREAM[-1]], strict=True):
+        # The engine's own fields as each chunk had them (llama-server's timings on the last
+        # ones only), in the job's identity.
+        assert mine["system_fingerprint"] == theirs["system_fingerprint"]
+        assert mine.get("timings") == theirs.get("timings")
+        assert mine["id"].startswith("chatcmpl-") and mine["id"] != theirs["id"]
+    assert relayed[-1]["choices"] == [] and relayed[-1]["usage"] == _STREAM[-1]["usage"]
