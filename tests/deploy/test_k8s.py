@@ -18,6 +18,7 @@ import copy
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -563,3 +564,109 @@ def test_the_pods_run_the_image_the_base_names(objects: list[dict[str, Any]]) ->
         spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
         for c in [*spec["containers"], *spec.get("initContainers", [])]:
             assert c["image"] == expected
+
+
+# -- the config, run ---------------------------------------------------------------------------
+
+
+def local_config(objects: list[dict[str, Any]], broker: str, port: int, engine_port: int, key: str) -> str:
+    """The gateway's sluice.toml as the pod gets it, moved onto this machine: the broker, the listening
+    address and the pool's DNS name are the only lines changed, and a real key replaces the Secret's
+    placeholder (an init container would append that Secret in the same place)."""
+    from sluice.api.auth import hash_key
+
+    text = config_file(objects, with_keys=False)
+    replaced = {
+        r'^broker = ".*"$': f'broker = "{broker}"',
+        r'^host = ".*"$': 'host = "127.0.0.1"',
+        r"^port = \d+$": f"port = {port}",
+        r"dns://vllm-headless\.sluice\.svc:\d+": f"dns://127.0.0.1:{engine_port}",
+    }
+    for pattern, line in replaced.items():
+        text, n = re.subn(pattern, line, text, flags=re.MULTILINE)
+        assert n == 1, pattern
+    return text + f'[[keys]]\ntenant = "test"\nkey_sha256 = "{hash_key(key)}"\n'
+
+
+#: what ``sluice worker`` said, before it took ``[[pools]]``, to a config that lists no ``[[backends]]``
+NO_POOLS = "a worker needs at least one --backend"
+
+
+def pod_env(workload: dict[str, Any], role: str) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in container(workload, role).get("env", [])}
+
+
+@pytest.mark.slow
+async def test_the_pods_commands_serve_a_request_and_drain(
+    objects: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The gateway and worker pods' commands, run here with their config and environment (only the
+    addresses moved onto loopback; a simulator in vLLM's place, found through the pool's dns://
+    engine): the probes answer, a request through the OpenAI SDK is served, and on SIGTERM both exit
+    within their terminationGracePeriodSeconds."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from tests.failures.procs import Proc
+    from tests.helpers import free_port, wait_until
+    from tests.redis_server import RedisServer
+
+    gateway_pod = find(objects, "Deployment", "sluice-gateway")
+    worker_pod = find(objects, "Deployment", "sluice-worker")
+    engine = container(find(objects, "Deployment", "vllm"), "vllm")
+    model = engine["args"][engine["args"].index("--served-model-name") + 1]
+    probes = container(gateway_pod, "gateway")
+    live, ready = probes["livenessProbe"]["httpGet"]["path"], probes["readinessProbe"]["httpGet"]["path"]
+
+    key = "sk-sluice-deploy-test"
+    port, engine_port = free_port(), free_port()
+    procs: list[Proc] = []
+    with RedisServer(aof=True) as redis:
+        config = tmp_path / "sluice.toml"
+        config.write_text(local_config(objects, redis.url, port, engine_port, key))
+        try:
+            procs.append(Proc(["sim", "--port", str(engine_port), "--model", model, "--preset", "fast"]))
+            # the containers' args, with the config file where this test put it
+            worker_args = [
+                str(config) if a.endswith("sluice.toml") else a
+                for a in container(worker_pod, "worker")["args"]
+            ]
+            gateway_args = [str(config) if a.endswith("sluice.toml") else a for a in probes["args"]]
+            worker = Proc(worker_args, pod_env(worker_pod, "worker"))
+            gateway = Proc(gateway_args, pod_env(gateway_pod, "gateway"))
+            procs += [worker, gateway]
+            url = f"http://127.0.0.1:{port}"
+
+            async def answers(path: str) -> bool:
+                if not worker.alive and NO_POOLS in worker.output():
+                    pytest.xfail(
+                        f"sluice worker refuses a config whose engines are [[pools]] only: {NO_POOLS}"
+                    )
+                assert worker.alive, worker.output()
+                assert gateway.alive, gateway.output()
+                try:
+                    async with httpx.AsyncClient() as c:
+                        return (await c.get(url + path, timeout=2)).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await wait_until(lambda: answers(live), timeout=30)
+            await wait_until(lambda: answers(ready), timeout=30)
+
+            client = AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+            reply = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+            )
+            await client.close()
+            assert reply.choices[0].message.content
+            assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+            # the worker exits 0 once drained; the gateway's server re-raises the SIGTERM it handled
+            # once it is done (uvicorn does), an exit Kubernetes expects of a pod it stops
+            for proc, pod, ok in [(gateway, gateway_pod, {0, -signal.SIGTERM}), (worker, worker_pod, {0})]:
+                proc.popen.terminate()
+                grace = pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+                assert proc.popen.wait(grace) in ok, proc.output()
+        finally:
+            for proc in procs:
+                proc.stop()
