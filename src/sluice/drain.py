@@ -207,7 +207,8 @@ async def hand_back(dispatcher: Dispatcher) -> tuple[int, list[str]]:
     if jobs:
         await asyncio.wait(jobs.values(), timeout=CANCEL_WAIT_S)
     released, unreleased = 0, []
-    for job_id in jobs:
+    # Each goes to the head of its queue: the latest claimed first, so that the earliest ends first.
+    for job_id in reversed(list(jobs)):
         try:
             ok = await dispatcher.broker.release(job_id, dispatcher.worker_id)
         except Exception as exc:

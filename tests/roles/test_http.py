@@ -1,0 +1,71 @@
+"""The HTTP roles' drain middleware alone (sluice.roles.http.OpenRequests), in front of a small ASGI
+app whose answers wait until the test lets them go. The real server, process and signal are in
+tests/failures/test_gateway_sigterm.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from sluice import drain
+from sluice.roles.http import OpenRequests
+from tests.helpers import wait_until
+
+
+class Held:
+    """An ASGI app: ``/slow`` answers once ``go`` is set, everything else at once."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        if scope["path"] == "/slow":
+            await self.go.wait()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+async def test_open_requests_are_counted_and_finish_while_new_ones_are_refused() -> None:
+    held = Held()
+    shutdown = drain.Drain(grace_s=30)
+    requests = OpenRequests(held, shutdown)
+    async with client(requests) as c:
+        slow = asyncio.create_task(c.get("/slow"))
+        await wait_until(lambda: requests.open == 1, timeout=5)
+        shutdown.signal()
+        refused = await c.post("/v1/chat/completions", json={})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1" and refused.headers["connection"] == "close"
+        assert refused.headers["x-request-id"].startswith("req_")
+        error = refused.json()["error"]
+        assert error["code"] == "shutting_down" and error["type"] == "server_error"
+        # Probes and the dashboard are answered, and not waited for.
+        for path in ("/readyz", "/healthz", "/metrics", "/dashboard/feed"):
+            assert (await c.get(path)).status_code == 200
+        assert requests.open == 1 and not slow.done()
+        changed = asyncio.create_task(requests.changed())
+        held.go.set()
+        assert (await slow).status_code == 200
+        await asyncio.wait_for(changed, 5)
+        assert requests.open == 0
+
+
+async def test_new_requests_are_still_taken_within_the_accept_window() -> None:
+    now = [0.0]
+    shutdown = drain.Drain(grace_s=30, clock=lambda: now[0])
+    requests = OpenRequests(Held(), shutdown, accept_s=5)
+    async with client(requests) as c:
+        shutdown.signal()
+        now[0] = 4.9
+        assert (await c.get("/fast")).status_code == 200
+        now[0] = 5.0
+        assert (await c.get("/fast")).status_code == 503
