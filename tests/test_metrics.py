@@ -25,3 +25,30 @@ def test_broken_promises_follow_the_brokers_count() -> None:
         )
     # A counter: it rises by what the broker's count rose, and never falls.
     assert values == [0, 2, 2, 5, 5, 7]
+
+
+def test_every_scaling_gauge_is_documented() -> None:
+    """docs/autoscaling.md names every gauge the scaling signal sets, with its labels."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "autoscaling.md").read_text()
+    metrics = Metrics()
+    gauges = [
+        metrics.desired_engines,
+        metrics.engines,
+        metrics.queued_jobs,
+        metrics.queued_tokens,
+        metrics.running_jobs,
+        metrics.oldest_queued_age,
+        metrics.predicted_wait,
+        metrics.arrival_rate,
+        metrics.capacity,
+        metrics.engine_capacity,
+        metrics.deadlines_at_risk,
+    ]
+    for gauge in gauges:
+        name = gauge._name
+        assert f"`{name}`" in doc, name
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
+        for label in gauge._labelnames:
+            assert f"`{label}`" in row, (name, label)
