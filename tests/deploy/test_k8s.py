@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,6 +248,71 @@ def test_the_config_the_pods_read_is_one_sluice_loads(objects: list[dict[str, An
     assert gateway.port in ports
     worker = settings_of(objects, tmp_path, with_keys=False)
     assert worker.broker == gateway.broker
+
+
+def run_init_container(objects: list[dict[str, Any]], tmp_path: Path, keys: str) -> tuple[int, str, Path]:
+    """The gateway's init container's command, run here: each of its mounts a directory of this test's
+    holding what the pod's volume holds (the ConfigMap's and the Secret's files, an empty dir), and
+    this venv's python on PATH. Its exit status and output, and where the main container reads."""
+    spec = find(objects, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    script = init["command"][-1]
+    local: dict[str, Path] = {}
+    for mount in init["volumeMounts"]:
+        directory = tmp_path / mount["name"]
+        directory.mkdir()
+        volume = volumes[mount["name"]]
+        if "configMap" in volume:
+            (config_map,) = [
+                o
+                for o in of_kind(objects, "ConfigMap")
+                if o["metadata"]["name"] == volume["configMap"]["name"]
+            ]
+            for name, text in config_map["data"].items():
+                (directory / name).write_text(text)
+        elif "secret" in volume:
+            assert volume["secret"]["secretName"] == "sluice-keys"
+            (directory / "keys.toml").write_text(keys)
+        local[mount["mountPath"]] = directory
+    for mount_path, directory in sorted(local.items(), key=lambda kv: -len(kv[0])):
+        script = script.replace(mount_path + "/", f"{directory}/")
+    out = subprocess.run(
+        [*init["command"][:-1], script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
+    )
+    # where the gateway reads its config: the same emptyDir, mounted in both
+    gateway = container(find(objects, "Deployment", "sluice-gateway"), "gateway")
+    config_path = build_parser("gateway").parse_args(gateway["args"]).config
+    (mount,) = [m for m in gateway["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
+    assert "emptyDir" in volumes[mount["name"]]
+    written = local[mount["mountPath"]] / config_path[len(mount["mountPath"]) + 1 :]
+    return out.returncode, out.stdout + out.stderr, written
+
+
+def test_the_init_container_writes_the_config_the_gateway_reads(
+    objects: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    keys = str(find(objects, "Secret", "sluice-keys")["stringData"]["keys.toml"])
+    code, output, written = run_init_container(objects, tmp_path, keys)
+    assert code == 0, output
+    assert written.read_text() == config_file(objects, with_keys=True)
+    assert load_settings(written, environ={}).keys
+
+
+def test_the_init_container_stops_a_bad_config_with_its_message(
+    objects: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A Secret with something else than [[keys]] (here a misspelt field) stops the pod before it
+    starts, with Sluice's message."""
+    keys = '[[keys]]\ntenant = "a"\nkey_sha = "' + "0" * 64 + '"\n'
+    code, output, _ = run_init_container(objects, tmp_path, keys)
+    assert code != 0
+    assert "keys.0.key_sha" in output
 
 
 def test_the_secret_holds_only_keys_tables(objects: list[dict[str, Any]]) -> None:
