@@ -59,6 +59,43 @@ async def test_queues_and_drain(http: httpx.AsyncClient) -> None:
         assert missing.status_code == 404
 
 
+async def test_a_pool_drains_by_name(http: httpx.AsyncClient) -> None:
+    async with (
+        serve_in_background(preset("fast", model="sim")) as a,
+        serve_in_background(preset("fast", model="sim")) as b,
+        run_gateway(
+            [],
+            keys=KEYS,
+            pools=[
+                {"name": "old", "engines": [a], "max_concurrency": 4, "adaptive": False},
+                {"name": "new", "engines": [b], "max_concurrency": 4},
+            ],
+        ) as gw,
+    ):
+        q = (await http.get(gw.url + "/admin/queues", headers=ADMIN)).json()
+        rows = {x["pool"]: x for x in q["backends"]}
+        assert rows["old"]["limit"] == 4 and rows["old"]["adaptive"] is False
+        assert rows["new"]["adaptive"] is True and rows["new"]["health"]["state"] == "healthy"
+        assert "limiter" in rows["new"]
+        r = await http.post(f"{gw.url}/admin/backends/old/drain", headers=ADMIN)
+        assert r.status_code == 200 and r.json() == {"backend": "old", "draining": True}
+        for _ in range(6):
+            r = await http.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "sim", "messages": MSG, "max_tokens": 2},
+                headers=USER,
+            )
+            job = await gw.broker.get(r.headers["x-sluice-job-id"])
+            assert job.backend == rows["new"]["name"]  # nothing new goes to the drained pool
+        drained = {
+            x["pool"]: x["draining"]
+            for x in (await http.get(gw.url + "/admin/queues", headers=ADMIN)).json()["backends"]
+        }
+        assert drained == {"old": True, "new": False}
+        await http.post(f"{gw.url}/admin/backends/old/undrain", headers=ADMIN)
+        assert (await http.get(gw.url + "/admin/queues", headers=ADMIN)).json()["draining"] == []
+
+
 async def test_dead_letters_listed_and_purged(sim_url: str, http: httpx.AsyncClient) -> None:
     async with run_gateway([sim_url], keys=KEYS, lease_s=0.2) as gw:
         # A job whose worker vanishes (it claims, never heartbeats) on its only allowed attempt.
