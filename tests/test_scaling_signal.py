@@ -193,3 +193,36 @@ async def test_two_gateways_on_one_redis_agree(redis_server: RedisServer) -> Non
     finally:
         await one.close()
         await two.close()
+
+
+async def test_beside_a_running_gateway_the_signal_sees_its_engine_and_learns_its_rate(sim_url: str) -> None:
+    """A gateway with its worker on a real simulator (``sluice serve``): the worker's own report
+    gives the engine, the jobs that finished give the slot rate, and start()/stop() run the loop."""
+    import httpx
+
+    from tests.helpers import wait_until
+    from tests.servers import run_gateway
+
+    async with run_gateway([sim_url]) as gw, httpx.AsyncClient(timeout=30) as http:
+        for _ in range(3):
+            r = await http.post(
+                f"{gw.url}/v1/chat/completions",
+                json={"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+            )
+            assert r.status_code == 200, r.text
+        metrics = Metrics()
+        signal = ScalingSignal(gw.broker, metrics, every_s=0.05)
+        await signal.start()
+        try:
+            await wait_until(lambda: gauge(metrics, "sluice_engines", model="sim") == 1)
+        finally:
+            await signal.stop()
+        s = signal.signals["sim"]
+        slots = (await gw.broker.served_models())["sim"]
+        assert s.supply.slots == slots > 0
+        assert s.supply.slot_rate > 0
+        assert [v.slots for v in s.engines] == [slots]
+        assert s.desired_engines == 0  # nothing queued, running or arriving any more
+        assert gauge(metrics, "sluice_engine_capacity_tokens_per_second", model="sim") == pytest.approx(
+            slots * s.supply.slot_rate
+        )
