@@ -514,6 +514,76 @@ def test_the_scaled_object_scales_the_engines_on_desired_engines(
     )
 
 
+#: the trigger metadata KEDA's Prometheus scaler reads (pkg/scalers/prometheus_scaler.go at the
+#: commit of tests/data/keda's CRD): the CRD types metadata as any strings, so a misspelt key would
+#: pass its schema and be ignored
+PROMETHEUS_SCALER_KEYS = {
+    "serverAddress",
+    "query",
+    "queryParameters",
+    "threshold",
+    "activationThreshold",
+    "namespace",
+    "customHeaders",
+    "ignoreNullValues",
+    "unsafeSsl",
+    "awsRegion",
+    "timeout",
+    "identityOwner",
+}
+
+
+def test_the_trigger_says_only_what_kedas_prometheus_scaler_reads(objects: list[dict[str, Any]]) -> None:
+    (trigger,) = find(objects, "ScaledObject", "vllm")["spec"]["triggers"]
+    metadata = trigger["metadata"]
+    assert set(metadata) <= PROMETHEUS_SCALER_KEYS, set(metadata) - PROMETHEUS_SCALER_KEYS
+    assert {"serverAddress", "query", "threshold"} <= set(metadata)
+    if "fallback" in find(objects, "ScaledObject", "vllm")["spec"]:
+        # a missing metric must be an error, for the fallback to apply, not a 0 (KEDA's default)
+        assert metadata["ignoreNullValues"] == "false"
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian's prometheus) is not installed"
+)
+def test_the_query_counts_engines_once_over_many_gateways(
+    objects: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """promtool evaluates the ScaledObject's query on the series Prometheus would hold: two gateways
+    serving the same fleet-wide value for the pool's model, and another model's; the answer is that
+    value, once (a sum would double the engines; another model's must not count)."""
+    query = find(objects, "ScaledObject", "vllm")["spec"]["triggers"][0]["metadata"]["query"]
+    model = dict(re.findall(r'(\w+)="([^"]+)"', query))["model"]
+    series = [
+        (f'sluice_desired_engines{{model="{model}", instance="10.0.0.1:8000"}}', "3x8"),
+        (f'sluice_desired_engines{{model="{model}", instance="10.0.0.2:8000"}}', "3x8"),
+        ('sluice_desired_engines{model="another", instance="10.0.0.1:8000"}', "7x8"),
+    ]
+    spec = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": name, "values": values} for name, values in series],
+                "promql_expr_test": [
+                    {"expr": query, "eval_time": "1m", "exp_samples": [{"labels": "{}", "value": 3}]}
+                ],
+            }
+        ],
+    }
+    (tmp_path / "query_test.yml").write_text(yaml.safe_dump(spec))
+    done = subprocess.run(
+        ["promtool", "test", "rules", "query_test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_the_metric_it_scales_on_is_one_sluice_exports() -> None:
     from sluice.metrics import Metrics
 
