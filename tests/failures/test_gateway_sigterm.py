@@ -1,8 +1,9 @@
 """SIGTERM to a gateway (scaling in, a rolling update): ``/readyz`` turns 503 at once while
 ``/healthz`` stays 200, new requests are refused with 503 and Retry-After, the stream and the
 synchronous request that were open finish whole, the async job it admitted is run by the workers,
-and the process exits 0. And ``sluice serve`` (the embedded broker): its queue is worked off before
-it exits, a stream open at the signal finishes."""
+and the process exits 0. And ``sluice serve``: on the embedded broker its queue is worked off
+before it exits, a stream open at the signal finishes; on Redis, what its dispatcher still runs at
+the end of the grace is handed back to the other workers."""
 
 from __future__ import annotations
 
@@ -139,3 +140,49 @@ async def test_serve_works_off_its_embedded_queue_before_it_exits(http: httpx.As
         finally:
             await client.close()
             proc.stop()
+
+
+async def test_serve_on_redis_hands_its_jobs_back_to_the_other_workers(
+    redis: RedisServer, http: httpx.AsyncClient
+) -> None:
+    tokens = 1000  # about 5 s: still running when the half-second grace ends
+    async with counting_engine(base_step_s=0.005) as (engine, sim):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["serve", "--broker", redis.url, "--backend", sim, "--max-concurrency", "1"]
+        args += ["--port", str(port)]
+        proc = Proc(args, {**ENV, "SLUICE_DRAIN_GRACE_S": "0.5", "SLUICE_LEASE_S": "120"})
+        gateway: Proc | None = None
+        worker: Proc | None = None
+        try:
+
+            async def up() -> bool:
+                assert proc.alive, proc.output()
+                try:
+                    return await served(url)
+                except httpx.HTTPError:
+                    return False
+
+            await wait_until(up, timeout=30)
+            job_id = await submit(http, url, 1, tokens)
+
+            async def streaming() -> bool:
+                view = (await http.get(f"{url}/v1/jobs/{job_id}")).json()
+                return view["status"] == "running" and view["timings"]["first_token_at"] is not None
+
+            await wait_until(streaming, timeout=30)
+            os.kill(proc.popen.pid, signal.SIGTERM)
+            assert await exited(proc) == 0, proc.output()
+            gateway, gateway_url = await start_gateway(redis.url, ENV)
+            # Handed back (a lease of 120 s would keep it away from the new worker otherwise).
+            view = (await http.get(f"{gateway_url}/v1/jobs/{job_id}")).json()
+            assert view["status"] == "queued" and view["attempts"] == 0, view
+            worker = start_worker(redis.url, sim, env=ENV)
+            view = (await http.get(f"{gateway_url}/v1/jobs/{job_id}", params={"wait": 30})).json()
+            assert view["status"] == "succeeded" and view["attempts"] == 1, view
+            assert view["usage"]["completion_tokens"] == tokens
+            assert engine.requests[1] == 2 and engine.answered[1] == 1
+        finally:
+            for p in (proc, gateway, worker):
+                if p is not None:
+                    p.stop()
