@@ -145,13 +145,14 @@ async def test_an_engine_that_goes_leaves_the_per_engine_gauge(
     assert gauge(metrics, per_engine, model="m", engine="e2") is None
 
 
-def test_engines_by_model_skips_draining_and_cooling_engines() -> None:
+def test_engines_by_model_skips_draining_ejected_and_leaving_engines() -> None:
     clock = FakeClock()
-    report = worker_report(clock, [("a", 8), ("b", 8), ("c", 8)])
+    report = worker_report(clock, [("a", 8), ("b", 8), ("c", 8), ("d", 8)])
     rows = report["engines"]
     assert isinstance(rows, list)
     rows[1]["draining"] = True
     rows[2]["cooldown_s"] = 3.0
+    rows[3]["leaving"] = True
     gateway = {"role": "gateway", "samples": []}
     views = engines_by_model({"w": report, "g": gateway})
     assert [v.name for v in views["m"]] == ["a"]

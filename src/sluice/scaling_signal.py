@@ -97,14 +97,17 @@ class _ModelState:
 
 def engines_by_model(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, list[EngineView]]:
     """The engines each model is served by, from the workers' reports (``sluice.reports``): an
-    engine that is draining or cooling down after failures is not counted. An engine whose models
+    engine that is draining, leaving (its address gone from its pool's DNS) or ejected after
+    failures is not counted. An engine whose models
     are not listed (asked of the engine) is counted under the key ``""``."""
     out: dict[str, list[EngineView]] = {}
     for report in reports.values():
         if report.get("role") != "worker":
             continue
         for row in report.get("engines") or []:
-            if not isinstance(row, Mapping) or row.get("draining") or (row.get("cooldown_s") or 0) > 0:
+            if not isinstance(row, Mapping) or row.get("draining") or row.get("leaving"):
+                continue
+            if (row.get("cooldown_s") or 0) > 0:  # ejected after failures: not serving now
                 continue
             limit = row.get("limit")
             slots = int(limit) if isinstance(limit, (int, float)) and limit > 0 else 0
