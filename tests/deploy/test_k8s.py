@@ -352,6 +352,11 @@ def test_probes_ask_routes_the_gateway_serves(objects: list[dict[str, Any]]) -> 
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
 
+def pod_env(workload: dict[str, Any], role: str) -> dict[str, str]:
+    """The container's environment given as values (those from a Secret are the cluster's)."""
+    return {v["name"]: v["value"] for v in container(workload, role).get("env", []) if "value" in v}
+
+
 def drain_grace(
     objects: list[dict[str, Any]],
     workload: dict[str, Any],
@@ -369,8 +374,8 @@ def drain_grace(
     build_parser(role).parse_args(c["args"])
     for name in (drain.GRACE_ENV, ACCEPT_ENV):
         monkeypatch.delenv(name, raising=False)
-    for var in c.get("env", []):
-        monkeypatch.setenv(var["name"], var["value"])
+    for name, value in pod_env(workload, role).items():
+        monkeypatch.setenv(name, value)
     path = tmp_path / f"{role}.toml"
     path.write_text(config_file(objects, with_keys=role == "gateway"))
     settings = load_settings(path)
@@ -390,7 +395,7 @@ def test_grace_periods_cover_the_drain(
         workload = find(objects, "Deployment", name)
         grace = drain_grace(objects, workload, role, tmp_path, monkeypatch)
         # the pod sets its grace; the process reads that one, not the default
-        env = {v["name"]: v["value"] for v in container(workload, role).get("env", [])}
+        env = pod_env(workload, role)
         assert grace >= float(env["SLUICE_DRAIN_GRACE_S"]) > 0, name
         pod_grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         # a margin for the exit itself (handing jobs back, closing connections) after the grace
@@ -726,10 +731,6 @@ def local_config(objects: list[dict[str, Any]], broker: str, port: int, engine_p
 
 #: what ``sluice worker`` said, before it took ``[[pools]]``, to a config that lists no ``[[backends]]``
 NO_POOLS = "a worker needs at least one --backend"
-
-
-def pod_env(workload: dict[str, Any], role: str) -> dict[str, str]:
-    return {v["name"]: v["value"] for v in container(workload, role).get("env", [])}
 
 
 @pytest.mark.slow
