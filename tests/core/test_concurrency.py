@@ -88,10 +88,16 @@ def test_a_single_waiting_request_on_one_poll_is_not_queueing() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=8)
     clock.advance(3)
-    limiter.on_engine_load(_load(7, waiting=1))
+    for _ in range(2):
+        limiter.on_engine_load(_load(7, waiting=1))
+        clock.advance(0.5)
+        limiter.on_engine_load(_load(7))  # the request was admitted: 7 running, below the limit
+        clock.advance(0.5)
     assert limiter.limit == 8
-    clock.advance(0.5)
-    limiter.on_engine_load(_load(7, waiting=1))
+    # On three polls in a row it is a queue, and the limit is what the engine runs.
+    for _ in range(3):
+        limiter.on_engine_load(_load(7, waiting=1))
+        clock.advance(0.5)
     assert limiter.limit == 7
 
 
@@ -121,14 +127,33 @@ def test_the_limit_does_not_grow_while_it_does_not_bind() -> None:
     assert limiter.limit == 4
 
 
-def test_preemptions_cut_the_limit() -> None:
+def test_a_storm_of_preemptions_cuts_the_limit_to_what_runs() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=20)
     limiter.on_engine_load(_load(20, preemptions=3))
     clock.advance(2)
-    limiter.on_engine_load(_load(20, preemptions=5))
-    assert limiter.limit < 20
+    limiter.on_engine_load(_load(16, kv=0.99, preemptions=13))
+    assert limiter.limit == 16
     assert limiter.snapshot()["reason"] == "preemption"
+
+
+def test_a_few_preemptions_are_a_full_cache_not_too_many() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=20)
+    limiter.on_engine_load(_load(18, preemptions=3))
+    clock.advance(2)
+    limiter.on_engine_load(_load(18, kv=0.97, preemptions=5))
+    assert limiter.limit == 20
+
+
+def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=64)
+    for _ in range(3):
+        clock.advance(1)
+        limiter.on_engine_load(_load(40, waiting=24, kv=0.99))
+    # 40 fit in its cache; 15 % more wait to take the room as sequences end.
+    assert limiter.limit == 46
 
 
 def test_overload_answers_cut_the_limit_down_to_the_floor() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -60,11 +61,18 @@ __all__ = [
 #: Where throughput-seeking stops growing: the share of one more sequence's time that goes to the
 #: batch being slower (d ln tpot / d ln n). At 0.9, doubling the batch would add ~7 % tokens/s.
 PLATEAU_ELASTICITY = 0.9
-#: KV-cache use at which the limit stops growing, and at which it is cut.
+#: KV-cache use at which the limit stops growing, and a waiting request is the cache being full.
 KV_HOLD = 0.92
-KV_CUT = 0.98
 #: Starting limit when neither ``initial`` nor a fixed limit is given.
 DEFAULT_INITIAL = 4
+#: Requests a KV-bound engine may hold waiting, as a share of its batch: it admits them as the
+#: cache frees, without waiting for Sluice to send the next.
+LOOKAHEAD = 0.15
+#: Preemptions between two polls, as a share of the batch, that are too many (a recompute each).
+PREEMPTION_STORM = 0.25
+#: The share of recent polls that found a request waiting (smoothed, 0.3 a poll) from which the
+#: engine's queue is real: two polls in a row.
+WAITING_PERSISTS = 0.5
 #: Multiplicative decrease on a congestion signal that does not say by how much.
 BACKOFF = 0.8
 #: The TPOT objective's tolerance: decrease once the smoothed TPOT is this much above it.
@@ -198,7 +206,8 @@ class ConcurrencyLimit:
         # Engine load, as last polled.
         self._load: EngineLoad | None = None
         self._engine_reports_waiting = False
-        self._waiting_polls = 0
+        self._waiting_avg = 0.0  # smoothed share of polls with a request waiting
+        self._recent_running: deque[tuple[float, int]] = deque()  # (time, running) of recent polls
         self._preemptions: int | None = None
         self._kv_hold = False
         self._engine_slots: int | None = None
@@ -275,15 +284,17 @@ class ConcurrencyLimit:
             self._peak_inflight = max(self._peak_inflight, load.running)
         if load.waiting is not None:
             self._engine_reports_waiting = True
-            self._waiting_polls = self._waiting_polls + 1 if load.waiting > 0 else 0
+            self._waiting_avg += 0.3 * (min(load.waiting, 1) - self._waiting_avg)
         preempted = (
             load.preemptions is not None
             and self._preemptions is not None
             and load.preemptions > self._preemptions
         )
+        delta_preempted = float(load.preemptions - self._preemptions) if preempted else 0.0  # type: ignore[operator]
         if load.preemptions is not None:
             self._preemptions = load.preemptions
-        self._kv_hold = load.kv_usage is not None and load.kv_usage >= KV_HOLD
+        # A full cache with requests waiting for it: no room for more.
+        self._kv_hold = load.kv_usage is not None and load.kv_usage >= KV_HOLD and (load.waiting or 0) > 0
         if load.slots is not None and load.slots > 0:
             self._engine_slots = load.slots
         if not self.adaptive:
@@ -292,21 +303,31 @@ class ConcurrencyLimit:
             # The engine says how many it can run at all: more would only wait in it.
             self._set(self._engine_slots, "engine slots", now)
             return
-        # One waiting request on one poll is often just an arrival between two engine steps.
+        running = load.running or 0
+        self._recent_running.append((now, running))
+        while self._recent_running and now - self._recent_running[0][0] > self._memory_s / 2:
+            self._recent_running.popleft()
+        most = max(r for _, r in self._recent_running)
+        # A request sent between two engine steps waits until the next one: one waiting on a poll
+        # is often that, not a queue, and then the engine runs fewer than it has run (a slot is
+        # free until the step). A queue persists while the engine runs all it can (as many as it
+        # ever ran, or as many as its KV cache holds), or is large at once (slow start overshooting).
         waiting = load.waiting or 0
-        queued = waiting >= 2 or (waiting > 0 and self._waiting_polls >= 2)
-        if queued:
-            running = load.running
-            if running is not None and running > 0:
-                self._known_capacity = running
-                self._decrease(running, "engine queue", now, bounded=False)
-            else:
-                self._decrease(self._value * BACKOFF, "engine queue", now)
-            return
-        if preempted or (load.kv_usage is not None and load.kv_usage >= KV_CUT):
-            base = load.running if load.running else self._value
-            reason = "preemption" if preempted else "kv cache full"
-            self._decrease(min(self._value, base) * 0.9, reason, now)
+        full = running >= most or (load.kv_usage is not None and load.kv_usage >= KV_HOLD)
+        queued = waiting > 0 and (
+            (self._waiting_avg >= WAITING_PERSISTS and full) or waiting >= max(3, 0.25 * running)
+        )
+        kv_bound = load.kv_usage is not None and load.kv_usage >= KV_HOLD
+        # Preemptions are the KV cache used to the full, which a KV-bound engine should be; only
+        # a storm of them (a quarter of the batch between two polls) is too much.
+        storm = preempted and delta_preempted > max(1.0, PREEMPTION_STORM * running)
+        if queued or storm:
+            # The engine runs what it can; more waits in it. Where its KV cache bounds it, a few
+            # waiting (llm-d's lookahead buffer) keep the cache full as sequences end and grow.
+            lookahead = math.ceil(LOOKAHEAD * running) if kv_bound and not storm else 0
+            self._known_capacity = running + lookahead if running > 0 else self._known_capacity
+            target = float(running + lookahead) if running > 0 else self._value * BACKOFF
+            self._decrease(target, "engine queue" if queued else "preemption", now, bounded=not queued)
             return
         self._maybe_increase(now)
 
@@ -353,7 +374,7 @@ class ConcurrencyLimit:
         if self._engine_slots is not None and current >= self._engine_slots:
             return
         if self._known_capacity is not None and current >= self._known_capacity:
-            if now - self._last_congestion < self._reprobe_s:
+            if now - max(self._last_congestion, self._last_change) < self._reprobe_s:
                 return
             target = current + 1.0
             # A probe past the known capacity that met no trouble: the engine grew (a tenant
@@ -402,10 +423,12 @@ class ConcurrencyLimit:
         self._window_started = now
         if self._engine_reports_waiting or samples == 0:
             return
-        if queued >= 2 and queued >= 0.25 * samples:
-            if lowest is not None:
-                self._known_capacity = max(self.floor, lowest - 1)
-            self._decrease(self._value * BACKOFF, "ttft queueing", now)
+        if queued >= 2 and queued >= 0.25 * samples and lowest is not None:
+            # A stream that started with ``lowest`` in flight waited in the engine: it runs fewer.
+            self._known_capacity = max(self.floor, lowest - 1)
+            guess = lowest - 1.0 if lowest - 1.0 < self._value else self._value * BACKOFF
+            target = max(self._value * 0.5, guess)
+            self._decrease(target, "ttft queueing", now)
 
     def _set(self, value: float, reason: str, now: float) -> None:
         self._value = float(self._clamp(value)) if value >= self.floor else float(self.floor)
@@ -469,8 +492,12 @@ class ConcurrencyLimit:
             return
         step = tpot if tpot is not None else (self._tpot_ewma or 0.0)
         queued = ttft > base + max(4 * step, 0.5 * base)
-        self._window_samples += 1
-        if queued:
+        # A stream that started with more in flight than the limit now allows tells of an older,
+        # higher limit, which has already been judged: it must not cut the limit again.
+        current = sample.inflight <= self.limit
+        if current:
+            self._window_samples += 1
+        if queued and current:
             self._window_queued += 1
             low = self._min_queued_inflight
             self._min_queued_inflight = sample.inflight if low is None else min(low, sample.inflight)

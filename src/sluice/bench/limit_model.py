@@ -1,0 +1,371 @@
+"""The adaptive in-flight limit against every fixed one, on the simulator's engine model in virtual
+time: seconds for what two minutes of traffic would take.
+
+Not a benchmark of Sluice over HTTP (``sluice bench`` does that): one engine
+(:class:`sluice.sim.model.BatchModel`, the model ``sluice sim`` serves), a FIFO gateway queue in
+front of it that sends at most ``limit`` requests in flight, and the real
+:class:`~sluice.core.concurrency.ConcurrencyLimit` fed as the dispatcher feeds it: a
+:class:`~sluice.core.concurrency.StreamSample` for every finished stream, and the engine's own load
+(``/metrics``: running, waiting, KV use, preemptions) every ``--poll`` seconds, or never
+(``adaptive, no metrics``: TTFT alone).
+
+Arrivals are open-loop Poisson at ``--overload`` times the engine's capacity (prompts of 16..256
+tokens, answers of 32..224); every client gives up ``--patience`` seconds after it arrived (a
+request still queued is dropped, one running is aborted: its tokens are wasted). At
+``--change-at`` seconds every step cost doubles (another tenant on the GPU) and the arrival rate
+follows the new capacity. Goodput: answers finished within their client's patience, per second.
+
+    python -m sluice.bench.limit_model                   # every engine, all fixed limits 1..2x batch
+    python -m sluice.bench.limit_model --engines b16 --seeds 3
+
+Time to converge: from the start (or the change) until the limit stays within max(2, 15 %) of
+where it settles (its median over the last third of the phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from sluice.core.concurrency import ConcurrencyLimit, EngineLoad, StreamSample
+from sluice.sim.model import BatchModel, SimParams, SimRequest, capacity_rps, preset
+
+PROMPT_RANGE = (16, 256)
+OUTPUT_RANGE = (32, 224)
+MEAN_PROMPT = sum(PROMPT_RANGE) // 2
+MEAN_OUTPUT = sum(OUTPUT_RANGE) // 2
+
+#: The engines: batch sizes 4 to 64, different step and prefill costs; ``b64kv`` is short of KV
+#: cache for a full batch of long answers (it preempts before its batch fills).
+ENGINES: dict[str, SimParams] = {
+    "b4": preset("llama-cpu"),
+    "b8": preset("article", max_num_seqs=8, base_step_s=0.030, per_seq_s=0.0020, prefill_s_per_token=0.00005),
+    "b16": preset("article"),
+    "b32": preset(
+        "article", max_num_seqs=32, base_step_s=0.012, per_seq_s=0.0003, prefill_s_per_token=0.00001
+    ),
+    "b64": preset(
+        "article", max_num_seqs=64, base_step_s=0.020, per_seq_s=0.00025, prefill_s_per_token=0.00002
+    ),
+    "b64kv": preset(
+        "article",
+        max_num_seqs=64,
+        base_step_s=0.020,
+        per_seq_s=0.00025,
+        prefill_s_per_token=0.00002,
+        kv_cache_tokens=8192,
+        max_model_len=2048,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One experiment's knobs.
+
+    Attributes:
+        duration_s: simulated seconds of arrivals.
+        change_at_s: when every step cost doubles (None: never).
+        overload: arrival rate over the engine's capacity.
+        patience_s: how long a client waits for its whole answer.
+        poll_s: how often the engine's load is read (the heartbeat).
+        seed: of the arrivals (the same for every limit compared).
+    """
+
+    duration_s: float = 120.0
+    change_at_s: float | None = 60.0
+    overload: float = 1.3
+    patience_s: float = 15.0
+    poll_s: float = 1.0
+    seed: int = 1
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one run gave.
+
+    Attributes:
+        good: answers finished within their client's patience.
+        goodput: ``good`` per simulated second.
+        max_waiting: the most requests seen in the engine's own waiting queue (after any step).
+        trace: (time, limit) at every poll.
+    """
+
+    good: int = 0
+    goodput: float = 0.0
+    max_waiting: int = 0
+    trace: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    rid: str
+    arrival: float
+    prompt: int
+    output: int
+    deadline: float
+    sent_at: float | None = None
+    inflight_at_send: int = 0
+    handle: SimRequest | None = None
+    done: bool = False
+
+
+def _capacity(params: SimParams) -> float:
+    return capacity_rps(params, MEAN_OUTPUT, MEAN_PROMPT)
+
+
+def _slower(params: SimParams) -> SimParams:
+    return replace(
+        params,
+        base_step_s=params.base_step_s * 2,
+        per_seq_s=params.per_seq_s * 2,
+        prefill_s_per_token=params.prefill_s_per_token * 2,
+    )
+
+
+def arrivals(params: SimParams, cfg: Config) -> list[_Request]:
+    """The run's requests, the same for every limit: Poisson at ``overload`` x capacity, the rate
+    following the capacity after the change."""
+    rng = random.Random(cfg.seed)
+    out: list[_Request] = []
+    t = 0.0
+    slow = _slower(params)
+    while True:
+        phase = params if cfg.change_at_s is None or t < cfg.change_at_s else slow
+        t += rng.expovariate(cfg.overload * _capacity(phase))
+        if t >= cfg.duration_s:
+            return out
+        prompt = rng.randint(*PROMPT_RANGE)
+        output = rng.randint(*OUTPUT_RANGE)
+        out.append(_Request(f"r{len(out)}", t, prompt, output, t + cfg.patience_s))
+
+
+def run(
+    params: SimParams, cfg: Config, *, fixed: int | None = None, metrics: bool = True, **limit_args: object
+) -> Outcome:
+    """One run: a fixed limit, or (``fixed=None``) the adaptive one, with or without the engine's
+    metrics."""
+    engine = BatchModel(params)
+    limiter: ConcurrencyLimit
+    now = 0.0
+    if fixed is not None:
+        limiter = ConcurrencyLimit(adaptive=False, initial=fixed, clock=lambda: now)
+    else:
+        limiter = ConcurrencyLimit(clock=lambda: now, **limit_args)  # type: ignore[arg-type]
+    requests = arrivals(params, cfg)
+    by_id = {r.rid: r for r in requests}
+    queue: deque[_Request] = deque()
+    inflight: dict[str, _Request] = {}
+    out = Outcome()
+    events: list[tuple[float, int, str, str]] = []
+    seq = itertools.count()
+
+    def push(at: float, kind: str, rid: str = "") -> None:
+        heapq.heappush(events, (at, next(seq), kind, rid))
+
+    for r in requests:
+        push(r.arrival, "arrive", r.rid)
+        push(r.deadline, "deadline", r.rid)
+    t = 0.0
+    while t <= cfg.duration_s + cfg.patience_s:
+        push(t, "poll")
+        t += cfg.poll_s
+    if cfg.change_at_s is not None:
+        push(cfg.change_at_s, "change")
+    stepping = False
+
+    def dispatch() -> None:
+        while queue and len(inflight) < limiter.limit:
+            r = queue.popleft()
+            if r.done:
+                continue
+            r.sent_at = now
+            r.inflight_at_send = len(inflight) + 1
+            r.handle = engine.submit(r.rid, r.prompt, r.output, now)
+            inflight[r.rid] = r
+
+    while events:
+        now, _, kind, rid = heapq.heappop(events)
+        if kind == "arrive":
+            queue.append(by_id[rid])
+        elif kind == "deadline":
+            r = by_id[rid]
+            if not r.done:
+                r.done = True  # the client gave up: dropped from the queue, or aborted in the engine
+                if rid in inflight:
+                    engine.abort(rid, now)
+                    del inflight[rid]
+        elif kind == "poll":
+            if metrics and fixed is None:
+                limiter.on_engine_load(
+                    EngineLoad(
+                        running=engine.num_running,
+                        waiting=engine.num_waiting,
+                        kv_usage=engine.kv_usage,
+                        preemptions=engine.stats.preemptions_total,
+                    )
+                )
+            out.trace.append((now, limiter.limit))
+        elif kind == "change":
+            engine.params = _slower(engine.params)
+        elif kind == "step":
+            stepping = False
+            result = engine.step(now)
+            for h in result.finished:
+                r = inflight.pop(h.request_id)
+                r.done = True
+                if now <= r.deadline:
+                    out.good += 1
+                assert r.sent_at is not None and h.first_token_at is not None
+                tpot = (now - h.first_token_at) / (h.generated - 1) if h.generated > 1 else None
+                limiter.on_sample(
+                    StreamSample(
+                        inflight=r.inflight_at_send,
+                        ttft_s=h.first_token_at - r.sent_at,
+                        tpot_s=tpot,
+                        output_tokens=h.generated,
+                        prompt_tokens=h.prompt_tokens,
+                    )
+                )
+            out.max_waiting = max(out.max_waiting, engine.num_waiting)
+        dispatch()
+        if not stepping and engine.has_work():
+            duration = engine.next_step_duration()
+            assert duration is not None
+            push(now + duration, "step")
+            stepping = True
+    out.goodput = out.good / cfg.duration_s
+    return out
+
+
+def converge_s(trace: Sequence[tuple[float, int]], start: float, end: float) -> tuple[float, int]:
+    """How long after ``start`` the limit entered, for good, the band around where it settled in
+    [start, end); and that settled value (the median of the phase's last third)."""
+    phase = [(t, v) for t, v in trace if start <= t < end]
+    if not phase:
+        return 0.0, 0
+    tail = [v for t, v in phase if t >= start + (end - start) * 2 / 3] or [phase[-1][1]]
+    settled = round(statistics.median(tail))
+    band = max(2.0, 0.15 * settled)
+    entered = start
+    for t, v in phase:
+        if abs(v - settled) > band:
+            entered = t
+    return max(0.0, entered - start), settled
+
+
+@dataclass(slots=True)
+class Row:
+    """One engine's comparison.
+
+    Attributes:
+        engine: its name in :data:`ENGINES`.
+        batch: its ``max_num_seqs``.
+        fixed: goodput of every fixed limit tried, by limit.
+        adaptive, blind: the adaptive limit's run with the engine's metrics, and with none.
+    """
+
+    engine: str
+    batch: int
+    fixed: dict[int, Outcome]
+    adaptive: Outcome
+    blind: Outcome
+
+    @property
+    def best(self) -> tuple[int, Outcome]:
+        return max(self.fixed.items(), key=lambda kv: (kv[1].good, -kv[0]))
+
+
+def compare(name: str, cfg: Config, limits: Sequence[int] | None = None) -> Row:
+    """Every fixed limit (1..2x batch unless given), the adaptive one, and the adaptive one blind."""
+    params = ENGINES[name]
+    tried = list(limits) if limits is not None else list(range(1, 2 * params.max_num_seqs + 1))
+    fixed = {n: run(params, cfg, fixed=n) for n in tried}
+    return Row(name, params.max_num_seqs, fixed, run(params, cfg), run(params, cfg, metrics=False))
+
+
+def _fmt_row(row: Row, cfg: Config) -> list[str]:
+    limit, best = row.best
+    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
+    cells = [row.engine, str(row.batch), f"{limit}", f"{best.goodput:.2f}", str(best.max_waiting)]
+    for o in (row.adaptive, row.blind):
+        share = 100 * o.good / best.good if best.good else 0.0
+        c1, s1 = converge_s(o.trace, 0.0, change)
+        c2, s2 = converge_s(o.trace, change, cfg.duration_s) if cfg.change_at_s is not None else (0.0, s1)
+        cells += [f"{o.goodput:.2f} ({share:.1f} %)", f"{s1}/{s2}", f"{c1:.0f}/{c2:.0f}", str(o.max_waiting)]
+    return cells
+
+
+HEADER = [
+    "engine",
+    "batch",
+    "best fixed",
+    "its goodput/s",
+    "its max wait",
+    "adaptive goodput/s (% best)",
+    "limit start/after",
+    "converge s start/change",
+    "max wait",
+    "no-metrics goodput/s (% best)",
+    "limit start/after",
+    "converge s start/change",
+    "max wait",
+]
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+_DEFAULT = Config()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m sluice.bench.limit_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated names (default: all)")
+    ap.add_argument("--seeds", type=int, default=1, help="arrival seeds per engine (each its own row)")
+    ap.add_argument("--duration", type=float, default=_DEFAULT.duration_s, help="simulated seconds")
+    ap.add_argument(
+        "--change-at", type=float, default=_DEFAULT.change_at_s, help="when steps double; <0: never"
+    )
+    ap.add_argument("--overload", type=float, default=_DEFAULT.overload)
+    ap.add_argument("--patience", type=float, default=_DEFAULT.patience_s)
+    ap.add_argument("--poll", type=float, default=_DEFAULT.poll_s)
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.engines.split(","):
+        if name not in ENGINES:
+            ap.error(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+        for seed in range(1, args.seeds + 1):
+            cfg = Config(
+                duration_s=args.duration,
+                change_at_s=args.change_at if args.change_at >= 0 else None,
+                overload=args.overload,
+                patience_s=args.patience,
+                poll_s=args.poll,
+                seed=seed,
+            )
+            row = compare(name, cfg)
+            rows.append(
+                _fmt_row(row, cfg) if args.seeds == 1 else [f"{name}#{seed}", *_fmt_row(row, cfg)[1:]]
+            )
+            print(" | ".join(rows[-1]), flush=True)
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The limit experiment on a tiny config: the runs are what they claim to be (same arrivals, the
+fixed limit held, the adaptive one within its bounds), not how fast anything is."""
+
+from __future__ import annotations
+
+from sluice.bench.limit_model import ENGINES, Config, arrivals, compare, converge_s, main, run
+
+TINY = Config(duration_s=20.0, change_at_s=10.0, patience_s=5.0, poll_s=1.0, seed=3)
+
+
+def test_every_limit_sees_the_same_arrivals() -> None:
+    a = [(r.arrival, r.prompt, r.output) for r in arrivals(ENGINES["b4"], TINY)]
+    b = [(r.arrival, r.prompt, r.output) for r in arrivals(ENGINES["b4"], TINY)]
+    assert a == b and len(a) > 10
+    # After the change the engine is half as fast, and the arrivals follow it.
+    before = sum(1 for t, _, _ in a if t < 10.0)
+    assert before > len(a) - before
+
+
+def test_a_fixed_limit_is_held_and_goodput_counts_answers_within_patience() -> None:
+    out = run(ENGINES["b4"], TINY, fixed=2)
+    assert {v for _, v in out.trace} == {2}
+    assert 0 < out.good <= len(arrivals(ENGINES["b4"], TINY))
+    assert out.goodput == out.good / TINY.duration_s
+    # Two in flight on a four-slot engine: only a request sent since the last step waits for the
+    # next one.
+    assert out.max_waiting <= 2
+
+
+def test_a_fixed_limit_past_the_batch_makes_the_engine_queue() -> None:
+    assert run(ENGINES["b4"], TINY, fixed=12).max_waiting > 2
+
+
+def test_the_adaptive_limit_moves_and_respects_its_ceiling() -> None:
+    out = run(ENGINES["b8"], TINY, ceiling=6)
+    limits = [v for _, v in out.trace]
+    assert max(limits) <= 6 and len(set(limits)) > 1
+
+
+def test_compare_tries_every_limit_given_and_picks_the_best() -> None:
+    row = compare("b4", TINY, limits=[1, 2, 4])
+    assert set(row.fixed) == {1, 2, 4}
+    best_limit, best = row.best
+    assert best.good == max(o.good for o in row.fixed.values())
+    assert row.fixed[best_limit] is best
+    assert row.adaptive.trace and row.blind.trace
+
+
+def test_convergence_is_the_last_time_the_limit_left_its_band() -> None:
+    trace = [(0.0, 4), (1.0, 8), (2.0, 16), (3.0, 32), (4.0, 16), (5.0, 16), (6.0, 17), (7.0, 16), (8.0, 16)]
+    seconds, settled = converge_s(trace, 0.0, 9.0)
+    assert settled == 16 and seconds == 3.0
+
+
+def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def]
+    main(["--engines", "b4", "--duration", "12", "--change-at", "6", "--patience", "4"])
+    out = capsys.readouterr().out
+    assert "| engine | batch | best fixed |" in out and "| b4 | 4 |" in out
