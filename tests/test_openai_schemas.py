@@ -3,7 +3,8 @@
 The schemas are those of OpenAI's OpenAPI spec, pinned in tests/data/openai-openapi/ (its README
 says which commit). Each answer is validated against the schema the spec gives the operation it
 answers (``paths``), or against a named component: chat completions and their chunks, completions,
-the model list and a model, errors, and the Responses API's Response object and stream events.
+the model list and a model, errors, the Responses API's Response object and stream events, and the
+Batch API's files and batches.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from sluice.api.auth import hash_key
+from sluice.sim.model import preset
+from sluice.sim.server import serve_in_background
 from tests.api.test_responses import WEATHER_TOOL, ScriptedEngine
+from tests.helpers import wait_until
 from tests.servers import Gateway, run_app, run_gateway
 
 SPEC_DIR = Path(__file__).parent / "data" / "openai-openapi"
@@ -121,12 +125,15 @@ def data_lines(text: str) -> Iterator[Any]:
 
 @pytest.fixture
 async def gw(sim_url: str) -> AsyncIterator[Gateway]:
-    """A gateway over the simulator ('sim') and the scripted engine ('script': tool calls and
-    reasoning), with a key."""
+    """A gateway over the simulator ('sim'), the scripted engine ('script': tool calls and
+    reasoning) and a simulator that stalls after two tokens ('stall': work that is still
+    running when it is cancelled), with a key."""
     engine = ScriptedEngine()
+    keys = [{"key_sha256": hash_key(KEY), "tenant": "schemas"}]
     async with (
         run_app(engine.app()) as script_url,
-        run_gateway([sim_url, script_url], keys=[{"key_sha256": hash_key(KEY), "tenant": "schemas"}]) as g,
+        serve_in_background(preset("fast", model="stall", stall_after=2)) as stall_url,
+        run_gateway([sim_url, script_url, stall_url], keys=keys) as g,
     ):
         yield g
 
@@ -203,7 +210,7 @@ async def test_models(api: httpx.AsyncClient) -> None:
     listed = await api.get("/v1/models")
     assert listed.status_code == 200
     conforms(listed.json(), answer_schema("/models", "get"))
-    assert {m["id"] for m in listed.json()["data"]} == {"sim", "script"}
+    assert {m["id"] for m in listed.json()["data"]} == {"sim", "script", "stall"}
     for model in listed.json()["data"]:
         conforms(model, "Model")
 
@@ -275,3 +282,76 @@ async def test_response_stream_events(api: httpx.AsyncClient, body: dict[str, An
         assert event["type"] in schemas, event["type"]
         conforms(event, schemas[event["type"]])
         conforms(event, answer_schema("/responses", "post", "text/event-stream"))
+
+
+def as_published(answer: dict[str, Any], component: str) -> dict[str, Any]:
+    """A file or batch object with its optional fields that are null left out. OpenAI's own
+    answers send null for a file's ``status_details`` and ``expires_at`` and for a batch's
+    timestamps, files and usage not yet there; its spec types them without a null but requires
+    none of them, and the official SDKs type them optional: null and absent read alike."""
+    required = set(spec()["components"]["schemas"][component].get("required", []))
+    return {k: v for k, v in answer.items() if v is not None or k in required}
+
+
+def as_published_list(answer: dict[str, Any], component: str) -> dict[str, Any]:
+    return {**answer, "data": [as_published(item, component) for item in answer["data"]]}
+
+
+async def test_files_and_batches(api: httpx.AsyncClient) -> None:
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "sim", "messages": HELLO, "max_tokens": 2},
+        }
+        for i in range(2)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = await api.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content, "application/jsonl")}
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    conforms(as_published(uploaded.json(), "OpenAIFile"), answer_schema("/files", "post"))
+    file_id = uploaded.json()["id"]
+    read = (await api.get(f"/v1/files/{file_id}")).json()
+    conforms(as_published(read, "OpenAIFile"), answer_schema("/files/{file_id}", "get"))
+    listed = (await api.get("/v1/files")).json()
+    conforms(as_published_list(listed, "OpenAIFile"), answer_schema("/files", "get"))
+
+    ask = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    created = await api.post("/v1/batches", json=ask)
+    assert created.status_code == 200, created.text
+    conforms(as_published(created.json(), "Batch"), answer_schema("/batches", "post"))
+    batch_id = created.json()["id"]
+
+    async def finished() -> bool:
+        read = await api.get(f"/v1/batches/{batch_id}")
+        return bool(read.json()["status"] in ("completed", "failed"))
+
+    await wait_until(finished, timeout=30)
+    done = (await api.get(f"/v1/batches/{batch_id}")).json()
+    assert done["status"] == "completed", done
+    conforms(as_published(done, "Batch"), answer_schema("/batches/{batch_id}", "get"))
+    batches = (await api.get("/v1/batches")).json()
+    conforms(as_published_list(batches, "Batch"), answer_schema("/batches", "get"))
+    # Each output line's answer is a chat completion as the spec has it.
+    output = await api.get(f"/v1/files/{done['output_file_id']}/content")
+    answers = [json.loads(line) for line in output.text.splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == ["line-0", "line-1"]
+    for line in answers:
+        assert line["response"]["status_code"] == 200
+        conforms(line["response"]["body"], answer_schema("/chat/completions", "post"))
+
+    # A batch whose line stalls is still running when it is cancelled.
+    stalled = {**lines[0], "body": {**lines[0]["body"], "model": "stall", "max_tokens": 50}}
+    upload = ("stall.jsonl", (json.dumps(stalled) + "\n").encode(), "application/jsonl")
+    stall_file = await api.post("/v1/files", data={"purpose": "batch"}, files={"file": upload})
+    other = await api.post("/v1/batches", json={**ask, "input_file_id": stall_file.json()["id"]})
+    cancelled = await api.post(f"/v1/batches/{other.json()['id']}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["status"] in ("cancelling", "cancelled")
+    conforms(as_published(cancelled.json(), "Batch"), answer_schema("/batches/{batch_id}/cancel", "post"))
+    deleted = await api.delete(f"/v1/files/{done['output_file_id']}")
+    assert deleted.status_code == 200, deleted.text
+    conforms(deleted.json(), answer_schema("/files/{file_id}", "delete"))
