@@ -617,6 +617,7 @@ def test_the_overlay_the_docs_describe_replaces_the_image_and_the_keys(tmp_path:
     overlay.mkdir()
     keys = '[[keys]]\ntenant = "team-a"\nadmin = true\nkey_sha256 = "' + "ab" * 32 + '"\n'
     (overlay / "keys.toml").write_text(keys)
+    (overlay / "dashboard-session-secret").write_text("0123456789abcdef" * 4)
     (overlay / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {
@@ -624,7 +625,13 @@ def test_the_overlay_the_docs_describe_replaces_the_image_and_the_keys(tmp_path:
                 "kind": "Kustomization",
                 "resources": [os.path.relpath(BASE, overlay)],
                 "images": [{"name": "sluice", "newName": "example.org/team/sluice", "newTag": "0.1.0"}],
-                "secretGenerator": [{"name": "sluice-keys", "behavior": "replace", "files": ["keys.toml"]}],
+                "secretGenerator": [
+                    {
+                        "name": "sluice-keys",
+                        "behavior": "replace",
+                        "files": ["keys.toml", "dashboard-session-secret"],
+                    }
+                ],
             }
         )
     )
@@ -639,6 +646,13 @@ def test_the_overlay_the_docs_describe_replaces_the_image_and_the_keys(tmp_path:
     rendered = [o for o in yaml.safe_load_all(out.stdout) if o]
     secret = find(rendered, "Secret", "sluice-keys")
     assert base64.b64decode(secret["data"]["keys.toml"]).decode() == keys
+    # the gateways' environment takes the session secret from the key of that name
+    gateway_env = find(rendered, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0][
+        "env"
+    ]
+    (session,) = [v for v in gateway_env if v["name"] == "SLUICE_DASHBOARD_SESSION_SECRET"]
+    assert session["valueFrom"]["secretKeyRef"]["key"] in secret["data"]
+    assert session["valueFrom"]["secretKeyRef"]["name"] == "sluice-keys"
     gateway = find(rendered, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
     assert gateway["containers"][0]["image"] == "example.org/team/sluice:0.1.0"
     assert {v["secret"]["secretName"] for v in gateway["volumes"] if "secret" in v} == {"sluice-keys"}
