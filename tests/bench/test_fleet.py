@@ -67,6 +67,18 @@ def test_a_fixed_arm_is_a_config_the_gateway_loads(tmp_path: Path) -> None:
         assert getattr(backend, "adaptive", False) is False
 
 
+def test_the_adaptive_arm_is_one_pool_with_no_limit_set(tmp_path: Path) -> None:
+    arm = fleet.Arm("adaptive", "adaptive", {"a": 16, "b": 4})
+    path = tmp_path / "adaptive.toml"
+    path.write_text(fleet.sluice_config(arm, {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, "sim"))
+    settings = load_settings(path)
+    assert not settings.backends and len(settings.pools) == 1
+    pool = settings.pools[0]
+    assert pool.engines == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and pool.models == ["sim"]
+    assert pool.adaptive is True and pool.max_concurrency is None
+    assert settings.prefix_affinity is False
+
+
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
     argv = ["bench", "fleet", *ENGINES, "--out", str(tmp_path), "--no-progress", "--client-timeout", "10"]
     return build_parser("bench").parse_args([*argv, *extra])

@@ -74,7 +74,7 @@ _SIM_FLAGS = {
     "kv-cache-tokens": ("kv_cache_tokens", 1.0),
 }
 # The engines' metrics are read this often: a queue that lasts less than this may go unseen.
-SAMPLE_S = 0.25
+SAMPLE_S = 0.5
 # llama-server's slots when --with-llama starts it (as `sluice serve` starts it by default).
 LLAMA_SLOTS = 4
 
@@ -163,7 +163,8 @@ class Arm:
 
     ``label`` names the run and its files; ``kind`` is one of :data:`ARMS`; ``limits`` the in-flight
     cap per engine name (a Sluice ``fixed`` arm's ``max_concurrency``, a peer arm's cap; for
-    ``adaptive``, the ceiling); ``scale`` what the batch sizes were multiplied by to get them.
+    ``adaptive``, which sets none, the batch sizes); ``scale`` what the batch sizes were multiplied by
+    to get them.
     """
 
     label: str
@@ -189,8 +190,8 @@ def plan_arms(
         if kind == "fixed":
             arms += [Arm(f"fixed-x{s:g}", "fixed", limits(s), s) for s in fixed_scales]
         elif kind == "adaptive":
-            # The ceiling is generous: what the adaptive limit finds must not be what it was told.
-            arms.append(Arm("adaptive", "adaptive", limits(4.0), 4.0))
+            # No ceiling is configured (see sluice_config): these batch sizes are only for the table.
+            arms.append(Arm("adaptive", "adaptive", limits(1.0), 1.0))
         else:
             arms.append(Arm(kind, kind, limits(peer_scale), peer_scale))
     return arms
@@ -201,9 +202,9 @@ def plan_arms(
 
 def adaptive_supported() -> bool:
     """Whether this build's settings can learn engine limits (``[[pools]]`` with adaptive limits)."""
-    from sluice.config import BackendConfig, Settings
+    from sluice.config import Settings
 
-    return "pools" in Settings.model_fields or "adaptive" in BackendConfig.model_fields
+    return "pools" in Settings.model_fields
 
 
 def _toml(value: Any) -> str:
@@ -211,20 +212,27 @@ def _toml(value: Any) -> str:
 
 
 def sluice_config(arm: Arm, urls: dict[str, str], model: str) -> str:
-    """The TOML of the gateway for ``arm``: one engine per fleet member, its limit fixed or learned."""
-    from sluice.config import BackendConfig
+    """The TOML of the gateway for ``arm``: the fleet's engines, their limits fixed or learned.
 
-    lines = [f"# sluice bench fleet, arm {arm.label}", f"max_concurrency = {max(arm.limits.values())}"]
-    adaptive = arm.kind == "adaptive"
-    if adaptive and not adaptive_supported():
-        raise RuntimeError("this build has no adaptive engine limits yet (no [[pools]] in the settings)")
+    ``adaptive``: one ``[[pools]]`` of every engine, with no limit and no ceiling, as a user who knows
+    nothing of the engines would write it. ``fixed``: one ``[[backends]]`` per engine with its
+    ``max_concurrency``. Prefix affinity is off in both: every request of the bench has the same prompt
+    and the simulators have no prefix cache, so it could only pile work on one engine (its effect is
+    measured by ``sluice.bench.prefix_routing``).
+    """
+    lines = [f"# sluice bench fleet, arm {arm.label}"]
+    if adaptive_supported():
+        lines.append("prefix_affinity = false")
+    if arm.kind == "adaptive":
+        if not adaptive_supported():
+            raise RuntimeError("this build has no adaptive engine limits yet (no [[pools]] in the settings)")
+        lines += ["", "[[pools]]", 'name = "fleet"', f"models = {_toml([model])}"]
+        lines += [f"engines = {_toml(list(urls.values()))}", "adaptive = true"]
+        return "\n".join(lines) + "\n"
+    lines.append(f"max_concurrency = {max(arm.limits.values())}")
     for name, url in urls.items():
         lines += ["", "[[backends]]", f"name = {_toml(name)}", f"url = {_toml(url)}"]
         lines += [f"models = {_toml([model])}", f"max_concurrency = {arm.limits[name]}"]
-        if adaptive and "adaptive" in BackendConfig.model_fields:
-            lines.append("adaptive = true")
-        elif not adaptive and "adaptive" in BackendConfig.model_fields:
-            lines.append("adaptive = false")
     return "\n".join(lines) + "\n"
 
 
@@ -538,6 +546,9 @@ def arm_row(result: dict[str, Any]) -> dict[str, Any]:
         },
         "max_waiting": fleet["max_waiting"],
         "kill": kill,
+        # Whether the machine kept up: how late requests left, and its load while the arm ran.
+        "send_lag_p99_s": s["send_lag_s"]["p99"],
+        "load_avg_1m": result["config"].get("load_avg_1m"),
     }
 
 
@@ -553,9 +564,9 @@ def fleet_table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| arm | limits | goodput | ok p50 / p99 | waste | 429 | 504 | gave up | errors | lost | share "
         + " / ".join(names)
-        + " | max engine queue |"
+        + " | max engine queue | send lag p99 | load |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = f"**{r['label']}** (best fixed)" if r["label"] == best else r["label"]
         limits = "learned" if r["kind"] == "adaptive" else " / ".join(str(r["limits"][n]) for n in names)
@@ -569,11 +580,13 @@ def fleet_table(rows: Sequence[dict[str, Any]]) -> str:
         worst = max(r["engines"].items(), key=lambda kv: kv[1]["max_waiting"] or 0)
         queue = f"{worst[1]['max_waiting']:g} ({worst[0]})" if worst[1]["max_waiting"] is not None else "-"
         st = r["statuses"]
+        load = "→".join(f"{v:g}" for v in r.get("load_avg_1m") or []) or "-"
         lines.append(
             f"| {label} | {limits} | {goodput} "
             f"| {num(r['ok_p50_s'], '{:.2f}')} / {num(r['ok_p99_s'], '{:.2f}')} s"
             f" | {num(r['wasted_share'] and 100 * r['wasted_share'], '{:.1f} %')} | {st['429']} | {st['504']}"
-            f" | {st['gave_up']} | {st['errors']} | {r['lost']} | {share} | {queue} |"
+            f" | {st['gave_up']} | {st['errors']} | {r['lost']} | {share} | {queue}"
+            f" | {num(r.get('send_lag_p99_s') and 1000 * r['send_lag_p99_s'], '{:.0f} ms')} | {load} |"
         )
     killed = [r for r in rows if r["kill"]]
     if killed:
@@ -817,6 +830,8 @@ async def _main(args: argparse.Namespace) -> tuple[Profile, list[dict[str, Any]]
         summary["goodput_pct_capacity"] = 100 * summary["goodput_rps"] / capacity
         result["config"]["capacity_rps"] = capacity
         result["config"]["capacity_source"] = "simulator formula, summed over the fleet"
+        # Saved as it ends: an interrupted comparison keeps the arms it finished.
+        write_result(args.out / f"{arm.label}.json", result)
         results.append(result)
     return profile, results
 
@@ -824,8 +839,6 @@ async def _main(args: argparse.Namespace) -> tuple[Profile, list[dict[str, Any]]
 def _report(args: argparse.Namespace, profile: Profile, results: list[dict[str, Any]]) -> None:
     """Each arm's result, the table, the figures and the plots, into --out."""
     out: Path = args.out
-    for result in results:
-        write_result(out / f"{result['label']}.json", result)
     rows = [arm_row(r) for r in results]
     command = results[0]["config"]["command"]
     header = (
