@@ -408,6 +408,33 @@ def test_grace_periods_cover_the_drain(
     )
 
 
+def test_the_docs_table_of_terminations_is_the_bases(objects: list[dict[str, Any]]) -> None:
+    """docs/kubernetes.md's table (preStop, drain grace, terminationGracePeriodSeconds per pod) says
+    what the manifests set."""
+    rows = {
+        "gateway": (find(objects, "Deployment", "sluice-gateway"), "gateway"),
+        "worker": (find(objects, "Deployment", "sluice-worker"), "worker"),
+        "vLLM": (find(objects, "Deployment", "vllm"), "vllm"),
+        "Redis": (find(objects, "StatefulSet", "redis"), "redis"),
+    }
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+
+    def seconds(cell: str) -> float:
+        found = re.match(r"\s*(\d+) s\b", cell)
+        return float(found[1]) if found else 0.0
+
+    for pod, (workload, role) in rows.items():
+        (line,) = [line for line in text.splitlines() if line.startswith(f"| {pod} |")]
+        _, _, _, pre_stop, grace, pod_grace, _ = line.split("|")
+        c = container(workload, role)
+        assert seconds(pre_stop) == pre_stop_sleep(c), pod
+        env = pod_env(workload, role)
+        assert seconds(grace) == float(env.get("SLUICE_DRAIN_GRACE_S", 0)), pod
+        assert seconds(pod_grace) == workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], (
+            pod
+        )
+
+
 def test_a_leaving_engine_is_out_of_the_pool_before_it_stops(
     objects: list[dict[str, Any]], tmp_path: Path
 ) -> None:
