@@ -35,6 +35,7 @@ def test_every_scaling_gauge_is_documented() -> None:
     metrics = Metrics()
     gauges = [
         metrics.desired_engines,
+        metrics.pool_desired_engines,
         metrics.engines,
         metrics.queued_jobs,
         metrics.queued_tokens,

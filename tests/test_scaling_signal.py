@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -21,19 +22,21 @@ from tests.redis_server import RedisServer
 COST = 200
 
 
-def worker_report(clock: FakeClock, engines: list[tuple[str, int]], model: str = "m") -> dict[str, object]:
+def worker_report(
+    clock: FakeClock, engines: list[tuple[str, int]], model: str = "m", pools: list[str] | None = None
+) -> dict[str, object]:
     """A worker's report as sluice.reports publishes it (its engines' rows)."""
     rows = [
         {
             "name": name,
             "models": [model],
-            "pool": None,
+            "pool": pool,
             "limit": limit,
             "inflight": 0,
             "draining": False,
             "cooldown_s": 0.0,
         }
-        for name, limit in engines
+        for (name, limit), pool in zip(engines, pools or [None] * len(engines), strict=True)
     ]
     return {
         "role": "worker",
@@ -227,3 +230,22 @@ async def test_beside_a_running_gateway_the_signal_sees_its_engine_and_learns_it
         assert gauge(metrics, "sluice_engine_capacity_tokens_per_second", model="sim") == pytest.approx(
             slots * s.supply.slot_rate
         )
+
+
+async def test_a_models_engines_are_split_over_its_pools(memory: tuple[MemoryBroker, FakeClock]) -> None:
+    broker, clock = memory
+    await broker.register("w1", {"m": 48})
+    engines = [("h1", 16), ("h2", 16), ("a1", 16)]
+    await broker.put_report("w1", worker_report(clock, engines, pools=["h100", "h100", "a10"]), ttl_s=60)
+    await learn_rate(broker, clock)
+    metrics = Metrics()
+    signal = ScalingSignal(broker, metrics)
+    await signal.poll()
+    for _ in range(300):  # 60 000 tokens of high work: 12.5 s at 4800 tokens/s
+        await broker.admit(make_job(clock, priority="high", prompt_tokens=10, max_tokens=190))
+    clock.advance(5)
+    desired = (await signal.poll())["m"].desired_engines
+    assert desired > 3
+    assert signal.pools == {"h100": math.ceil(desired * 2 / 3 - 1e-9), "a10": math.ceil(desired / 3 - 1e-9)}
+    for pool, engines_needed in signal.pools.items():
+        assert gauge(metrics, "sluice_pool_desired_engines", pool=pool) == engines_needed

@@ -65,6 +65,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.pool_desired_engines = Gauge(
+            "sluice_pool_desired_engines",
+            "Engines a pool needs: each model's desired engines split over the pools serving it, in "
+            "proportion to their engines",
+            ["pool"],
+            registry=r,
+        )
         self.engines = Gauge("sluice_engines", "Engines serving the model now", ["model"], registry=r)
         self.oldest_queued_age = Gauge(
             "sluice_oldest_queued_age_seconds",

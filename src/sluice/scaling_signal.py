@@ -37,6 +37,8 @@ from sluice.core.scaling import (
     Stabiliser,
     Supply,
     assess,
+    pool_shares,
+    split_by_pool,
     throughput,
     urgent_tokens,
 )
@@ -55,10 +57,12 @@ class EngineView:
     Attributes:
         name: the engine's name (its backend's).
         slots: its in-flight limit (configured or learned).
+        pool: the pool it belongs to (None: an engine configured outside pools).
     """
 
     name: str
     slots: int
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class _ModelState:
     #: an engine's slots, last seen (used when the model is scaled to zero)
     slots_per_engine: float | None = None
     engine_names: set[str] = field(default_factory=set)
+    #: each pool's share of the model's engines, last seen while any served it
+    pool_shares: dict[str, float] = field(default_factory=dict)
 
 
 def engines_by_model(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, list[EngineView]]:
@@ -111,7 +117,8 @@ def engines_by_model(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, list
                 continue
             limit = row.get("limit")
             slots = int(limit) if isinstance(limit, (int, float)) and limit > 0 else 0
-            view = EngineView(str(row.get("name", "")), slots)
+            pool = row.get("pool")
+            view = EngineView(str(row.get("name", "")), slots, str(pool) if pool else None)
             for model in row.get("models") or [""]:
                 out.setdefault(str(model), []).append(view)
     return out
@@ -146,7 +153,10 @@ class ScalingSignal:
         self.arrival_tau_s = arrival_tau_s
         self.clock = clock or broker.now
         self.signals: dict[str, ModelSignal] = {}
+        #: per pool, the engines it needs for the models it serves (split_by_pool)
+        self.pools: dict[str, int] = {}
         self._models: dict[str, _ModelState] = {}
+        self._pools_published: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
@@ -190,6 +200,8 @@ class ScalingSignal:
             views = engines.get(model, []) + anywhere
             out[model] = self._model(model, stats.get(model), breakdown.get(model), views, now)
         self.signals = out
+        shares = {model: self._models[model].pool_shares for model in out}
+        self.pools = split_by_pool({m: s.desired_engines for m, s in out.items()}, shares)
         self._publish(out)
         return out
 
@@ -225,6 +237,12 @@ class ScalingSignal:
         # engines of the size last seen, or of the policy's default size.
         if views:
             engine_count = len(views)
+            by_pool: dict[str, int] = {}
+            for v in views:
+                if v.pool is not None:
+                    by_pool[v.pool] = by_pool.get(v.pool, 0) + 1
+            if by_pool:
+                state.pool_shares = pool_shares(by_pool)
         elif slots > 0:
             size = state.slots_per_engine or float(self.policy.default_slots_per_engine)
             engine_count = max(math.ceil(slots / size - 1e-9), 1)
@@ -277,3 +295,9 @@ class ScalingSignal:
                 if v.slots > 0:
                     m.engine_capacity.labels(model, v.name).set(v.slots * s.supply.slot_rate)
             state.engine_names = names
+        for gone in self._pools_published - set(self.pools):
+            with contextlib.suppress(KeyError):
+                m.pool_desired_engines.remove(gone)
+        for pool, engines in self.pools.items():
+            m.pool_desired_engines.labels(pool).set(engines)
+        self._pools_published = set(self.pools)

@@ -187,3 +187,13 @@ def test_arrival_estimator_counts_service_and_growth() -> None:
 def test_urgent_tokens_skip_best_effort_classes() -> None:
     classes = {"high": ClassQueue(1, 10), "normal": ClassQueue(1, 20), "low": ClassQueue(1, 40)}
     assert urgent_tokens(classes, POLICY.objectives) == 30
+
+
+def test_pools_split_a_models_engines_in_proportion_and_sum_their_models() -> None:
+    from sluice.core.scaling import pool_shares, split_by_pool
+
+    assert pool_shares({"h100": 3, "a10": 1, "empty": 0}) == {"h100": 0.75, "a10": 0.25}
+    assert pool_shares({"x": 0}) == {}
+    shares = {"qwen": {"h100": 0.75, "a10": 0.25}, "llama": {"a10": 1.0}}
+    assert split_by_pool({"qwen": 6, "llama": 2, "unknown": 4}, shares) == {"h100": 5, "a10": 4}
+    assert split_by_pool({"qwen": 0}, shares) == {"h100": 0, "a10": 0}

@@ -48,6 +48,8 @@ __all__ = [
     "Stabiliser",
     "Supply",
     "assess",
+    "pool_shares",
+    "split_by_pool",
     "throughput",
     "urgent_tokens",
 ]
@@ -362,3 +364,20 @@ def urgent_tokens(classes: Mapping[str, ClassQueue], objectives: Sequence[ClassO
     """The tokens queued in classes that have a deadline objective."""
     urgent = {o.name for o in objectives if o.deadline_s is not None}
     return sum(q.tokens for name, q in classes.items() if name in urgent)
+
+
+def pool_shares(engines_by_pool: Mapping[str, int]) -> dict[str, float]:
+    """Each pool's share of a model's engines (pools with none left out; empty when none serves)."""
+    total = sum(n for n in engines_by_pool.values() if n > 0)
+    return {p: n / total for p, n in engines_by_pool.items() if n > 0} if total else {}
+
+
+def split_by_pool(desired: Mapping[str, int], shares: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
+    """The engines each pool needs: every model's desired engines split over the pools that serve it,
+    in proportion to their shares of its engines (``shares``: model -> pool -> share, summing to 1),
+    summed per pool and rounded up. A model no pool is known for adds to none."""
+    need: dict[str, float] = {}
+    for model, engines in desired.items():
+        for pool, share in shares.get(model, {}).items():
+            need[pool] = need.get(pool, 0.0) + engines * share
+    return {pool: math.ceil(n - 1e-9) for pool, n in need.items()}
