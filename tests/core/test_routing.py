@@ -185,7 +185,7 @@ def test_affinity_off_ignores_the_prefix() -> None:
 
 
 def test_bigger_engine_gets_its_share() -> None:
-    router = Router()
+    router = Router(quiet_fraction=0)
     # 'big' has 4x the limit; at equal load 4 each, a prefix homed on big stays there.
     bounds = router.bounds([cand("big", inflight=4, limit=32), cand("small", inflight=4, limit=8)])
     assert bounds["big"] == math.ceil(1.25 * 9 * 32 / 40)
@@ -195,6 +195,22 @@ def test_bigger_engine_gets_its_share() -> None:
 def test_load_factor_below_one_is_refused() -> None:
     with pytest.raises(ValueError):
         Router(load_factor=0.9)
+    with pytest.raises(ValueError):
+        Router(quiet_fraction=1.5)
+
+
+def test_a_half_empty_home_keeps_its_prefix_at_light_load() -> None:
+    """One job in flight in a fleet of three: the paper's bound is 1, and a second turn of the
+    same conversation would go elsewhere; below half its limit the home keeps it."""
+    names = "abc"
+    strict, quiet = Router(), Router(quiet_fraction=0.5)
+    home = quiet.pick([cand(n) for n in names], prompt_tokens=1, output_tokens=1, prefix="conv")
+    busy = [cand(n, inflight=1 if n == home else 0) for n in names]
+    assert quiet.pick(busy, prompt_tokens=1, output_tokens=1, prefix="conv") == home
+    assert strict.pick(busy, prompt_tokens=1, output_tokens=1, prefix="conv") != home
+    # Past half its limit (and past the bound), it spills.
+    fuller = [cand(n, inflight=4 if n == home else 0) for n in names]
+    assert quiet.pick(fuller, prompt_tokens=1, output_tokens=1, prefix="conv") != home
 
 
 engine_states = st.lists(
@@ -231,7 +247,7 @@ def test_never_picks_a_full_engine(
 def test_bounded_load_holds_under_any_arrival_order(n: int, keys: list[str], factor: float) -> None:
     """Jobs arrive (none finish) with arbitrary prefixes: no engine ever holds more than
     ceil(factor x average) with equal limits, the paper's guarantee."""
-    router = Router(load_factor=factor)
+    router = Router(load_factor=factor, quiet_fraction=0)
     load = dict.fromkeys((f"e{i}" for i in range(n)), 0)
     for key in keys:
         engines = [cand(name, inflight=f, limit=10_000) for name, f in load.items()]
@@ -272,3 +288,24 @@ def test_about_one_nth_of_keys_move_when_an_engine_leaves() -> None:
         for k in keys
     )
     assert 0.1 * len(keys) < moved < 0.3 * len(keys)
+
+
+@given(engine_states, st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=50))
+@settings(max_examples=100, deadline=None)
+def test_quiet_zone_never_exceeds_the_larger_of_the_two_bounds(
+    states: list[tuple[int, int, float | None]], keys: list[str]
+) -> None:
+    engines = build(states)
+    router = Router(quiet_fraction=0.5)
+    bounds = router.bounds(engines)
+    total = sum(c.inflight for c in engines) + 1
+    capacity = sum(c.limit for c in engines)
+    for key in keys:
+        pick = router.pick(engines, prompt_tokens=1, output_tokens=1, prefix=key)
+        if pick is None:
+            continue
+        c = next(c for c in engines if c.name == pick)
+        assert c.inflight < c.limit
+        within = c.inflight + 1 <= max(math.ceil(1.25 * total * c.limit / capacity - 1e-9), c.limit // 2)
+        # Either within the bound, or no engine was (then predicted completion chose).
+        assert within or all(e.inflight + 1 > bounds[e.name] or e.inflight >= e.limit for e in engines)
