@@ -174,6 +174,7 @@ class Outcome:
     ttft_s: float | None = None
     e2e_s: float | None = None
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None
     error: str | None = None
 
 
@@ -210,6 +211,7 @@ async def _one_turn(
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens")
+                    out.prompt_tokens = usage.get("prompt_tokens")
         out.e2e_s = time.monotonic() - t0
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
@@ -390,6 +392,15 @@ def summarise(
     def r(x: float | None) -> float | None:
         return None if x is None else round(x, 4)
 
+    # Per turn, from the answers' usage.prompt_tokens_details.cached_tokens (where the gateway
+    # passes it on): the first turn can hit only the system prompt, later ones the conversation.
+    by_turn: dict[str, float] = {}
+    for turn in sorted({o.turn for o in ok}):
+        rows = [o for o in ok if o.turn == turn and o.cached_tokens is not None and o.prompt_tokens]
+        if rows:
+            cached = sum(o.cached_tokens or 0 for o in rows)
+            by_turn[str(turn + 1)] = round(cached / sum(o.prompt_tokens or 0 for o in rows), 4)
+
     return {
         "mode": mode,
         "requests": len(outcomes),
@@ -399,6 +410,7 @@ def summarise(
         "hit_rate": round(hits / queries, 4) if queries else 0.0,
         "prefix_cache_hits": int(hits),
         "prefix_cache_queries": int(queries),
+        "hit_rate_by_turn": by_turn,
         "ttft_p50_s": r(_quantile(ttft, 0.5)),
         "ttft_p90_s": r(_quantile(ttft, 0.9)),
         "e2e_p50_s": r(_quantile(e2e, 0.5)),
