@@ -145,6 +145,34 @@ async def test_langchain_responses_api_against_the_simulator(gw: Gateway) -> Non
     assert answer.response_metadata["status"] == "incomplete"
 
 
+# --- openai-python's own stream helper ------------------------------------------------------------
+
+
+async def test_the_sdks_stream_helper_rebuilds_the_answer_the_gateway_gives_whole(gw: Gateway) -> None:
+    # client.chat.completions.stream() folds the relayed chunks itself (the chunk-level fields
+    # included): what it builds is the answer the gateway gives without streaming.
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+    ask: dict[str, Any] = {
+        "model": "script",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        ],
+    }
+    whole = await client.chat.completions.create(**ask)
+    async with client.chat.completions.stream(**ask) as stream:
+        kinds = [event.type async for event in stream]
+        built = await stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in kinds
+    assert (built.system_fingerprint, built.service_tier) == (whole.system_fingerprint, whole.service_tier)
+    assert (built.system_fingerprint, built.service_tier) == tuple(FIELDS.values())
+    [mine] = built.choices[0].message.tool_calls or []
+    [theirs] = whole.choices[0].message.tool_calls or []
+    assert (mine.id, mine.type, mine.function.name) == (theirs.id, theirs.type, theirs.function.name)
+    assert json.loads(mine.function.arguments) == json.loads(theirs.function.arguments) == {"city": "Paris"}
+    assert built.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+
+
 # --- litellm ---------------------------------------------------------------------------------------
 
 
