@@ -13,8 +13,8 @@ Two parts:
   processes of the fleet.
 
 The snapshot is plain JSON; docs/dashboard.md lists its fields. Fields that the fleet issue fills
-(pools, learned limits) are there already, empty: ``pools`` per model, ``pool`` and
-``limit_source`` per engine.
+(pools, learned limits): ``pools`` per model (:func:`pool_views`), ``pool``, ``limit_source``
+and ``health`` per engine.
 """
 
 from __future__ import annotations
@@ -246,14 +246,19 @@ def chart_point(
 
 def engine_state(engine: Mapping[str, Any], age_s: float) -> str:
     """One word for an engine's health: ``stale`` (its worker stopped reporting), ``draining``,
-    ``ejected`` (sitting out a cooldown after connection errors), ``recovering`` (errors, cooldown
-    over, no success since) or ``ok``."""
+    ``leaving`` (its address left its pool's DNS records), ``ejected`` (sitting out an ejection
+    after errors or timeouts), ``probing`` (the ejection over, one request sent to try it),
+    ``recovering`` (errors, no success since) or ``ok``."""
     if age_s > STALE_S:
         return "stale"
     if engine.get("draining"):
         return "draining"
-    if float(engine.get("cooldown_s") or 0) > 0:
+    if engine.get("leaving"):
+        return "leaving"
+    if float(engine.get("cooldown_s") or 0) > 0 or engine.get("health") == "ejected":
         return "ejected"
+    if engine.get("health") == "probing":
+        return "probing"
     if int(engine.get("failures") or 0) > 0:
         return "recovering"
     return "ok"
@@ -374,9 +379,25 @@ def model_view(
         # serving it, more engines would be busy; the autoscaling issue brings the real signal
         "engines_busy": demand / per_engine if per_engine else None,
         "demand_ratio": ratio,
-        # the fleet issue's pools of engines slot in here
-        "pools": [],
+        "pools": pool_views(serving),
     }
+
+
+def pool_views(serving: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The pools of the engines serving a model: per pool, its engines (those not stale), their
+    work and limits summed (learned or configured), and how many are ejected or draining."""
+    pools: dict[str, dict[str, Any]] = {}
+    for e in serving:
+        name = str(e.get("pool") or e.get("name"))
+        p = pools.setdefault(
+            name, {"name": name, "engines": 0, "inflight": 0, "limit": 0, "learned": 0, "out": 0}
+        )
+        p["engines"] += 1
+        p["inflight"] += int(e.get("inflight") or 0)
+        p["limit"] += int(e.get("limit") or 0)
+        p["learned"] += 1 if e.get("limit_source") == "learned" else 0
+        p["out"] += 1 if e.get("state") in ("ejected", "draining", "leaving") else 0
+    return [pools[k] for k in sorted(pools)]
 
 
 def snapshot(fleet: FleetInput, history: History) -> dict[str, Any]:

@@ -86,6 +86,25 @@ async def chat(http: httpx.AsyncClient, url: str, max_tokens: int = 4, **headers
 # --- who may look -----------------------------------------------------------------------------
 
 
+async def test_a_pool_shows_its_engines_learned_limits_and_health(
+    sim_url: str, http: httpx.AsyncClient
+) -> None:
+    pool = {"name": "gpu", "engines": [sim_url], "max_concurrency": 6}
+    app = build_app(settings_for([], pools=[pool]), dispatch=True)
+    async with run_app(app) as url:
+        await wait_until(app.state.gateway.broker.served_models)
+        await ticked(app)
+        assert (await chat(http, url)).status_code == 200
+        snap = await snapshot(http, url)
+        (engine,) = snap["engines"]
+        assert engine["pool"] == "gpu" and engine["limit_source"] == "learned"
+        assert engine["ceiling"] == 6 and 1 <= engine["limit"] <= 6 and engine["health"] == "healthy"
+        (model,) = snap["models"]
+        (view,) = model["pools"]
+        assert view["name"] == "gpu" and view["engines"] == 1 and view["learned"] == 1
+        assert view["limit"] == engine["limit"] and view["out"] == 0
+
+
 async def test_open_mode_serves_the_page_its_assets_and_a_snapshot(
     sim_url: str, http: httpx.AsyncClient
 ) -> None:
@@ -110,7 +129,11 @@ async def test_open_mode_serves_the_page_its_assets_and_a_snapshot(
         assert snap["v"] == 1 and [m["name"] for m in snap["models"]] == ["sim"]
         (engine,) = snap["engines"]
         assert engine["name"] == sim_url and engine["limit"] == 8 and engine["limit_source"] == "configured"
-        assert engine["state"] == "ok" and engine["pool"] is None
+        # a [[backends]] entry is a pool of one, named after it
+        assert engine["state"] == "ok" and engine["pool"] == sim_url and engine["health"] == "healthy"
+        assert snap["models"][0]["pools"] == [
+            {"name": sim_url, "engines": 1, "inflight": 0, "limit": 8, "learned": 0, "out": 0}
+        ]
         assert {p["role"] for p in snap["processes"]} == {"gateway", "worker"}
 
 
@@ -260,7 +283,7 @@ async def test_load_refusals_and_retry_after_show(http: httpx.AsyncClient) -> No
             "low",
             "batch",  # the Batch API's, below every class
         ]
-        assert model["drain_rate"] > 0 and model["pools"] == []
+        assert model["drain_rate"] > 0 and [p["name"] for p in model["pools"]] == [sim]
         points = (await http.get(url + "/dashboard/snapshot")).json()["point"]
         assert set(points) >= {"queued", "admitted", "refused", "refused_by_code", "goodput", "ttft_p99"}
         # The Retry-After histogram is on /metrics as well.

@@ -232,7 +232,8 @@
     const tables = el("div", null, "tables");
     tables.append(classes, tenants);
     card.appendChild(tables);
-    const pools = el("p", "Pools: " + (m.pools.length ? m.pools.map((p) => p.name).join(", ") : "– (pools come with the fleet issue)"), "muted small");
+    const poolText = (p) => p.name + " (" + int(p.engines) + " engines, " + int(p.inflight) + " / " + int(p.limit) + " in flight" + (p.learned ? ", limits learned" : "") + (p.out ? ", " + int(p.out) + " out" : "") + ")";
+    const pools = el("p", "Pools: " + (m.pools.length ? m.pools.map(poolText).join("; ") : "–"), "muted small pools");
     card.appendChild(pools);
     return card;
   }
