@@ -124,7 +124,8 @@ class EngineHealth:
         self.ejections += 1
         self.total_ejections += 1
         self.probe_in_flight = False
-        self.consecutive_failures = 0
+        # consecutive_failures stays: it counts failures since the last success (what operators
+        # read as "failures in a row"); only a success resets it.
 
     def snapshot(self, now: float) -> dict[str, object]:
         """JSON-able state for /admin and the dashboard."""
