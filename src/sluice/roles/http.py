@@ -222,19 +222,25 @@ async def stop_when_drained(
     """At the first signal: wait out the accept window, then until no counted request is open (and
     ``settle`` is done), within the grace period; then stop the server."""
     await shutdown.started.wait()
-    settling = asyncio.ensure_future(settle(app, shutdown)) if settle is not None else None
-    window = min(requests.accept_s, shutdown.grace_s)
-    await shutdown.until(lambda: shutdown.elapsed() >= window, lambda: asyncio.sleep(0.05))
-    idle = await shutdown.until(lambda: requests.open == 0, requests.changed)
-    if settling is not None:
-        await settling
-    if not idle:
-        log.warning(
-            "drain grace period over: open requests are cut off",
-            extra={"fields": {"open": requests.open, "grace_s": shutdown.grace_s}},
-        )
-    log.info("drained", extra={"fields": {"waited_s": round(shutdown.elapsed(), 3), "open": requests.open}})
-    server.should_exit = True
+    try:
+        settling = asyncio.ensure_future(settle(app, shutdown)) if settle is not None else None
+        window = min(requests.accept_s, shutdown.grace_s)
+        await shutdown.until(lambda: shutdown.elapsed() >= window, lambda: asyncio.sleep(0.05))
+        idle = await shutdown.until(lambda: requests.open == 0, requests.changed)
+        if settling is not None:
+            await settling
+        if not idle:
+            log.warning(
+                "drain grace period over: open requests are cut off",
+                extra={"fields": {"open": requests.open, "grace_s": shutdown.grace_s}},
+            )
+        waited = round(shutdown.elapsed(), 3)
+        log.info("drained", extra={"fields": {"waited_s": waited, "open": requests.open}})
+    except Exception as exc:
+        # The process must still stop: a drain that failed half-way ends as a hurried one.
+        log.error("drain failed; stopping now", exc_info=exc)
+    finally:
+        server.should_exit = True
 
 
 def server_config(app: object, settings: Settings) -> uvicorn.Config:

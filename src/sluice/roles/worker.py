@@ -44,7 +44,11 @@ async def work(settings: Settings, grace_s: float = drain.DEFAULT_GRACE_S) -> No
                 },
             )
             await shutdown.started.wait()
-            await drain.drain_dispatcher(worker.dispatcher, shutdown)
+            try:
+                await drain.drain_dispatcher(worker.dispatcher, shutdown)
+            except Exception as exc:
+                # It still stops: what was not handed back comes back when its lease runs out.
+                log.error("drain failed; stopping now", exc_info=exc)
 
 
 def run(args: argparse.Namespace) -> int:
