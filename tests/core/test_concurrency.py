@@ -214,3 +214,38 @@ def test_the_snapshot_is_json() -> None:
     snap = json.loads(json.dumps(limiter.snapshot()))
     assert snap["limit"] == 8 and snap["ceiling"] == 32 and snap["adaptive"] is True
     assert snap["tpot_slope_s"] == pytest.approx(0.001, rel=0.01)
+
+
+def test_dispatches_show_the_limit_binds_before_any_stream_ends() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock)
+    for _ in range(5):
+        clock.advance(1.1)
+        for n in range(1, limiter.limit + 1):
+            limiter.on_dispatch(n)
+        # Every stream that started so far got its first token at once: nothing waits.
+        limiter.on_first_token(limiter.limit, 0.03)
+    # Doubling every interval from 4 (the first answer only sets the baseline: 4, 5, 10, 20, 40, 80).
+    assert limiter.limit == 80
+
+
+def test_blind_slow_start_goes_no_further_than_twice_what_started_without_waiting() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=4)
+    limiter.on_first_token(1, 0.03)
+    for _ in range(10):
+        clock.advance(1.1)
+        limiter.on_dispatch(limiter.limit)
+    # Only one stream was ever seen to start freely: the limit grows by one a step, not doubling.
+    assert limiter.limit < 16
+
+
+def test_late_first_tokens_cut_to_below_the_fewest_in_flight_that_waited() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=40)
+    for i in range(200):
+        clock.advance(0.02)
+        n = 1 + i % 40
+        limiter.on_first_token(n, 0.5 if n > 30 else 0.03)
+    assert limiter.limit == 30
+    assert limiter.snapshot()["reason"] == "ttft queueing"

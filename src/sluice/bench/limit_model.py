@@ -7,16 +7,19 @@ front of it that sends at most ``limit`` requests in flight, and the real
 :class:`~sluice.core.concurrency.ConcurrencyLimit` fed as the dispatcher feeds it: a
 :class:`~sluice.core.concurrency.StreamSample` for every finished stream, and the engine's own load
 (``/metrics``: running, waiting, KV use, preemptions) every ``--poll`` seconds, or never
-(``adaptive, no metrics``: TTFT alone).
+(``adaptive, no metrics``: TTFT alone); the gateway also tells it of every dispatch and first
+token (:meth:`~sluice.core.concurrency.ConcurrencyLimit.on_dispatch`, ``on_first_token``).
 
 Arrivals are open-loop Poisson at ``--overload`` times the engine's capacity (prompts of 16..256
 tokens, answers of 32..224); every client gives up ``--patience`` seconds after it arrived (a
 request still queued is dropped, one running is aborted: its tokens are wasted). At
-``--change-at`` seconds every step cost doubles (another tenant on the GPU) and the arrival rate
-follows the new capacity. Goodput: answers finished within their client's patience, per second.
+``--change-at`` seconds every step cost doubles (another tenant on the GPU; ``--change kv``: the KV
+cache halves instead) and the arrival rate follows the new capacity. Goodput: answers finished
+within their client's patience, per second.
 
     python -m sluice.bench.limit_model                   # every engine, all fixed limits 1..2x batch
     python -m sluice.bench.limit_model --engines b16 --seeds 3
+    python -m sluice.bench.limit_model --engines b64kv --change kv
 
 Time to converge: from the start (or the change) until the limit stays within max(2, 15 %) of
 where it settles (its median over the last third of the phase).
@@ -71,7 +74,8 @@ class Config:
 
     Attributes:
         duration_s: simulated seconds of arrivals.
-        change_at_s: when every step cost doubles (None: never).
+        change_at_s: when the engine changes (None: never).
+        change: how: ``step`` (every step cost doubles) or ``kv`` (half the KV cache).
         overload: arrival rate over the engine's capacity.
         patience_s: how long a client waits for its whole answer.
         poll_s: how often the engine's load is read (the heartbeat).
@@ -80,6 +84,7 @@ class Config:
 
     duration_s: float = 120.0
     change_at_s: float | None = 60.0
+    change: str = "step"
     overload: float = 1.3
     patience_s: float = 15.0
     poll_s: float = 1.0
@@ -95,12 +100,14 @@ class Outcome:
         goodput: ``good`` per simulated second.
         max_waiting: the most requests seen in the engine's own waiting queue (after any step).
         trace: (time, limit) at every poll.
+        good_at: when each good answer finished.
     """
 
     good: int = 0
     goodput: float = 0.0
     max_waiting: int = 0
     trace: list[tuple[float, int]] = field(default_factory=list)
+    good_at: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,7 +127,11 @@ def _capacity(params: SimParams) -> float:
     return capacity_rps(params, MEAN_OUTPUT, MEAN_PROMPT)
 
 
-def _slower(params: SimParams) -> SimParams:
+def _changed(params: SimParams, change: str) -> SimParams:
+    """The engine after the change: every step cost doubled (``step``), or half its KV cache
+    (``kv``: another tenant took the memory)."""
+    if change == "kv":
+        return replace(params, kv_cache_tokens=max(params.max_model_len, params.kv_cache_tokens // 2))
     return replace(
         params,
         base_step_s=params.base_step_s * 2,
@@ -135,7 +146,7 @@ def arrivals(params: SimParams, cfg: Config) -> list[_Request]:
     rng = random.Random(cfg.seed)
     out: list[_Request] = []
     t = 0.0
-    slow = _slower(params)
+    slow = _changed(params, cfg.change)
     while True:
         phase = params if cfg.change_at_s is None or t < cfg.change_at_s else slow
         t += rng.expovariate(cfg.overload * _capacity(phase))
@@ -189,6 +200,7 @@ def run(
             r.inflight_at_send = len(inflight) + 1
             r.handle = engine.submit(r.rid, r.prompt, r.output, now)
             inflight[r.rid] = r
+            limiter.on_dispatch(r.inflight_at_send)
 
     while events:
         now, _, kind, rid = heapq.heappop(events)
@@ -213,15 +225,21 @@ def run(
                 )
             out.trace.append((now, limiter.limit))
         elif kind == "change":
-            engine.params = _slower(engine.params)
+            engine.params = _changed(engine.params, cfg.change)
         elif kind == "step":
             stepping = False
             result = engine.step(now)
+            for h in result.emitted:
+                if h.generated == 1:
+                    first = inflight[h.request_id]
+                    assert first.sent_at is not None
+                    limiter.on_first_token(first.inflight_at_send, now - first.sent_at)
             for h in result.finished:
                 r = inflight.pop(h.request_id)
                 r.done = True
                 if now <= r.deadline:
                     out.good += 1
+                    out.good_at.append(now)
                 assert r.sent_at is not None and h.first_token_at is not None
                 tpot = (now - h.first_token_at) / (h.generated - 1) if h.generated > 1 else None
                 limiter.on_sample(
@@ -341,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--change-at", type=float, default=_DEFAULT.change_at_s, help="when steps double; <0: never"
     )
+    ap.add_argument(
+        "--change", choices=("step", "kv"), default="step", help="what changes: step costs x2, or KV / 2"
+    )
     ap.add_argument("--overload", type=float, default=_DEFAULT.overload)
     ap.add_argument("--patience", type=float, default=_DEFAULT.patience_s)
     ap.add_argument("--poll", type=float, default=_DEFAULT.poll_s)
@@ -353,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg = Config(
                 duration_s=args.duration,
                 change_at_s=args.change_at if args.change_at >= 0 else None,
+                change=args.change,
                 overload=args.overload,
                 patience_s=args.patience,
                 poll_s=args.poll,

@@ -9,12 +9,16 @@ objective, "no more than the batch size at which decoding meets the objective".
 Signals, strongest first:
 
 1. **The engine's own queue** (vLLM ``num_requests_waiting``, TGI ``tgi_queue_size``,
-   llama-server ``requests_deferred``): waiting on two polls in a row (or two or more at once)
-   means Sluice sends more than the engine runs, and the engine says how many it does run: the
-   limit drops to its ``running`` count. That count is remembered as the engine's known capacity;
-   probing past it is slow (one more, after ``reprobe_s`` without trouble), so the waiting queue
-   stays within a request or two. Preemptions rising or the KV cache nearly full mean the batch
-   is over memory: a multiplicative decrease.
+   llama-server ``requests_deferred``). A request sent between two engine steps waits until the
+   next one, so a waiting request is a queue only on two polls in a row while the engine runs as
+   many as it has run lately (or its KV cache is nearly full), or when many wait at once (slow
+   start overshooting). Then the limit drops to the engine's ``running`` count, remembered as its
+   known capacity; probing past it is slow (one more, ``reprobe_s`` after the last change), so
+   the waiting queue stays within a request or two. Where the KV cache is what bounds the engine,
+   a lookahead of :data:`LOOKAHEAD` of the batch may wait (llm-d's lookahead buffer): the engine
+   admits them as sequences end, and the cache stays full. A few preemptions are a full cache;
+   a storm (:data:`PREEMPTION_STORM` of the batch between two polls) cuts to ``running``. An
+   engine that says how many it can run at all (llama-server's slots) is never sent more.
 2. **Time per output token** against its objective, where one is set: above it, the limit drops
    by the gradient ``objective / tpot`` (bounded to halve at most, as in Netflix's Gradient2), or
    straight to the in-flight count where the fitted line ``tpot = a + b * inflight`` meets the
@@ -22,13 +26,16 @@ Signals, strongest first:
    line predicts the next sequence still meets it.
 3. **Time to first token**, where the engine reports no queue: a request that waited in the
    engine shows a first token far later than the low baseline of recent ones (more than
-   ``0.5 x baseline + 4 x its own tpot``); a quarter of a window's samples like that is queueing,
-   and the limit steps down multiplicatively.
+   ``0.5 x baseline`` or 4 decoding steps over it); a quarter of a window's streams like that is
+   queueing, and the limit drops to one less than the fewest in flight at which one queued.
+   :meth:`ConcurrencyLimit.on_first_token` gives that a whole answer sooner than
+   :meth:`ConcurrencyLimit.on_sample`.
 4. **Overload answers** (429/503): a multiplicative decrease.
 
-Without trouble, and only when the limit binds (a stream started with the limit in flight, or the
-engine runs that many), the limit grows: doubling until the first sign of trouble (slow start, as
-TCP does, so a 64-slot engine is found in a few request lifetimes), then additively. With no
+Without trouble, and only when the limit binds (a request was sent with the limit in flight, or
+the engine runs that many), the limit grows: doubling every ``interval_s`` until the first sign of
+trouble (slow start, as TCP does: a 64-slot engine is found in seconds; blind, at most twice what
+has been seen to start without waiting), then additively. With no
 objective the growth is throughput-seeking: it stops where the fitted line says one more sequence
 barely adds tokens per second across the batch (elasticity ``b*n / (a + b*n)`` above
 :data:`PLATEAU_ELASTICITY`: doubling the batch would add under ~7 % throughput).
@@ -219,6 +226,8 @@ class ConcurrencyLimit:
         self._window_queued = 0
         self._window_started = now
         self._min_queued_inflight: int | None = None
+        self._first_tokens = False  # on_first_token is called: TTFTs come from it
+        self._verified = 0  # the most in flight at which a stream started without waiting
 
     # -- what the dispatcher reads -------------------------------------------------------------
 
@@ -267,14 +276,32 @@ class ConcurrencyLimit:
             last = self._tpot_ewma
             self._tpot_ewma = tpot if last is None else last + 0.1 * (tpot - last)
             self._fold_bucket(max(1, sample.inflight), tpot, now)
-        if sample.ttft_s is not None and sample.ttft_s >= 0:
-            self._fold_ttft(sample, tpot, now)
+        if sample.ttft_s is not None and sample.ttft_s >= 0 and not self._first_tokens:
+            self._fold_ttft(sample.inflight, sample.ttft_s, tpot)
         if not self.adaptive:
             return
         if self._objective_exceeded(now):
             return
         self._judge_window(now)
         self._maybe_increase(now)
+
+    def on_dispatch(self, inflight: int) -> None:
+        """Sluice sent the engine a request, and now has ``inflight`` there (including it).
+        Optional: it tells at once that the limit binds, where a finished stream tells it a whole
+        answer later (slow start then doubles every interval rather than every answer)."""
+        self._peak_inflight = max(self._peak_inflight, inflight)
+
+    def on_first_token(self, inflight: int, ttft_s: float) -> None:
+        """A stream's first token came, ``ttft_s`` after it was sent with ``inflight`` in
+        flight. Optional: where it is called, TTFT-inferred queueing is judged from it (an answer
+        sooner than :meth:`on_sample` would) and the samples' TTFTs are no longer read."""
+        self._first_tokens = True
+        if ttft_s >= 0:
+            self._fold_ttft(inflight, ttft_s, None)
+        if self.adaptive:
+            now = self._clock()
+            self._judge_window(now)
+            self._maybe_increase(now)
 
     def on_engine_load(self, load: EngineLoad) -> None:
         """The engine's own report, polled on the heartbeat."""
@@ -383,6 +410,10 @@ class ConcurrencyLimit:
             reason = "probe"
         elif self.phase is LimitPhase.STARTING:
             target = current * 2.0
+            if not self._engine_reports_waiting:
+                # Blind, nothing but first tokens tells of a queue: at most twice what has been
+                # seen to start without waiting.
+                target = min(target, max(current + 1.0, 2.0 * self._verified))
             reason = "slow start"
         else:
             target = current + max(1.0, math.sqrt(current) / 2)
@@ -483,24 +514,26 @@ class ConcurrencyLimit:
             b = max(0.0, (my - a) / mx)
         return _Line(a, b)
 
-    def _fold_ttft(self, sample: StreamSample, tpot: float | None, now: float) -> None:
-        ttft = sample.ttft_s
-        assert ttft is not None
+    def _fold_ttft(self, inflight: int, ttft: float, tpot: float | None) -> None:
         base = self._ttft_base
         if base is None:
             self._ttft_base = ttft
             return
-        step = tpot if tpot is not None else (self._tpot_ewma or 0.0)
+        # A decoding step's time: the stream's own, else the smoothed one, else the baseline
+        # (a first token takes about one step when nothing waits).
+        step = tpot if tpot is not None else (self._tpot_ewma or base)
         queued = ttft > base + max(4 * step, 0.5 * base)
+        if not queued:
+            self._verified = max(self._verified, inflight)
         # A stream that started with more in flight than the limit now allows tells of an older,
         # higher limit, which has already been judged: it must not cut the limit again.
-        current = sample.inflight <= self.limit
+        current = inflight <= self.limit
         if current:
             self._window_samples += 1
         if queued and current:
             self._window_queued += 1
             low = self._min_queued_inflight
-            self._min_queued_inflight = sample.inflight if low is None else min(low, sample.inflight)
+            self._min_queued_inflight = inflight if low is None else min(low, inflight)
         # A low-quantile tracker: falls fast, rises slowly, so the baseline follows a slower engine.
         # A queued sample rises it less: queueing must not become the baseline it is judged by.
         rise = 0.005 if queued else 0.02
