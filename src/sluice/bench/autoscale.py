@@ -153,7 +153,9 @@ class Config:
         poll_s: the autoscaler's period (KEDA polls, the HPA syncs).
         down_window_s: the HPA's scale-down stabilisation window.
         min_replicas, max_replicas: the HPA's bounds (max 0: twice the peak-sized fleet).
-        signal_every_s: how often the gateway computes ``sluice_desired_engines``.
+        signal_every_s: how often the gateway computes ``sluice_desired_engines`` (and Prometheus
+            scrapes the metrics).
+        scrape_lag_s: how old the value KEDA reads is (Prometheus scrapes, then KEDA queries).
         signal_down_window_s: the signal's own scale-down window (``ScalingPolicy.down_window_s``):
             short, since the HPA stabilises on top of it.
         headroom: the signal's headroom (``ScalingPolicy.headroom``).
@@ -176,6 +178,7 @@ class Config:
     min_replicas: int = 1
     max_replicas: int = 0
     signal_every_s: float = 5.0
+    scrape_lag_s: float = 15.0
     signal_down_window_s: float = 60.0
     headroom: float = 0.2
     engine: str = "article"
@@ -360,6 +363,8 @@ class Cluster:
         max_replicas = config.max_replicas or 2 * fleet_peak
         self.hpa = Hpa(strategy.target, config.min_replicas, max_replicas, config.down_window_s)
         self._miss_buckets: dict[int, int] = {}
+        #: (time, value) of the scaled-on metric as Prometheus scraped it
+        self.scraped: deque[tuple[float, float]] = deque()
 
     # --- the fleet ------------------------------------------------------------------------------
 
@@ -506,14 +511,22 @@ class Cluster:
         a = assess(demand, Supply(len(serving), slots, slot_rate, float(self.slots)), self.policy)
         self.signal = self.stabiliser.update(a.raw_engines, now, a.needed)
 
-    def autoscale(self, now: float) -> None:
+    def scrape(self, now: float) -> None:
+        """What Prometheus stores at ``now``: the metric the strategy scales on."""
         s = self.strategy
-        if s.scaler is Scaler.FIXED:
-            return
         if s.scaler is Scaler.WAITING:
-            self.metric = self.waiting_metric(now) if s.routing is Routing.DIRECT else 0.0
+            value = self.waiting_metric(now) if s.routing is Routing.DIRECT else 0.0
         else:
-            self.metric = float(self.signal)
+            value = float(self.signal)
+        self.scraped.append((now, value))
+
+    def autoscale(self, now: float) -> None:
+        if self.strategy.scaler is Scaler.FIXED:
+            return
+        # KEDA's query answers with what Prometheus scraped ``scrape_lag_s`` ago (or earlier)
+        while len(self.scraped) > 1 and self.scraped[1][0] <= now - self.config.scrape_lag_s:
+            self.scraped.popleft()
+        self.metric = self.scraped[0][1] if self.scraped else 0.0
         current = len(self.live())
         self.scale_to(self.hpa.desired(self.metric, current, now), now)
 
@@ -576,6 +589,7 @@ class Cluster:
                     self.dispatch(now)
             elif kind == "signal":
                 self.compute_signal(now)
+                self.scrape(now)
                 self.at(now + c.signal_every_s, "signal")
             elif kind == "poll":
                 self.autoscale(now)
@@ -712,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cold-start-s", type=float, default=defaults.cold_start_s)
     p.add_argument("--poll-s", type=float, default=defaults.poll_s)
     p.add_argument("--down-window-s", type=float, default=defaults.down_window_s)
+    p.add_argument("--scrape-lag-s", type=float, default=defaults.scrape_lag_s)
     p.add_argument("--signal-down-window-s", type=float, default=defaults.signal_down_window_s)
     p.add_argument("--headroom", type=float, default=defaults.headroom)
     p.add_argument("--json", type=Path, help="write the whole report (with timelines) here")
@@ -726,6 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         poll_s=args.poll_s,
         down_window_s=args.down_window_s,
         signal_down_window_s=args.signal_down_window_s,
+        scrape_lag_s=args.scrape_lag_s,
         headroom=args.headroom,
     )
     report = run(config)
