@@ -295,7 +295,7 @@ class Dispatcher:
             candidates,
             prompt_tokens=job.prompt_tokens,
             output_tokens=job.max_tokens or 1,
-            prefix=prefix_key({**job.body, "model": target}),
+            prefix=_prefix(job, target) if self.router.affinity else None,
         )
         return next((e for e in engines if e.name == name), None)
 
@@ -421,6 +421,7 @@ class Dispatcher:
                     await self._finish(job, JobState.FAILED, attempts, backend, error=internal_error())
                     return
                 engine.health.on_success(time.monotonic())
+                engine.failures = 0
                 await self._finish(
                     job,
                     JobState.SUCCEEDED,
@@ -541,6 +542,7 @@ class Dispatcher:
             # The engine answered (it refused the request itself): it is up, and a probe is over.
             engine.health.on_success(now)
             return
+        engine.failures += 1
         if exc.status in OVERLOAD_STATUS:
             engine.limiter.on_overload()
         if exc.status != 429:  # "too many" is a full engine, not a broken one
@@ -693,6 +695,16 @@ class _Hold:
     cost: int
     #: the engine model name the attempt asks for (an alias's draw, else the job's model)
     target: str
+
+
+def _prefix(job: Job, target: str) -> str | None:
+    """The job's prompt prefix key on engine model ``target``; None when its body has none, or has
+    no text form to hash (a lone surrogate, which only a job queued by another build can hold:
+    its attempt fails as the client's error when the body is encoded)."""
+    try:
+        return prefix_key({**job.body, "model": target})
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def _count(value: object) -> TypeGuard[int]:

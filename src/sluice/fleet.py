@@ -115,6 +115,8 @@ class Engine:
         leaving: its address left the pool: no new work, dropped once idle.
         described: whether its model list was read (``backend.model_info`` holds what it said).
         ttft_s: its recent time to first token, smoothed (None: none measured yet).
+        failures: its failures in a row (errors worth a retry), until one succeeds; kept through
+            an ejection (the health's own count restarts with each ejection).
     """
 
     backend: Backend
@@ -129,6 +131,7 @@ class Engine:
     leaving: bool = False
     described: bool = False
     ttft_s: float | None = None
+    failures: int = 0
 
     @property
     def name(self) -> str:
@@ -137,11 +140,6 @@ class Engine:
     @property
     def limit(self) -> int:
         return max(self.limiter.limit, 1)
-
-    @property
-    def failures(self) -> int:
-        """Failures in a row since its last success."""
-        return self.health.consecutive_failures
 
     @property
     def cooldown_until(self) -> float:
