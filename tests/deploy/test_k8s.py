@@ -537,6 +537,9 @@ def test_the_scaled_object_scales_the_engines_on_desired_engines(
         assert matchers["pool"] == pools[0].name
     if "model" in matchers:
         assert matchers["model"] in pools[0].models
+        # the model's need is this pool's only if no other pool serves the model too
+        serving = [p.name for p in settings_of(objects, tmp_path).pools if matchers["model"] in p.models]
+        assert serving == [pools[0].name], serving
     vllm = container(find(objects, "Deployment", "vllm"), "vllm")
     served = vllm["args"][vllm["args"].index("--served-model-name") + 1]
     assert pools[0].models == [served], "the pool lists the model the engines serve, by its served name"
