@@ -133,7 +133,7 @@ async def serve(
     the local engine is provisioned (``/readyz`` and requests say how far along it is). 1 if the
     engine failed."""
     drained = functools.partial(serve_http, grace_s=grace_s, accept_s=accept_s, settle=settle_jobs)
-    if settings.backends:
+    if settings.has_engines:
         await drained(runtime.build_app(settings, dispatch=True), sock, settings, "serve")
         return 0
     settings = local_engine_defaults(settings)

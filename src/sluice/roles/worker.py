@@ -54,8 +54,8 @@ async def work(settings: Settings, grace_s: float = drain.DEFAULT_GRACE_S) -> No
 def run(args: argparse.Namespace) -> int:
     try:
         settings = flags.shared_settings(args, "worker")
-        if not settings.backends:
-            raise ConfigError("a worker needs at least one --backend")
+        if not settings.has_engines:
+            raise ConfigError("a worker needs an engine: at least one --backend, or [[pools]] in --config")
         grace_s = drain.grace_of(settings)
     except ConfigError as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
