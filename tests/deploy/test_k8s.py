@@ -520,6 +520,12 @@ def test_the_scaled_object_scales_the_engines_on_desired_engines(
     assert trigger["metricType"] == "AverageValue"
     assert float(trigger["metadata"]["threshold"]) == 1
     assert scaled["spec"]["minReplicaCount"] >= 1
+    # up at least as fast as docs/autoscaling.md simulated (the HPA's default: 4 pods or 100 % per 15 s)
+    up = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]
+    assert up["stabilizationWindowSeconds"] == 0
+    assert up.get("selectPolicy", "Max") == "Max"
+    rates = {(p["type"], p["value"], p["periodSeconds"]) for p in up["policies"]}
+    assert ("Pods", 4, 15) in rates and ("Percent", 100, 15) in rates
     # the model (or pool) it asks about is served by the pool whose engines are this Deployment's pods
     matchers = dict(re.findall(r'(\w+)="([^"]+)"', query))
     assert set(matchers) & {"model", "pool"}, query
