@@ -147,7 +147,7 @@ class Drain:
 
 @contextlib.contextmanager
 def signals_drain(drain: Drain, loop: asyncio.AbstractEventLoop) -> Iterator[Drain]:
-    """SIGTERM and SIGINT drive ``drain`` while the block runs; the previous handlers after it."""
+    """SIGTERM and SIGINT drive ``drain`` while the block runs; their default actions after it."""
     for sig in SIGNALS:
         loop.add_signal_handler(sig, drain.signal, sig)
     try:
