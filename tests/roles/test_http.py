@@ -5,12 +5,14 @@ tests/failures/test_gateway_sigterm.py."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import httpx
+import uvicorn
 
 from sluice import drain
-from sluice.roles.http import OpenRequests
+from sluice.roles.http import DrainingServer, OpenRequests
 from tests.helpers import wait_until
 
 
@@ -69,3 +71,14 @@ async def test_new_requests_are_still_taken_within_the_accept_window() -> None:
         assert (await c.get("/fast")).status_code == 200
         now[0] = 5.0
         assert (await c.get("/fast")).status_code == 503
+
+
+def test_the_first_signal_drains_the_second_stops_the_third_forces() -> None:
+    shutdown = drain.Drain(grace_s=30)
+    server = DrainingServer(uvicorn.Config(Held()), shutdown)
+    server._on_signal(signal.SIGTERM)
+    assert shutdown.draining and not server.should_exit  # the drain decides when to stop
+    server._on_signal(signal.SIGTERM)
+    assert shutdown.phase is drain.DrainPhase.HURRYING and server.should_exit and not server.force_exit
+    server._on_signal(signal.SIGINT)
+    assert server.force_exit
