@@ -39,6 +39,8 @@ BASE = ROOT / "deploy" / "k8s"
 CRDS = ROOT / "tests" / "data" / "keda"
 #: the Kubernetes version the objects must be valid for (kubernetes-validate ships its schemas)
 KUBERNETES = "1.32.0"
+#: the oldest and the newest the docs promise: 1.27 (kubectl's kustomize v5) to what the package knows
+KUBERNETES_RANGE = ("1.27.0", KUBERNETES, kubernetes_validate.latest_version())
 #: the objects whose schema is a CRD's, not Kubernetes' own: (apiVersion, kind) -> CRD file
 CUSTOM = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
@@ -136,12 +138,15 @@ def test_the_base_renders_every_part(objects: list[dict[str, Any]]) -> None:
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"sluice"}
 
 
-def test_every_kubernetes_object_is_valid_for_the_pinned_version(objects: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("version", KUBERNETES_RANGE)
+def test_every_kubernetes_object_is_valid_for_the_pinned_versions(
+    objects: list[dict[str, Any]], version: str
+) -> None:
     checked = 0
     for o in objects:
         if (o["apiVersion"], o["kind"]) in CUSTOM:
             continue
-        kubernetes_validate.validate(o, KUBERNETES, strict=True)
+        kubernetes_validate.validate(o, version, strict=True)
         checked += 1
     assert checked >= 14
 
