@@ -39,7 +39,7 @@ import httpx
 
 from sluice.bench import cli as bench_cli
 from sluice.bench.load import PROMPT, Profile, parse_prometheus
-from sluice.bench.report import plot_compare, write_result
+from sluice.bench.report import goodput, plot_compare, records_of, write_result
 
 __all__ = [
     "ARMS",
@@ -341,13 +341,16 @@ class FleetWatcher:
     ``samples`` holds, per sample, ``t`` (seconds from the run's origin) and per engine name the
     values of :func:`_engine_values` (absent once the engine stops answering); ``first`` and
     ``last`` each engine's values before the load and at its last answer; ``killed_at`` when the
-    kill was sent (None: no kill).
+    kill was sent (None: no kill). With ``gateway_metrics`` (a Sluice arm), each sample also has
+    ``slots``: the gateway's ``sluice_slots``, the sum of its engines' in-flight limits (learned or
+    fixed) at that moment.
     """
 
     http: httpx.AsyncClient
     members: Sequence[Member]
     kill: str | None = None
     kill_at: float | None = None
+    gateway_metrics: str | None = None
     origin: float = 0.0
     samples: list[dict[str, Any]] = field(default_factory=list)
     first: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -381,7 +384,13 @@ class FleetWatcher:
             due = self.kill_at is not None and started - self.origin >= self.kill_at
             if self.kill and due and self.killed_at is None:
                 self._kill()
-            values = await self.scrape()
+            values: dict[str, Any] = dict(await self.scrape())
+            if self.gateway_metrics is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await self.http.get(self.gateway_metrics, timeout=2.0)
+                    slots = parse_prometheus(response.text).get("sluice_slots")
+                    if slots is not None:
+                        values["slots"] = slots
             self.samples.append({"t": started - self.origin, **values})
             await asyncio.sleep(max(0.0, SAMPLE_S - (time.perf_counter() - started)))
 
@@ -469,7 +478,7 @@ async def run_arm(
         front(arm, members, out, args.model) as found,
         httpx.AsyncClient() as http,
     ):
-        watcher = FleetWatcher(http, members, args.kill, kill_at)
+        watcher = FleetWatcher(http, members, args.kill, kill_at, found.gateway_metrics)
         await watcher.prime()
         try:
             result = await bench_cli.measure(
@@ -513,6 +522,7 @@ def _status_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
 def arm_row(result: dict[str, Any]) -> dict[str, Any]:
     """One arm's line of the comparison, from its result (see :func:`run_arm`)."""
     s, fleet = result["summary"], result["fleet"]
+    duration = float(result["config"]["duration"])
     lat = s["latency_ok_s"]
     killed = fleet.get("killed")
     kill: dict[str, Any] | None = None
@@ -532,6 +542,8 @@ def arm_row(result: dict[str, Any]) -> dict[str, Any]:
         "limits": fleet["arm"]["limits"],
         "offered": s["offered"],
         "goodput_rps": s["goodput_rps"],
+        # The second half of the arrivals: once a learned limit has had time to converge.
+        "goodput_late_rps": goodput(records_of(result), duration / 2, duration),
         "capacity_rps": fleet["capacity_rps"],
         "ok_p50_s": lat["p50"],
         "ok_p99_s": lat["p99"],
@@ -562,27 +574,29 @@ def fleet_table(rows: Sequence[dict[str, Any]]) -> str:
         return "-" if v is None else fmt.format(v)
 
     head = (
-        "| arm | limits | goodput | ok p50 / p99 | waste | 429 | 504 | gave up | errors | lost | share "
+        "| arm | limits | goodput | 2nd half | ok p50 / p99 | waste | 429 | 504 | gave up | errors | lost "
+        + "| share "
         + " / ".join(names)
         + " | max engine queue | send lag p99 | load |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---" * 15 + "|"]
     for r in rows:
         label = f"**{r['label']}** (best fixed)" if r["label"] == best else r["label"]
         limits = "learned" if r["kind"] == "adaptive" else " / ".join(str(r["limits"][n]) for n in names)
-        goodput = f"{r['goodput_rps']:.2f} req/s"
+        rate = f"{r['goodput_rps']:.2f} req/s"
         if r["capacity_rps"]:
-            goodput += f" ({100 * r['goodput_rps'] / r['capacity_rps']:.0f} %)"
+            rate += f" ({100 * r['goodput_rps'] / r['capacity_rps']:.0f} %)"
         share = " / ".join(
             num(e["share"] and 100 * e["share"], "{:.0f} %") + (" †" if e["killed"] else "")
             for e in r["engines"].values()
         )
         worst = max(r["engines"].items(), key=lambda kv: kv[1]["max_waiting"] or 0)
         queue = f"{worst[1]['max_waiting']:g} ({worst[0]})" if worst[1]["max_waiting"] is not None else "-"
+        late = f"{r['goodput_late_rps']:.2f} req/s"
         st = r["statuses"]
         load = "→".join(f"{v:g}" for v in r.get("load_avg_1m") or []) or "-"
         lines.append(
-            f"| {label} | {limits} | {goodput} "
+            f"| {label} | {limits} | {rate} | {late} "
             f"| {num(r['ok_p50_s'], '{:.2f}')} / {num(r['ok_p99_s'], '{:.2f}')} s"
             f" | {num(r['wasted_share'] and 100 * r['wasted_share'], '{:.1f} %')} | {st['429']} | {st['504']}"
             f" | {st['gave_up']} | {st['errors']} | {r['lost']} | {share} | {queue}"
@@ -690,6 +704,28 @@ def plot_engines(results: Sequence[dict[str, Any]], path: Path) -> None:
         row[1].set_ylabel("engine's waiting queue")
     axes[-1][0].set_xlabel("time since start (s)")
     axes[-1][1].set_xlabel("time since start (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_limits(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """The Sluice arms' in-flight limit, summed over the fleet, over time, against the batch sizes."""
+    from sluice.bench.report import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    batches = None
+    for result in results:
+        points = [(s["t"], s["slots"]) for s in result["fleet"]["samples"] if "slots" in s]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=result["label"])
+        batches = sum(e["batch"] for e in result["fleet"]["engines"].values())
+    if batches:
+        ax.axhline(batches, color="black", linestyle=":", label=f"sum of the batch sizes ({batches})")
+    ax.set_ylabel("Sluice's in-flight limit,\nsummed over the engines")
+    ax.set_xlabel("time since start (s)")
+    ax.legend(fontsize="small", loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -856,6 +892,9 @@ def _report(args: argparse.Namespace, profile: Profile, results: list[dict[str, 
         plot_compare(results, out / "fleet-time.png")
         plot_engines(results, out / "fleet-engines.png")
         written += [out / "fleet.png", out / "fleet-time.png", out / "fleet-engines.png"]
+        if any("slots" in s for r in results for s in r["fleet"]["samples"]):
+            plot_limits(results, out / "fleet-limits.png")
+            written.append(out / "fleet-limits.png")
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
 
