@@ -176,8 +176,9 @@ def test_the_check_refuses_what_the_spec_forbids() -> None:
         {"model": "script", "messages": HELLO},
         {"model": "script", "messages": WEATHER, "tools": [CHAT_TOOL]},  # a tool call, content null
         {"model": "script", "messages": HELLO, "reasoning_effort": "low"},
+        {"model": "script", "messages": HELLO, "logprobs": True, "top_logprobs": 2},
     ],
-    ids=["sim", "text", "tool-call", "reasoning"],
+    ids=["sim", "text", "tool-call", "reasoning", "logprobs"],
 )
 async def test_chat_completion_and_its_chunks(api: httpx.AsyncClient, body: dict[str, Any]) -> None:
     whole = await api.post("/v1/chat/completions", json=body)
@@ -246,6 +247,7 @@ async def test_response_objects(api: httpx.AsyncClient) -> None:
         {"model": "script", "input": "hello", "instructions": "Be brief.", "metadata": {"a": "b"}},
         {"model": "script", "input": "The weather in Paris?", "tools": [WEATHER_TOOL]},
         {"model": "script", "input": "hello", "reasoning": {"effort": "low"}},
+        {"model": "script", "input": "hello", "top_logprobs": 2},
     ):
         created = await api.post("/v1/responses", json=body)
         assert created.status_code == 200, created.text
@@ -269,8 +271,9 @@ async def test_response_objects(api: httpx.AsyncClient) -> None:
         {"model": "sim", "input": "hello", "max_output_tokens": 5},
         {"model": "script", "input": "The weather in Paris?", "tools": [WEATHER_TOOL]},
         {"model": "script", "input": "hello", "reasoning": {"effort": "low"}},
+        {"model": "script", "input": "hello", "top_logprobs": 2},
     ],
-    ids=["sim", "tool-call", "reasoning"],
+    ids=["sim", "tool-call", "reasoning", "logprobs"],
 )
 async def test_response_stream_events(api: httpx.AsyncClient, body: dict[str, Any]) -> None:
     answer = await api.post("/v1/responses", json={**body, "stream": True})

@@ -45,7 +45,8 @@ class ScriptedEngine:
     and the last message's text, finishing with "stop". A request with ``reasoning_effort``
     thinks aloud first (``reasoning_content``). Streamed, every piece is a chunk of its own and a
     tool call's arguments come in fragments, as vLLM sends them. Every chunk and whole answer
-    carries OpenAI's chunk-level fields (:data:`FIELDS`). A request asking for more than
+    carries OpenAI's chunk-level fields (:data:`FIELDS`), and each piece of content its log
+    probability when the request asks for them (:meth:`logprob`). A request asking for more than
     :data:`MOST_TOKENS` tokens is refused with a 400 naming the field it came in
     (``max_completion_tokens`` or ``max_tokens``), as vLLM refuses one past the context window.
     It keeps the bodies it got."""
@@ -82,6 +83,16 @@ class ScriptedEngine:
         deltas += [{"content": "Answer: "}, {"content": text}]
         return deltas, "stop"
 
+    @staticmethod
+    def logprob(piece: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A piece's log probability as chat has it (OpenAI's shape, ``bytes`` null as it may
+        be), with ``top_logprobs`` alternatives when the request asked for some."""
+        top = [
+            {"token": f"alt{k}", "logprob": -2.0 - k, "bytes": None}
+            for k in range(body.get("top_logprobs") or 0)
+        ]
+        return {"token": piece, "logprob": -0.5, "bytes": None, "top_logprobs": top}
+
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
@@ -109,7 +120,11 @@ class ScriptedEngine:
                     {**calls[0], "function": {**calls[0]["function"], "arguments": arguments}}
                 ]
                 del message["tool_calls"][0]["index"]
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            logprobs = None
+            if body.get("logprobs"):
+                content = [self.logprob(d["content"], body) for d in deltas if "content" in d]
+                logprobs = {"content": content, "refusal": None}
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
             return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage})
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -119,6 +134,9 @@ class ScriptedEngine:
                     "delta": delta,
                     "finish_reason": finish if i == len(deltas) - 1 else None,
                 }
+                if body.get("logprobs") and "content" in delta:
+                    piece = self.logprob(delta["content"], body)
+                    choice["logprobs"] = {"content": [piece], "refusal": None}
                 data = {**base, "object": "chat.completion.chunk", "choices": [choice]}
                 yield f"data: {json.dumps(data)}\n\n".encode()
             if (body.get("stream_options") or {}).get("include_usage"):
@@ -525,6 +543,42 @@ async def test_the_engines_service_tier_is_the_responses(client: openai.AsyncOpe
     # An engine that says no tier (the simulator): the field is left out, as the spec allows.
     plain = await client.responses.with_raw_response.create(model="sim", input="x", max_output_tokens=1)
     assert "service_tier" not in json.loads(plain.text)
+
+
+async def test_log_probabilities_of_the_output_text(
+    client: openai.AsyncOpenAI, engine: ScriptedEngine
+) -> None:
+    def tokens(logprobs: Any) -> list[tuple[str, int]]:
+        return [(t.token, len(t.top_logprobs or [])) for t in logprobs or []]
+
+    whole = await client.responses.create(model="script", input="hello", top_logprobs=2)
+    assert engine.bodies[-1]["logprobs"] is True and engine.bodies[-1]["top_logprobs"] == 2
+    part = whole.output[0].content[0]
+    assert part.type == "output_text" and tokens(part.logprobs) == [("Answer: ", 2), ("hello", 2)]
+    assert part.logprobs is not None and part.logprobs[0].bytes == list(b"Answer: ")
+    assert part.logprobs[0].top_logprobs[0].token == "alt0" and whole.top_logprobs == 2
+
+    stream = await client.responses.create(model="script", input="hello", top_logprobs=1, stream=True)
+    events = [e async for e in stream]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [tokens(e.logprobs) for e in deltas] == [[("Answer: ", 1)], [("hello", 1)]]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert tokens(done.logprobs) == [("Answer: ", 1), ("hello", 1)]
+    final = events[-1].response
+    assert tokens(final.output[0].content[0].logprobs) == [("Answer: ", 1), ("hello", 1)]
+    assert await client.responses.retrieve(final.id) == final
+
+    # include alone asks for them without alternatives; neither asks for none.
+    included = await client.responses.create(
+        model="script", input="hello", include=["message.output_text.logprobs"]
+    )
+    assert engine.bodies[-1]["logprobs"] is True and "top_logprobs" not in engine.bodies[-1]
+    assert tokens(included.output[0].content[0].logprobs) == [("Answer: ", 0), ("hello", 0)]
+    plain = await client.responses.create(model="script", input="hello")
+    assert "logprobs" not in engine.bodies[-1] and plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="script", input="hello", top_logprobs=21)
+    assert info.value.param == "top_logprobs"
 
 
 async def test_chat_jobs_are_not_responses(client: openai.AsyncOpenAI) -> None:

@@ -90,7 +90,13 @@ class ResponseRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: StrictStr | None = None
-    include: list[StrictStr] | None = None
+    include: list[StrictStr] | None = Field(
+        default=None,
+        description="message.output_text.logprobs asks for log probabilities; others are ignored.",
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=20, strict=True)] | None = Field(
+        default=None, description="Sent as logprobs: true and top_logprobs."
+    )
     priority: StrictStr | None = Field(default=None, description="A priority class, e.g. high, normal, low.")
     timeout: PositiveTimeout | None = None
 

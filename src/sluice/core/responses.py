@@ -35,6 +35,8 @@ __all__ = [
 
 #: the key of ``Job.extra`` that holds what a response echoes of its request
 RECORD_KEY = "response"
+#: the ``include`` value that asks for the output text's log probabilities
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 _JOB_PREFIX = "job_"
 _RESPONSE_PREFIX = "resp_"
@@ -310,6 +312,11 @@ def chat_plan(body: Mapping[str, Any], history: Sequence[dict[str, Any]] = ()) -
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
+    # Log probabilities of the output text: asked for with top_logprobs, or by include.
+    if isinstance(body.get("top_logprobs"), int):
+        chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
+    elif LOGPROBS_INCLUDE in (body.get("include") or ()):
+        chat["logprobs"] = True
 
     record = {
         "background": bool(body.get("background")),
@@ -438,6 +445,8 @@ class _Item:
         parts: for a message, its content parts in order, each ``output_text`` or ``refusal``
             with its text so far; for reasoning, one ``reasoning_text``.
         call: the tool call, for a function call.
+        logprobs: the log probabilities of an ``output_text`` part's tokens so far, by the
+            part's index, in the Response's shape (token, logprob, bytes, top_logprobs).
     """
 
     kind: str
@@ -445,6 +454,7 @@ class _Item:
     id: str
     parts: list[list[str]] = field(default_factory=list)
     call: _Call | None = None
+    logprobs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     def part(self, kind: str) -> tuple[int, bool]:
         """The index of this item's part of ``kind``, and whether it is new."""
@@ -457,7 +467,12 @@ class _Item:
     def part_object(self, i: int) -> dict[str, Any]:
         kind, text = self.parts[i]
         if kind == "output_text":
-            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            return {
+                "type": "output_text",
+                "text": text,
+                "annotations": [],
+                "logprobs": list(self.logprobs.get(i, [])),
+            }
         if kind == "refusal":
             return {"type": "refusal", "refusal": text}
         return {"type": kind, "text": text}
@@ -606,7 +621,9 @@ class ResponseEvents:
             self._event("response.output_item.added", output_index=index, item=item.view("in_progress"))
         ]
 
-    def _text(self, item_kind: str, part_kind: str, delta: str) -> list[dict[str, Any]]:
+    def _text(
+        self, item_kind: str, part_kind: str, delta: str, logprobs: Sequence[Any] = ()
+    ) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         item = self.reasoning if item_kind == "reasoning" else self.message
         if item is None:
@@ -621,7 +638,11 @@ class ResponseEvents:
             part = {**item.part_object(content_index)}
             events.append(self._event("response.content_part.added", **where, part=part))
         item.parts[content_index][1] += delta
-        extra: dict[str, Any] = {"logprobs": []} if part_kind == "output_text" else {}
+        extra: dict[str, Any] = {}
+        if part_kind == "output_text":
+            tokens = [_logprob(t) for t in logprobs if isinstance(t, dict)]
+            item.logprobs.setdefault(content_index, []).extend(tokens)
+            extra["logprobs"] = [_delta_logprob(t) for t in tokens]
         events.append(self._event(_DELTA_EVENT[part_kind], **where, delta=delta, **extra))
         return events
 
@@ -672,7 +693,9 @@ class ResponseEvents:
             if isinstance(thought, str) and thought:
                 events += self._text("reasoning", "reasoning_text", thought)
             if isinstance(delta.get("content"), str) and delta["content"]:
-                events += self._text("message", "output_text", delta["content"])
+                tokens = _mapping(choice.get("logprobs")).get("content")
+                tokens = tokens if isinstance(tokens, list) else []
+                events += self._text("message", "output_text", delta["content"], tokens)
             if isinstance(delta.get("refusal"), str) and delta["refusal"]:
                 events += self._text("message", "refusal", delta["refusal"])
             fragments = delta.get("tool_calls")
@@ -696,7 +719,8 @@ class ResponseEvents:
             for i, (kind, text) in enumerate(item.parts):
                 where = {"item_id": item.id, "output_index": item.index, "content_index": i}
                 if kind == "output_text":
-                    events.append(self._event("response.output_text.done", **where, text=text, logprobs=[]))
+                    done = [_delta_logprob(t) for t in item.logprobs.get(i, [])]
+                    events.append(self._event("response.output_text.done", **where, text=text, logprobs=done))
                 elif kind == "refusal":
                     events.append(self._event("response.refusal.done", **where, refusal=text))
                 else:
@@ -732,7 +756,7 @@ class ResponseEvents:
         self._tier(result)
         events = self._progress()
         if not self.items and first.get("message"):
-            events += self.chunk([{"index": 0, "delta": first["message"]}])
+            events += self.chunk([{"index": 0, "delta": first["message"], "logprobs": first.get("logprobs")}])
         self.finish_reason = self.finish_reason or first.get("finish_reason")
         incomplete = _INCOMPLETE.get(self.finish_reason or "")
         status = "incomplete" if incomplete else "completed"
@@ -766,6 +790,32 @@ class ResponseEvents:
             JobState.FAILED,
             {"message": "The engine failed mid-answer; retry the request.", "type": "server_error"},
         )
+
+
+def _logprob(token: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat token's log probability as a Response's output text has it: ``bytes`` always a
+    list (chat may send null: the token's UTF-8 then), and so each of ``top_logprobs``."""
+
+    def one(t: Mapping[str, Any]) -> dict[str, Any]:
+        text = str(t.get("token") or "")
+        raw = t.get("bytes")
+        return {
+            "token": text,
+            "logprob": float(t.get("logprob") or 0.0),
+            "bytes": raw if isinstance(raw, list) else list(text.encode("utf-8", "replace")),
+        }
+
+    top = token.get("top_logprobs")
+    return {
+        **one(token),
+        "top_logprobs": [one(t) for t in top if isinstance(t, dict)] if isinstance(top, list) else [],
+    }
+
+
+def _delta_logprob(token: Mapping[str, Any]) -> dict[str, Any]:
+    """A token's log probability as the stream's text events have it (no bytes)."""
+    top = [{"token": t["token"], "logprob": t["logprob"]} for t in token["top_logprobs"]]
+    return {"token": token["token"], "logprob": token["logprob"], "top_logprobs": top}
 
 
 def _error(error: Mapping[str, Any] | None) -> dict[str, Any]:
