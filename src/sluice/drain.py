@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from sluice.config import ConfigError
-
 if TYPE_CHECKING:
     from sluice.dispatcher import Dispatcher
 
@@ -31,8 +29,12 @@ log = logging.getLogger("sluice.drain")
 
 #: how long running work may take to finish after SIGTERM, unless configured
 DEFAULT_GRACE_S = 30.0
-#: the environment variable that sets the grace period where no flag does
+#: the environment variable that sets the grace period (the name the setting ``drain_grace_s`` reads)
 GRACE_ENV = "SLUICE_DRAIN_GRACE_S"
+#: how long a gateway still takes new requests after SIGTERM, unless configured (seconds)
+DEFAULT_ACCEPT_S = 0.0
+#: the environment variable that sets it (the name the setting ``drain_accept_s`` reads)
+ACCEPT_ENV = "SLUICE_DRAIN_ACCEPT_S"
 #: how long after its tasks are cancelled a job's engine stream is given to close
 CANCEL_WAIT_S = 5.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,6 +54,9 @@ class DrainPhase(StrEnum):
 def env_seconds(name: str, default: float) -> float:
     """A number of seconds from the environment (``default`` when unset); a bad value is a
     :class:`~sluice.config.ConfigError` that names the variable."""
+    # Imported here: the settings may take their defaults from this module one day.
+    from sluice.config import ConfigError
+
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default

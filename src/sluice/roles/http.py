@@ -35,9 +35,9 @@ log = logging.getLogger("sluice.serve")
 # What the kernel queues of connections not yet accepted: a burst of clients must not be reset.
 BACKLOG = 2048
 
-#: where new requests are still taken after SIGTERM unless configured (seconds)
-DEFAULT_ACCEPT_S = 0.0
-ACCEPT_ENV = "SLUICE_DRAIN_ACCEPT_S"
+#: how long new requests are still taken after SIGTERM unless configured (seconds), and its variable
+DEFAULT_ACCEPT_S = drain.DEFAULT_ACCEPT_S
+ACCEPT_ENV = drain.ACCEPT_ENV
 #: what a request refused while draining is told to wait before it retries (elsewhere)
 REFUSED_RETRY_AFTER_S = 1
 #: once the grace period is over, how long (whole seconds, as uvicorn takes it) the server gives
