@@ -176,6 +176,30 @@ def test_a_hot_prefix_spills_when_its_home_is_over_the_bound() -> None:
     assert spill == router.ring(list(names)).walk("hot")[1]
 
 
+def test_a_spilled_prefix_stays_where_its_cache_now_is() -> None:
+    router = Router()
+    names = "abcd"
+    home = router.pick([cand(n) for n in names], prompt_tokens=1, output_tokens=1, prefix="conv")
+    loaded = [cand(n, inflight=6 if n == home else 1) for n in names]
+    spill = router.pick(loaded, prompt_tokens=1, output_tokens=1, prefix="conv")
+    assert spill not in (None, home)
+    # The home is idle again, but the conversation's cache is on the spill engine: it stays.
+    idle = [cand(n) for n in names]
+    assert router.pick(idle, prompt_tokens=1, output_tokens=1, prefix="conv") == spill
+    # Without the memory, it goes back home.
+    forgetful = Router(remember=0)
+    assert forgetful.pick(loaded, prompt_tokens=1, output_tokens=1, prefix="conv") == spill
+    assert forgetful.pick(idle, prompt_tokens=1, output_tokens=1, prefix="conv") == home
+
+
+def test_memory_is_bounded() -> None:
+    router = Router(remember=10)
+    engines = [cand(n) for n in "abc"]
+    for i in range(100):
+        router.pick(engines, prompt_tokens=1, output_tokens=1, prefix=f"p{i}")
+    assert len(router._last) == 10
+
+
 def test_affinity_off_ignores_the_prefix() -> None:
     router = Router(affinity=False)
     engines = [cand("a", inflight=5, spt=0.02), cand("b", inflight=0, spt=0.02)]

@@ -16,13 +16,17 @@ Two rules, one per kind of job:
   a key's home is the first engine clockwise from the key's point that has room, where room is a
   load (in flight, plus this job) of at most ``ceil(load_factor x average load)``. A popular
   prefix therefore spills to the next engine on the ring, never piles up on one, and when an
-  engine joins or leaves only the keys on its arcs move (about 1/n of them).
+  engine joins or leaves only the keys on its arcs move (about 1/n of them). A prefix that spilled
+stays where it spilled to while that engine is within its bound (its cache is there now): the
+router remembers each prefix's last engine (an LRU of ``remember`` prefixes).
 
 Engines of different sizes: the "average load" an engine is held to is its share of the total,
 in proportion to its in-flight limit times its health weight, so that a 64-sequence engine takes
 its 64-sequence share of the prefixes; with equal limits and weights this is exactly the plain
-average of the paper. The ring is pure and deterministic (blake2b, never Python's salted
-``hash``): every gateway process sends one prefix to the same engine.
+average of the paper. The ring is deterministic (blake2b, never Python's salted ``hash``): every
+gateway process sends one prefix to the same engine. The module does no I/O; a :class:`Router`'s
+only state is its cache of rings and its memory of where each prefix last went, so the same calls
+give the same picks.
 """
 
 from __future__ import annotations
@@ -218,10 +222,20 @@ class Router:
             0 (the default): the paper's bound alone. On the chat bench (docs/routing.md) 0.5
             kept the hit rate where it was (the load there is past the quiet zone), so the
             default stays the paper's.
+        remember: prefixes whose last engine is remembered (LRU; 0: none). A prefix that
+            spilled once has its cache on the engine it spilled to, not on its ring home: its
+            next job goes there while that engine is within its bound, and only otherwise
+            walks the ring. Without it, a conversation whose first turn spilled pays the whole
+            prefill again on its second, at home.
     """
 
     def __init__(
-        self, *, affinity: bool = True, load_factor: float = 1.25, quiet_fraction: float = 0.0
+        self,
+        *,
+        affinity: bool = True,
+        load_factor: float = 1.25,
+        quiet_fraction: float = 0.0,
+        remember: int = 65_536,
     ) -> None:
         if load_factor < 1:
             raise ValueError("load_factor must be at least 1")
@@ -230,6 +244,9 @@ class Router:
         self.affinity = affinity
         self.load_factor = load_factor
         self.quiet_fraction = quiet_fraction
+        self.remember = remember
+        #: prefix -> the engine its last job was sent to (the engine that now caches it)
+        self._last: OrderedDict[str, str] = OrderedDict()
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
 
     def ring(self, names: Sequence[str]) -> HashRing:
@@ -276,17 +293,29 @@ class Router:
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
-        if self.affinity and prefix is not None:
-            home = self.home(candidates, prefix)
-            if home is not None:
-                return home
-        return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        if not self.affinity or prefix is None:
+            return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        name = self.home(candidates, prefix)
+        if name is None:
+            name = self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        if name is not None and self.remember > 0:
+            self._last[prefix] = name
+            self._last.move_to_end(prefix)
+            if len(self._last) > self.remember:
+                self._last.popitem(last=False)
+        return name
 
     def home(self, candidates: Sequence[Candidate], prefix: str) -> str | None:
-        """The prefix's engine under bounded loads: the first on the ring, clockwise from the
-        prefix, that has room and whose load with this job is within its bound (None if none)."""
+        """The prefix's engine under bounded loads: the engine its last job went to, if it is
+        within its bound, else the first on the ring, clockwise from the prefix, that has room
+        and whose load with this job is within its bound (None if none)."""
         by_name = {c.name: c for c in candidates}
         bounds = self.bounds(candidates)
+        last = self._last.get(prefix)
+        if last is not None and last in by_name:
+            c = by_name[last]
+            if c.has_room and c.inflight + 1 <= bounds[last]:
+                return last
         for name in self.ring(list(by_name)).walk(prefix):
             c = by_name[name]
             if c.has_room and c.inflight + 1 <= bounds[name]:
