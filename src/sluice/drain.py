@@ -206,9 +206,9 @@ async def _any_job_ends(dispatcher: Dispatcher) -> None:
 async def hand_back(dispatcher: Dispatcher) -> tuple[int, list[str]]:
     """Stop every job this dispatcher still has (running, or claimed and waiting for a slot) and
     hand it back to the head of its queue: (how many were handed back, the ids that were not)."""
-    jobs = dict(dispatcher.running)
-    for task in jobs.values():
-        task.cancel()  # leaving its task closes the engine stream, which aborts the generation
+    # Leaving its task closes the engine stream, which aborts the generation. A task that ended
+    # meanwhile (cancel() is False) settled its job itself: nothing to hand back.
+    jobs = {job_id: task for job_id, task in list(dispatcher.running.items()) if task.cancel()}
     if jobs:
         await asyncio.wait(jobs.values(), timeout=CANCEL_WAIT_S)
     released, unreleased = 0, []
