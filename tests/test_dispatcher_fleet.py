@@ -121,6 +121,15 @@ async def test_requests_go_only_to_the_engines_serving_their_model(http: httpx.A
             assert rows[f"small/127.0.0.1:{small.port}"]["limit"] == 4
             assert rows[f"big/127.0.0.1:{big.port}"]["adaptive"] is True
 
+            # The learned limits are fed: each answer's timing, and the load the engine reports.
+            def limiter(name: str) -> dict[str, Any]:
+                rows = {row["name"]: row for row in gw.app.state.backends.backends()}
+                return dict(rows[name]["limiter"])
+
+            fed = [f"big/127.0.0.1:{e.port}" for e in (big, slow_big)]
+            assert any(limiter(name)["seconds_per_token"] is not None for name in fed)
+            await wait_until(lambda: all(limiter(n)["engine_running"] is not None for n in fed), timeout=20)
+
 
 async def test_an_alias_splits_traffic_by_its_weights(http: httpx.AsyncClient) -> None:
     async with sims(("llama-v1", ()), ("llama-v2", ())) as (stable, canary):
