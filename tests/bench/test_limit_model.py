@@ -56,3 +56,13 @@ def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-
     main(["--engines", "b4", "--duration", "12", "--change-at", "6", "--patience", "4"])
     out = capsys.readouterr().out
     assert "| engine | batch | best fixed |" in out and "| b4 | 4 |" in out
+
+
+def test_with_a_tpot_objective_the_limit_stays_below_the_batch_and_answers_must_meet_it() -> None:
+    cfg = Config(duration_s=30.0, change_at_s=None, patience_s=15.0, seed=2, tpot_objective_s=0.02)
+    # The article's engine decodes at 16 ms + 0.4 ms per sequence: 20 ms is met up to ~9 of its 16.
+    out = run(ENGINES["b16"], cfg)
+    assert max(v for _, v in out.trace[10:]) <= 12
+    # A fixed limit at the batch misses the objective on all but the first answers (sent before
+    # the batch filled).
+    assert run(ENGINES["b16"], cfg, fixed=16).good < out.good / 4

@@ -80,6 +80,8 @@ class Config:
         patience_s: how long a client waits for its whole answer.
         poll_s: how often the engine's load is read (the heartbeat).
         seed: of the arrivals (the same for every limit compared).
+        tpot_objective_s: where set, an answer is good only if its time per output token met it
+            too, and the adaptive limit is given it as its objective.
     """
 
     duration_s: float = 120.0
@@ -89,6 +91,7 @@ class Config:
     patience_s: float = 15.0
     poll_s: float = 1.0
     seed: int = 1
+    tpot_objective_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -168,6 +171,7 @@ def run(
     if fixed is not None:
         limiter = ConcurrencyLimit(adaptive=False, initial=fixed, clock=lambda: now)
     else:
+        limit_args.setdefault("tpot_objective_s", cfg.tpot_objective_s)
         limiter = ConcurrencyLimit(clock=lambda: now, **limit_args)  # type: ignore[arg-type]
     requests = arrivals(params, cfg)
     by_id = {r.rid: r for r in requests}
@@ -237,11 +241,12 @@ def run(
             for h in result.finished:
                 r = inflight.pop(h.request_id)
                 r.done = True
-                if now <= r.deadline:
-                    out.good += 1
-                    out.good_at.append(now)
                 assert r.sent_at is not None and h.first_token_at is not None
                 tpot = (now - h.first_token_at) / (h.generated - 1) if h.generated > 1 else None
+                objective = cfg.tpot_objective_s
+                if now <= r.deadline and (objective is None or tpot is None or tpot <= objective):
+                    out.good += 1
+                    out.good_at.append(now)
                 limiter.on_sample(
                     StreamSample(
                         inflight=r.inflight_at_send,
@@ -365,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--overload", type=float, default=_DEFAULT.overload)
     ap.add_argument("--patience", type=float, default=_DEFAULT.patience_s)
     ap.add_argument("--poll", type=float, default=_DEFAULT.poll_s)
+    ap.add_argument(
+        "--tpot-objective",
+        type=float,
+        default=None,
+        help="seconds per output token an answer must meet to count (and the adaptive limit's objective)",
+    )
     args = ap.parse_args(argv)
     rows = []
     for name in args.engines.split(","):
@@ -379,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 patience_s=args.patience,
                 poll_s=args.poll,
                 seed=seed,
+                tpot_objective_s=args.tpot_objective,
             )
             row = compare(name, cfg)
             rows.append(

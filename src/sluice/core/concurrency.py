@@ -82,8 +82,11 @@ PREEMPTION_STORM = 0.25
 WAITING_PERSISTS = 0.5
 #: Multiplicative decrease on a congestion signal that does not say by how much.
 BACKOFF = 0.8
-#: The TPOT objective's tolerance: decrease once the smoothed TPOT is this much above it.
-TPOT_TOLERANCE = 0.1
+#: What the limit aims the mean TPOT at, below the objective: answers' TPOTs spread around their
+#: mean (prefill steps interleave), and an objective is met per answer, not on average. It grows
+#: only while the next sequence is predicted within the aim, and is cut once the mean passes
+#: half the margin (hysteresis: a limit at the aim is not cut by noise).
+TPOT_MARGIN = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,7 @@ class ConcurrencyLimit:
         self._changes = 0
         # Evidence that the limit binds: the most in flight a stream started with, or the engine ran.
         self._peak_inflight = 0
+        self._peak_sample_inflight = 0
         self._samples_since_change = 0
         # Engine load, as last polled.
         self._load: EngineLoad | None = None
@@ -271,6 +275,7 @@ class ConcurrencyLimit:
         now = self._clock()
         self._samples_since_change += 1
         self._peak_inflight = max(self._peak_inflight, sample.inflight)
+        self._peak_sample_inflight = max(self._peak_sample_inflight, sample.inflight)
         tpot = sample.tpot_s if sample.tpot_s is not None and sample.tpot_s > 0 else None
         if tpot is not None:
             last = self._tpot_ewma
@@ -390,9 +395,16 @@ class ConcurrencyLimit:
         if self._peak_inflight < current or self._kv_hold:
             return
         line = self._line()
+        aim: float | None = None
         if self.tpot_objective_s is not None:
+            # TPOT is known only once a stream ends: growth waits for one sent at this limit.
+            if self._peak_sample_inflight < current:
+                return
+            aim = self.tpot_objective_s * (1 - TPOT_MARGIN)
             predicted = line.at(current + 1) if line is not None else self._tpot_ewma
-            if predicted is not None and predicted > self.tpot_objective_s:
+            if predicted is not None and predicted > aim:
+                if self.phase is LimitPhase.STARTING:
+                    self.phase = LimitPhase.STEADY
                 return
         elif line is not None and line.elasticity(current) > PLATEAU_ELASTICITY:
             if self.phase is LimitPhase.STARTING:
@@ -420,6 +432,11 @@ class ConcurrencyLimit:
             if self._known_capacity is not None:
                 target = min(target, float(self._known_capacity))
             reason = "additive increase"
+        if aim is not None:
+            # No further than where the line meets the objective; without a line (every stream
+            # ran at one in-flight count), one more at a time.
+            reach = (aim - line.a) / line.b if line is not None and line.b > 0 else current + 1.0
+            target = min(target, max(current + 1.0, reach))
         if self._engine_slots is not None:
             target = min(target, float(self._engine_slots))
         if self.ceiling is not None:
@@ -431,16 +448,17 @@ class ConcurrencyLimit:
         """TPOT above its objective: decrease by the gradient, or to where the line meets it."""
         objective = self.tpot_objective_s
         tpot = self._tpot_ewma
-        if objective is None or tpot is None or tpot <= objective * (1 + TPOT_TOLERANCE):
+        if objective is None or tpot is None or tpot <= objective * (1 - TPOT_MARGIN / 2):
             return False
+        aim = objective * (1 - TPOT_MARGIN)
         # Streams started under the current limit must have finished before it is judged.
         if self._samples_since_change < 3:
             return True
         line = self._line()
-        if line is not None and line.b > 0 and line.a < objective:
-            target = (objective - line.a) / line.b
+        if line is not None and line.b > 0 and line.a < aim:
+            target = (aim - line.a) / line.b
         else:
-            target = self._value * max(0.5, objective / tpot)
+            target = self._value * max(0.5, aim / tpot)
         self._decrease(min(target, self._value * 0.95), "tpot objective", now)
         return True
 
@@ -469,6 +487,7 @@ class ConcurrencyLimit:
         self._changes += 1
         self._last_change = now
         self._peak_inflight = 0
+        self._peak_sample_inflight = 0
         self._samples_since_change = 0
 
     def _clamp(self, n: float) -> int:
