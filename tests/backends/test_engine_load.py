@@ -21,7 +21,7 @@ from sluice.backends.engine_load import (
     parse_prometheus,
 )
 from sluice.backends.openai import OpenAIBackend
-from sluice.core.concurrency import EngineLoad
+from sluice.core.concurrency import ConcurrencyLimit, EngineLoad
 from sluice.local_engine.server import LocalEngine, find_llama_server, find_model
 from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
@@ -284,3 +284,41 @@ async def test_llama_server_reports_its_slots_and_busy_ones(tmp_path: Path) -> N
                 assert seen[-1] is not None and seen[-1].running == 1, "the request ended before it was seen"
         finally:
             await backend.aclose()
+
+
+async def test_the_limit_learned_from_a_real_simulator_is_its_batch() -> None:
+    # A loop that keeps the limit in flight on a six-slot simulator and feeds the limiter what
+    # the engine's /metrics say, as the dispatcher's heartbeat does (a short interval, so the test
+    # is quick; the logic is the same).
+    async with serve_in_background(preset("fast", model="sim", max_num_seqs=6, base_step_s=0.002)) as url:
+        backend = OpenAIBackend(url, max_concurrency=64)
+        limiter = ConcurrencyLimit(interval_s=0.1, reprobe_s=60.0)
+        inflight: set[asyncio.Task[None]] = set()
+        body = {"model": "sim", "prompt": "hello", "max_tokens": 200, "stream": False}
+
+        async def one() -> None:
+            async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http:
+                (await http.post("/v1/completions", json=body)).raise_for_status()
+
+        async def settled() -> bool:
+            while len(inflight) < limiter.limit:
+                task = asyncio.create_task(one())
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+                limiter.on_dispatch(len(inflight))
+            load = await backend.engine_load()
+            if load is not None:
+                limiter.on_engine_load(load)
+            await asyncio.sleep(0.05)
+            return limiter.snapshot()["reason"] == "engine queue"
+
+        try:
+            await wait_until(settled, timeout=30)
+        finally:
+            for t in list(inflight):
+                t.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            await backend.aclose()
+        # It doubled past the six slots, saw the engine queue, and came back to what it runs.
+        assert limiter.limit == 6
+        assert limiter.snapshot()["known_capacity"] == 6
