@@ -76,7 +76,8 @@ async def sims(*specs: tuple[str, Sequence[str]]) -> AsyncIterator[list[Sim]]:
 
 
 async def submit(http: httpx.AsyncClient, gw: Gateway, model: str, n: int, **body: Any) -> list[str]:
-    """``n`` jobs for ``model`` (POST /v1/jobs); their ids."""
+    """``n`` jobs for ``model`` (POST /v1/jobs); their ids. (Gateways that take many at once use
+    ``queue_policy = "fifo"``: admission is not what is tested.)"""
     ids = []
     for _ in range(n):
         r = await http.post(
@@ -105,7 +106,7 @@ async def test_requests_go_only_to_the_engines_serving_their_model(http: httpx.A
             {"name": "big", "engines": [big.url, slow_big.url], "max_concurrency": 4},
         ]
         aliases = [{"name": "chat", "targets": [{"model": "big"}]}]
-        async with run_gateway([], pools=pools, aliases=aliases) as gw:
+        async with run_gateway([], pools=pools, aliases=aliases, queue_policy="fifo") as gw:
             listed = (await http.get(gw.url + "/v1/models")).json()
             assert {m["id"] for m in listed["data"]} == {"small", "big", "chat"}
             for_small = await submit(http, gw, "small", 12)
@@ -143,7 +144,7 @@ async def test_an_alias_splits_traffic_by_its_weights(http: httpx.AsyncClient) -
                 "targets": [{"model": "llama-v1", "weight": 3}, {"model": "llama-v2", "weight": 1}],
             }
         ]
-        async with run_gateway([], pools=pools, aliases=aliases) as gw:
+        async with run_gateway([], pools=pools, aliases=aliases, queue_policy="fifo") as gw:
             gw.app.state.backends.fleet.rng = random.Random(11)
             ids = await submit(http, gw, "llama", 160)
             ran = list((await outcomes(http, gw, ids)).values())

@@ -14,7 +14,7 @@ could run on, so that it is next in when room frees; models served elsewhere are
 Claims are made only for models with a backend that has room.
 
 A failed attempt is retried (on another backend if there is one) only while the job's deadline
-leaves time: no attempt starts after it, and no backoff or backend cooldown is waited out past it.
+leaves time: no attempt starts after it, and no backoff or engine ejection is waited out past it.
 A job that gives up after several attempts says how many in its error, and the HTTP answer then
 tells the client not to retry it again (``x-should-retry: false``).
 

@@ -28,7 +28,6 @@ import ipaddress
 import logging
 import random
 import socket
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -140,12 +139,6 @@ class Engine:
     @property
     def limit(self) -> int:
         return max(self.limiter.limit, 1)
-
-    @property
-    def cooldown_until(self) -> float:
-        """When (monotonic) its ejection ends; now or earlier when it is not ejected."""
-        now = time.monotonic()
-        return now + self.ejected_for(now)
 
     def ejected_for(self, now: float) -> float:
         """Seconds until its health lets it take work again (0: it may now)."""
