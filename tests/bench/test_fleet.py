@@ -115,8 +115,12 @@ async def test_a_tiny_fleet_run_reports_every_arm(tmp_path: Path) -> None:
     assert len({json.dumps(r["arrivals"]) for r in results}) == 1
     fleet._report(args, profile, results)
     table = (tmp_path / "fleet.md").read_text()
-    for label in ("**fixed-x1** (best fixed)", "| round-robin |", "| least-busy |", "share a / b"):
+    for label in ("| fixed-x1 |", "| round-robin |", "| least-busy |", "share a / b"):
         assert label in table
+    assert "best fixed" not in table  # one fixed limit is no sweep
+    rows = [fleet.arm_row(r) for r in results]
+    sweep = [rows[0], {**rows[0], "label": "fixed-x2", "goodput_rps": rows[0]["goodput_rps"] + 1}]
+    assert "| **fixed-x2** (best fixed) |" in fleet.fleet_table(sweep)
     rows = json.loads((tmp_path / "fleet.json").read_text())["rows"]
     assert [r["label"] for r in rows] == ["fixed-x1", "round-robin", "least-busy"]
     assert rows[1]["limits"] == {"a": 16, "b": 4}

@@ -567,7 +567,8 @@ def arm_row(result: dict[str, Any]) -> dict[str, Any]:
 def fleet_table(rows: Sequence[dict[str, Any]]) -> str:
     """The comparison as markdown: one line per arm, the best fixed arm in bold."""
     fixed = [r for r in rows if r["kind"] == "fixed"]
-    best = max(fixed, key=lambda r: r["goodput_rps"])["label"] if fixed else None
+    # "Best" only means something in a sweep of two or more fixed limits.
+    best = max(fixed, key=lambda r: r["goodput_rps"])["label"] if len(fixed) > 1 else None
     names = list(rows[0]["engines"]) if rows else []
 
     def num(v: float | None, fmt: str) -> str:
