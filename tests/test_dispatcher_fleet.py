@@ -106,7 +106,9 @@ async def test_requests_go_only_to_the_engines_serving_their_model(http: httpx.A
             {"name": "big", "engines": [big.url, slow_big.url], "max_concurrency": 4},
         ]
         aliases = [{"name": "chat", "targets": [{"model": "big"}]}]
-        async with run_gateway([], pools=pools, aliases=aliases, queue_policy="fifo") as gw:
+        async with run_gateway(
+            [], pools=pools, aliases=aliases, queue_policy="fifo", fifo_max_queued=1000
+        ) as gw:
             listed = (await http.get(gw.url + "/v1/models")).json()
             assert {m["id"] for m in listed["data"]} == {"small", "big", "chat"}
             for_small = await submit(http, gw, "small", 12)
@@ -144,7 +146,9 @@ async def test_an_alias_splits_traffic_by_its_weights(http: httpx.AsyncClient) -
                 "targets": [{"model": "llama-v1", "weight": 3}, {"model": "llama-v2", "weight": 1}],
             }
         ]
-        async with run_gateway([], pools=pools, aliases=aliases, queue_policy="fifo") as gw:
+        async with run_gateway(
+            [], pools=pools, aliases=aliases, queue_policy="fifo", fifo_max_queued=1000
+        ) as gw:
             gw.app.state.backends.fleet.rng = random.Random(11)
             ids = await submit(http, gw, "llama", 160)
             ran = list((await outcomes(http, gw, ids)).values())

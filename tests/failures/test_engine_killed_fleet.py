@@ -29,7 +29,9 @@ async def test_a_killed_engine_s_jobs_finish_on_the_others(http: httpx.AsyncClie
         victim = engines[1]
         pools = [{"name": "gpu", "engines": [e.url for e in engines], "max_concurrency": 4}]
         # Admission is not under test: every job is queued (fifo), none refused for a standing queue.
-        async with run_gateway([], pools=pools, default_timeout_s=60.0, queue_policy="fifo") as gw:
+        async with run_gateway(
+            [], pools=pools, default_timeout_s=60.0, queue_policy="fifo", fifo_max_queued=1000
+        ) as gw:
             ids = await submit(http, gw, "m", JOBS, max_tokens=100)
             await wait_until(lambda: _running(victim), timeout=30)
             victim.proc.kill()
