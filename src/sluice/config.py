@@ -23,6 +23,8 @@ from sluice.core.job import Job
 from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.request import RequestLimits
 from sluice.core.scheduler import ClassSpec
+from sluice.drain import DEFAULT_ACCEPT_S as DEFAULT_DRAIN_ACCEPT_S
+from sluice.drain import DEFAULT_GRACE_S as DEFAULT_DRAIN_GRACE_S
 from sluice.local_engine.server import DEFAULT_CTX_PER_SLOT as LOCAL_ENGINE_CTX_PER_SLOT
 from sluice.local_engine.server import DEFAULT_SLOTS as LOCAL_ENGINE_SLOTS
 
@@ -330,6 +332,19 @@ class Settings(_Strict):
     aliases: list[AliasConfig] = Field(
         default_factory=list,
         description="public model names sent on to engine models by weight (see `[[aliases]]`)",
+    )
+    drain_grace_s: float = Field(
+        default=DEFAULT_DRAIN_GRACE_S,
+        ge=0,
+        description="after SIGTERM, how long running work may take to finish (seconds): a worker then "
+        "hands the rest back to the head of the queue, a gateway cuts the requests still open; a second "
+        "SIGTERM cuts it short",
+    )
+    drain_accept_s: float = Field(
+        default=DEFAULT_DRAIN_ACCEPT_S,
+        ge=0,
+        description="after SIGTERM, how long a gateway still takes new requests while `/readyz` already "
+        "answers 503 (seconds); then they are refused with 503 and `Retry-After`",
     )
     dns_refresh_s: float = Field(
         default=5.0,

@@ -21,13 +21,25 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from sluice.config import BackendConfig, ClassConfig, KeyConfig, ModelConfig, Settings
+from sluice.config import (
+    AliasConfig,
+    AliasTarget,
+    BackendConfig,
+    ClassConfig,
+    KeyConfig,
+    ModelConfig,
+    PoolConfig,
+    Settings,
+)
 from sluice.roles.flags import ALL_GROUPS
 
 #: the generated tables: the name their markers give, and the model each lists
 TABLES: dict[str, type[BaseModel]] = {
     "Settings": Settings,
     "BackendConfig": BackendConfig,
+    "PoolConfig": PoolConfig,
+    "AliasConfig": AliasConfig,
+    "AliasTarget": AliasTarget,
     "ClassConfig": ClassConfig,
     "ModelConfig": ModelConfig,
     "KeyConfig": KeyConfig,

@@ -49,6 +49,7 @@ COMMON = (
     Flag("--result-ttl", "result_ttl_s", float),
     Flag("--log-level", "log_level", str),
     Flag("--log-format", "log_format", str),
+    Flag("--drain-grace", "drain_grace_s", float),
 )
 
 #: what a process that serves HTTP reads
@@ -56,6 +57,7 @@ HTTP = (
     Flag("--host", "host", str),
     Flag("--port", "port", int),
     Flag("--max-body-bytes", "max_body_bytes", int),
+    Flag("--drain-accept", "drain_accept_s", float),
 )
 
 #: what admission reads: deadlines, request caps, queue bounds and the queue policy
