@@ -479,6 +479,8 @@ class Dispatcher:
         )
         inflight = engine.inflight
         started = time.monotonic()
+        # At once, not a whole answer later: the limit binds (slow start grows from it).
+        engine.limiter.on_dispatch(inflight)
         first: float | None = None
         chunks = 0
         stream = engine.backend.stream(sent)
@@ -486,7 +488,11 @@ class Dispatcher:
             async for data in stream:
                 choices = assembler.add(data)
                 if choices:
-                    first = first or time.monotonic()
+                    if first is None:
+                        first = time.monotonic()
+                        if job.stream_tokens:
+                            # queueing inside the engine shows in the first token, not the end
+                            engine.limiter.on_first_token(inflight, first - started)
                     chunks += 1
                     await self.broker.publish(job.id, EventType.TOKEN, assembler.event(choices))
         finally:

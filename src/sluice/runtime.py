@@ -29,6 +29,7 @@ from sluice.dispatcher import Dispatcher
 from sluice.fleet import Fleet, PoolSpec, Resolver, resolve_system
 from sluice.metrics import Metrics
 from sluice.reports import worker_reporter
+from sluice.scaling_signal import ScalingSignal
 from sluice.startup import EngineStartup, StartupPhase
 from sluice.webhook_delivery import WebhookDelivery
 
@@ -281,12 +282,15 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
 
     metrics = Metrics()
     broker = build_broker(settings)
+    # Every gateway computes the scaling signal from the shared broker state, so all agree.
+    scaling = ScalingSignal(broker, metrics)
     worker = build_worker(settings, broker, metrics) if dispatch and settings.has_engines else None
     local = _LocalBackends()
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
         await broker.start()
+        await scaling.start()
         started: list[asyncio.Task[None]] = []
         await batches.store.start()
         await batches.start()
@@ -307,6 +311,7 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
             await asyncio.gather(*started, return_exceptions=True)
             await batches.stop()
             await batches.store.close()
+            await scaling.stop()
             await broker.close()
 
     control = worker.dispatcher if worker is not None else local if pending is not None else None
@@ -315,6 +320,7 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
     batches = build_batch_runner(settings, gw, keyring)
     app = create_app(gw, keyring, backends=control, lifespan=lifespan)
     app.state.batches = batches
+    app.state.scaling = scaling
     return app
 
 
