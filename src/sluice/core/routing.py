@@ -53,12 +53,14 @@ __all__ = [
 PROMPT_PREFIX_CHARS = 512
 #: Points each engine has on the ring: enough that n engines split the ring within a few percent.
 VIRTUAL_NODES = 100
-#: How much slower each sequence decodes on a full engine than alone: 0 if decoding were purely
-#: memory-bound (a bigger batch costs nothing per sequence), about 1 if the batch's step time grew
-#: with its size. Batched decoding on a GPU is mostly memory-bound below its limit (the limit is
-#: set where the time per token reaches its objective); half-way is a cautious guess that still
-#: prefers an idler engine of equal speed.
-LOAD_SENSITIVITY = 0.5
+#: How much slower a job runs on a full engine than alone, decode and prefill alike: every
+#: sequence admitted stalls the batch for its prefill, and the step grows with the batch. The
+#: measured figures (time per token, TTFT) lag behind the load and differ between engines of one
+#: speed mostly by which one last admitted a long prefill; a weaker coupling to the load (0.5 on
+#: decode only) herded new jobs onto the engine whose last figures looked best, and lost to
+#: least-loaded routing on the prefill-heavy bench of docs/routing.md. The load Sluice itself
+#: has in flight is fresh, so it weighs as much as the measurements.
+LOAD_SENSITIVITY = 1.0
 #: Rings remembered, one per set of engine names (membership changes rarely).
 RING_CACHE = 32
 
@@ -157,12 +159,13 @@ def predicted_completion(
     if spt is None:
         return None
     limit = max(c.limit, 1)
-    # The load after adding the job, as a fraction of the limit, slows each sequence: a lone
-    # sequence decodes at the measured speed, a full engine's (1 + LOAD_SENSITIVITY) times slower.
-    # (Monotone in the load, so of two engines of one speed the idler one wins.)
+    # The load after adding the job, as a fraction of the limit, slows it: alone it runs at the
+    # measured speed, on a full engine (1 + LOAD_SENSITIVITY) times slower. (Monotone in the
+    # load, so of two engines of one speed the idler one wins.)
     fill = min(c.inflight + 1, limit) / limit
     spt_after = spt * (1 + LOAD_SENSITIVITY * fill)
-    prefill = c.ttft_s if c.ttft_s is not None else 0.0
+    # The engine's prefills share its steps too: every sequence admitted stalls the batch.
+    prefill = (c.ttft_s if c.ttft_s is not None else 0.0) * (1 + LOAD_SENSITIVITY * fill)
     # prompt_tokens is not used beyond the measured TTFT: the engine's recent prefill is the best
     # estimate Sluice has of this one (a cached prefix makes it shorter, which affinity exploits).
     del prompt_tokens
