@@ -295,6 +295,9 @@ class FleetInput:
     classes: Sequence[str]
     limits: Callable[[str], QueueLimits]
     draining: frozenset[str] = frozenset()
+    #: per model, the scaling signal's desired engines and the classes whose deadlines are at
+    #: risk (:mod:`sluice.scaling_signal`, as this gateway's gauges hold it); empty before it read
+    desired: Mapping[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
 
 
 def engines(fleet: FleetInput) -> list[dict[str, Any]]:
@@ -380,6 +383,8 @@ def model_view(
         "engines_busy": demand / per_engine if per_engine else None,
         "demand_ratio": ratio,
         "pools": pool_views(serving),
+        "desired_engines": fleet.desired[name][0] if name in fleet.desired else None,
+        "deadlines_at_risk": list(fleet.desired[name][1]) if name in fleet.desired else [],
     }
 
 
@@ -454,6 +459,8 @@ def snapshot(fleet: FleetInput, history: History) -> dict[str, Any]:
             ],
         },
         "scaling": {
+            # the scaling signal (sluice_desired_engines) summed over the models; None before it read
+            "desired_engines": sum(d for d, _ in fleet.desired.values()) if fleet.desired else None,
             "demand_ratio": demand / slots if slots else None,
             "engines": len(live),
             "engines_busy": demand / (slots / len(live)) if live and slots else None,

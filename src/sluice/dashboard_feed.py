@@ -49,6 +49,7 @@ class DashboardFeed:
         self, broker: Broker, metrics: Metrics, *, every_s: float = REPORT_EVERY_S, keep: int = HISTORY_TICKS
     ) -> None:
         self.broker = broker
+        self.metrics = metrics
         self.every_s = every_s
         self.history = History(keep)
         self.reporter = Reporter(broker, new_process_id("gateway"), "gateway", gateway_body(metrics))
@@ -104,6 +105,7 @@ class DashboardFeed:
                 classes=list(broker.classes),
                 limits=broker.settings.limits_for,
                 draining=frozenset(await broker.draining()),
+                desired=self.desired(),
             )
             tick = self.history.advance(fleet.at, fleet.reports)
             tick.point = chart_point(fleet.at, stats, tick, self.history.window(POINT_WINDOW_S)[0])
@@ -111,6 +113,21 @@ class DashboardFeed:
             self.seq += 1
             self._ticked.notify()
             return self.latest
+
+    def desired(self) -> dict[str, tuple[int, tuple[str, ...]]]:
+        """Per model, what this gateway's scaling signal last set: its desired engines, and the
+        classes whose deadlines are at risk (the gauges, read from this process's registry)."""
+        desired: dict[str, int] = {}
+        risk: dict[str, list[str]] = {}
+        for family in self.metrics.registry.collect():
+            if family.name == "sluice_desired_engines":
+                for sample in family.samples:
+                    desired[sample.labels["model"]] = int(sample.value)
+            elif family.name == "sluice_deadlines_at_risk":
+                for sample in family.samples:
+                    if sample.value > 0:
+                        risk.setdefault(sample.labels["model"], []).append(sample.labels["class"])
+        return {m: (n, tuple(sorted(risk.get(m, ())))) for m, n in desired.items()}
 
     async def next_after(self, seq: int, timeout: float) -> tuple[int, dict[str, Any]] | None:
         """The first snapshot after tick ``seq`` (at once if there is one), or None after ``timeout``."""

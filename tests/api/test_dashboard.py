@@ -104,6 +104,19 @@ async def test_a_pool_shows_its_engines_learned_limits_and_health(
         assert view["name"] == "gpu" and view["engines"] == 1 and view["learned"] == 1
         assert view["limit"] == engine["limit"] and view["out"] == 0
 
+        async def signalled() -> bool:
+            return (await snapshot(http, url))["models"][0]["desired_engines"] is not None
+
+        # The scaling signal (sluice_desired_engines) reaches the page, as the gauge says it; with
+        # nothing queued, no class is at risk.
+        await wait_until(signalled, timeout=20)
+        snap = await snapshot(http, url)
+        metrics = (await http.get(url + "/metrics")).text
+        wanted = snap["models"][0]["desired_engines"]
+        assert f'sluice_desired_engines{{model="sim"}} {float(wanted)}' in metrics
+        assert snap["models"][0]["deadlines_at_risk"] == []
+        assert snap["scaling"]["desired_engines"] == snap["models"][0]["desired_engines"]
+
 
 async def test_open_mode_serves_the_page_its_assets_and_a_snapshot(
     sim_url: str, http: httpx.AsyncClient

@@ -182,7 +182,9 @@
     $("tile-wait-sub").textContent = "queued tokens ÷ drain rate";
     const sc = s.scaling;
     $("tile-busy").textContent = sc.engines_busy === null ? "–" : num(sc.engines_busy);
-    $("tile-busy-sub").textContent = "of " + sc.engines + " engine" + (sc.engines === 1 ? "" : "s");
+    $("tile-busy-sub").textContent =
+      "of " + sc.engines + " engine" + (sc.engines === 1 ? "" : "s") +
+      (sc.desired_engines === null || sc.desired_engines === undefined ? "" : "; " + int(sc.desired_engines) + " wanted");
   }
 
   function meter(fill) {
@@ -214,6 +216,8 @@
       fact("predicted wait", secs(m.predicted_wait_s)),
       fact("drain", num(m.drain_rate, 0) + " tok/s" + (m.measured ? "" : " (prior)")),
       fact("engines busy", (m.engines_busy === null ? "–" : num(m.engines_busy)) + " of " + m.engines),
+      fact("engines wanted", m.desired_engines === null ? "–" : int(m.desired_engines)),
+      fact("deadlines at risk", m.deadlines_at_risk.length ? m.deadlines_at_risk.join(", ") : "none"),
     );
     card.appendChild(facts);
     const m2 = meter(m.fill);
@@ -305,7 +309,8 @@
     $("scaling").textContent =
       sc.engines_busy === null
         ? "No capacity registered."
-        : num(sc.engines_busy) + " engines busy of " + sc.engines + " (demand " + num(sc.demand_ratio * 100, 0) + " % of the slots)";
+        : num(sc.engines_busy) + " engines busy of " + sc.engines + " (demand " + num(sc.demand_ratio * 100, 0) + " % of the slots)" +
+          (sc.desired_engines === null ? "" : "; the scaling signal wants " + int(sc.desired_engines) + " (sluice_desired_engines)");
   }
 
   function render(s) {
