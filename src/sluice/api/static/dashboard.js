@@ -236,7 +236,7 @@
     const tables = el("div", null, "tables");
     tables.append(classes, tenants);
     card.appendChild(tables);
-    const poolText = (p) => p.name + " (" + int(p.engines) + " engines, " + int(p.inflight) + " / " + int(p.limit) + " in flight" + (p.learned ? ", limits learned" : "") + (p.out ? ", " + int(p.out) + " out" : "") + ")";
+    const poolText = (p) => p.name + " (" + int(p.engines) + (p.engines === 1 ? " engine, " : " engines, ") + int(p.inflight) + " / " + int(p.limit) + " in flight" + (p.learned ? ", limits learned" : "") + (p.out ? ", " + int(p.out) + " out" : "") + ")";
     const pools = el("p", "Pools: " + (m.pools.length ? m.pools.map(poolText).join("; ") : "–"), "muted small pools");
     card.appendChild(pools);
     return card;
