@@ -54,12 +54,10 @@ PROMPT_PREFIX_CHARS = 512
 #: Points each engine has on the ring: enough that n engines split the ring within a few percent.
 VIRTUAL_NODES = 100
 #: How much slower a job runs on a full engine than alone, decode and prefill alike: every
-#: sequence admitted stalls the batch for its prefill, and the step grows with the batch. The
-#: measured figures (time per token, TTFT) lag behind the load and differ between engines of one
-#: speed mostly by which one last admitted a long prefill; a weaker coupling to the load (0.5 on
-#: decode only) herded new jobs onto the engine whose last figures looked best, and lost to
-#: least-loaded routing on the prefill-heavy bench of docs/routing.md. The load Sluice itself
-#: has in flight is fresh, so it weighs as much as the measurements.
+#: sequence admitted stalls the batch for its prefill, and the step grows with the batch. A round
+#: guess (a full engine twice as slow), strong enough that the load Sluice has in flight, which
+#: is fresh, weighs as much as the measured figures, which lag; the prefill-heavy bench of
+#: docs/routing.md could not tell it from 0.5 on decode only.
 LOAD_SENSITIVITY = 1.0
 #: Rings remembered, one per set of engine names (membership changes rarely).
 RING_CACHE = 32
