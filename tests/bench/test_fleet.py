@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sluice.bench import fleet
-from sluice.bench.load import PROMPT
+from sluice.bench.load import PROMPT, parse_prometheus
 from sluice.cli import build_parser
 from sluice.config import load_settings
 from sluice.sim.model import capacity_rps, estimate_chat_tokens, preset
@@ -77,6 +77,28 @@ def test_the_adaptive_arm_is_one_pool_with_no_limit_set(tmp_path: Path) -> None:
     assert pool.engines == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and pool.models == ["sim"]
     assert pool.adaptive is True and pool.max_concurrency is None
     assert settings.prefix_affinity is False
+
+
+def test_an_engine_is_read_whichever_engine_it_is() -> None:
+    sim = fleet._engine_values(
+        parse_prometheus(
+            'vllm:num_requests_running{model_name="sim"} 3\nvllm:num_requests_waiting{model_name="sim"} 1\n'
+            'vllm:request_success_total{model_name="sim",finished_reason="length"} 7\n'
+            'vllm:generation_tokens_total{model_name="sim"} 900\n'
+            'sim:wasted_generation_tokens_total{model_name="sim"} 5\n'
+        )
+    )
+    assert sim == {"running": 3, "waiting": 1, "finished": 7, "generated": 900, "wasted": 5}
+    # llama-server counts neither finished requests nor wasted tokens: those are absent, not NaN
+    # (a result file is strict JSON).
+    llama = fleet._engine_values(
+        parse_prometheus(
+            "llamacpp:requests_processing 2\nllamacpp:requests_deferred 4\n"
+            "llamacpp:tokens_predicted_total 50\n"
+        )
+    )
+    assert llama == {"running": 2, "waiting": 4, "generated": 50}
+    assert fleet._engine_values({"vllm:num_requests_running": float("nan")}) == {}
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:

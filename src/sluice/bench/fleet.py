@@ -320,18 +320,22 @@ async def _spawn_router(argv: list[str], log: IO[bytes]) -> tuple[asyncio.subpro
 
 
 def _engine_values(values: dict[str, float]) -> dict[str, float]:
-    """What the bench reads of one engine's metrics, whichever engine it is (sim, vLLM, llama-server)."""
-
-    def first(*names: str) -> float:
-        return next((values[n] for n in names if n in values), math.nan)
-
-    return {
-        "running": first("vllm:num_requests_running", "llamacpp:requests_processing"),
-        "waiting": first("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
-        "finished": first("vllm:request_success_total"),
-        "generated": first("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total"),
-        "wasted": first("sim:wasted_generation_tokens_total"),
+    """What the bench reads of one engine's metrics, whichever engine it is (sim, vLLM, llama-server);
+    a figure the engine does not report is absent (llama-server counts no finished requests and no
+    wasted tokens)."""
+    names = {
+        "running": ("vllm:num_requests_running", "llamacpp:requests_processing"),
+        "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
+        "finished": ("vllm:request_success_total",),
+        "generated": ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total"),
+        "wasted": ("sim:wasted_generation_tokens_total",),
     }
+    out: dict[str, float] = {}
+    for key, candidates in names.items():
+        found = next((values[n] for n in candidates if n in values), None)
+        if found is not None and math.isfinite(found):
+            out[key] = found
+    return out
 
 
 @dataclass
@@ -415,7 +419,7 @@ class FleetWatcher:
         deadline = time.monotonic() + grace_s
         while True:
             values = await self.scrape()
-            left = sum(v["running"] + v["waiting"] for v in values.values() if not math.isnan(v["running"]))
+            left = sum(v.get("running", 0.0) + v.get("waiting", 0.0) for v in values.values())
             if not left or time.monotonic() > deadline:
                 return round(left)
             await asyncio.sleep(0.2)
@@ -430,15 +434,11 @@ class FleetWatcher:
             def delta(
                 key: str, before: dict[str, float] = before, after: dict[str, float] = after
             ) -> float | None:
-                a, b = after.get(key, math.nan), before.get(key, math.nan)
-                return None if math.isnan(a) or math.isnan(b) else a - b
+                a, b = after.get(key), before.get(key)
+                return None if a is None or b is None else a - b
 
-            waits = [
-                s[name]["waiting"] for s in self.samples if name in s and not math.isnan(s[name]["waiting"])
-            ]
-            runs = [
-                s[name]["running"] for s in self.samples if name in s and not math.isnan(s[name]["running"])
-            ]
+            waits = [s[name]["waiting"] for s in self.samples if name in s and "waiting" in s[name]]
+            runs = [s[name]["running"] for s in self.samples if name in s and "running" in s[name]]
             engines[name] = {
                 "describe": m.spec.describe(),
                 "batch": m.spec.batch,
@@ -684,7 +684,7 @@ def plot_engines(results: Sequence[dict[str, Any]], path: Path) -> None:
             rate = [
                 (t1, max(0.0, (b["finished"] - a["finished"]) / (t1 - t0)))
                 for (t0, a), (t1, b) in itertools.pairwise(pts)
-                if t1 > t0 and not math.isnan(b["finished"]) and not math.isnan(a["finished"])
+                if t1 > t0 and "finished" in a and "finished" in b
             ]
             smooth = [
                 (t, sum(v for _, v in rate[max(0, j - 7) : j + 1]) / len(rate[max(0, j - 7) : j + 1]))
@@ -692,7 +692,7 @@ def plot_engines(results: Sequence[dict[str, Any]], path: Path) -> None:
             ]
             if smooth:
                 row[0].plot(*zip(*smooth, strict=True), color=color, label=name)
-            waits = [(t, v["waiting"]) for t, v in pts if not math.isnan(v["waiting"])]
+            waits = [(t, v["waiting"]) for t, v in pts if "waiting" in v]
             if waits:
                 row[1].plot(*zip(*waits, strict=True), color=color, label=name)
         for ax in row:
