@@ -333,3 +333,10 @@ def test_quiet_zone_never_exceeds_the_larger_of_the_two_bounds(
         within = c.inflight + 1 <= max(math.ceil(1.25 * total * c.limit / capacity - 1e-9), c.limit // 2)
         # Either within the bound, or no engine was (then predicted completion chose).
         assert within or all(e.inflight + 1 > bounds[e.name] or e.inflight >= e.limit for e in engines)
+
+
+def test_a_prefix_with_a_lone_surrogate_has_a_key() -> None:
+    # JSON lets a client send "\ud800" alone; it must not make routing raise (the job would fail).
+    body = {"messages": [{"role": "system", "content": "be brief \ud800"}, {"role": "user", "content": "hi"}]}
+    key = prefix_key(body)
+    assert key is not None and key == prefix_key(dict(body))

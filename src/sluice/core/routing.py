@@ -97,7 +97,7 @@ def _digest(text: str) -> int:
 
 def _hex(value: Any) -> str:
     blob = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
+    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
 def prefix_key(body: Mapping[str, Any]) -> str | None:
