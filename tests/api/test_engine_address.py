@@ -39,10 +39,17 @@ async def test_a_failing_engine_is_not_named_in_retry_events(sim_url: str, http:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every attempt fails to connect
     backends = [{"url": dead, "models": ["sim"]}, {"url": sim_url, "name": "gpu-b"}]
     async with gateway(backends) as gw:
-        body = {"model": "sim", "messages": MSG, "max_tokens": 2}
-        job_id = (await http.post(gw.url + "/v1/jobs", json=body)).json()["id"]
-        events = (await http.get(f"{gw.url}/v1/jobs/{job_id}/events")).text
-        assert "event: retry" in events and "event: done" in events  # tried the dead one first
+        # Each prompt has its own prefix, so the router's prefix affinity sends some to each
+        # engine: one that goes to the dead engine first is retried on the other.
+        for n in range(40):
+            body = {"model": "sim", "messages": [{"role": "user", "content": f"hi {n}"}], "max_tokens": 2}
+            job_id = (await http.post(gw.url + "/v1/jobs", json=body)).json()["id"]
+            events = (await http.get(f"{gw.url}/v1/jobs/{job_id}/events")).text
+            assert "event: done" in events
+            assert_no_address(events, dead)
+            if "event: retry" in events:
+                break
+        assert "event: retry" in events  # one was tried on the dead engine first
         assert '"backend": "backend 1"' in events
         assert_no_address(events, dead)
         view = (await http.get(f"{gw.url}/v1/jobs/{job_id}")).text

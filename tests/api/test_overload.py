@@ -90,12 +90,19 @@ async def test_backend_error_is_retried_on_another_backend(http: httpx.AsyncClie
         serve_in_background(preset("fast", model="sim")) as healthy,
         run_gateway([broken, healthy], max_concurrency=1) as gw,
     ):
-        for _ in range(4):
-            r = await http.post(gw.url + "/v1/jobs", json={"model": "sim", "messages": MSG, "max_tokens": 3})
+        # Each prompt has its own prefix, so prefix affinity sends some to each engine first.
+        faults = 0
+        for n in range(40):
+            messages = [{"role": "user", "content": f"hi {n}"}]
+            r = await http.post(
+                gw.url + "/v1/jobs", json={"model": "sim", "messages": messages, "max_tokens": 3}
+            )
             view = (await http.get(f"{gw.url}/v1/jobs/{r.json()['id']}", params={"wait": 10})).json()
             assert view["status"] == "succeeded", view
             assert view["attempts"] in (1, 2)
-        faults = (await http.get(broken + "/sim/stats")).json()["injected_faults"]
+            faults = (await http.get(broken + "/sim/stats")).json()["injected_faults"]
+            if faults and n >= 3:
+                break
         assert faults >= 1
 
 
