@@ -683,9 +683,20 @@ def start_gateway(
 
 
 def _litellm_python(requested: str | None) -> str | None:
+    """A Python that runs LiteLLM's proxy: the one asked for, or this one if its proxy imports
+    (the ``litellm`` package alone, as the dev extra has it for the client tests, lacks the
+    proxy's own dependencies: ``pip install 'litellm[proxy]'``)."""
     if requested:
         return requested
-    return sys.executable if importlib.util.find_spec("litellm") is not None else None
+    if importlib.util.find_spec("litellm") is None:
+        return None
+    check = subprocess.run(
+        [sys.executable, "-c", "import litellm.proxy.proxy_server"],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    return sys.executable if check.returncode == 0 else None
 
 
 # -- py-spy -----------------------------------------------------------------------------------------
@@ -964,7 +975,8 @@ def run(options: Options) -> tuple[list[Row], list[str]]:
     options.litellm_python = _litellm_python(options.litellm_python)
     if "litellm" in options.targets and options.litellm_python is None:
         notes.append(
-            "LiteLLM: not importable here, its rows are left out (--litellm-python PYTHON names one)"
+            "LiteLLM's proxy: not importable here (pip install 'litellm[proxy]'), its rows are left out "
+            "(--litellm-python PYTHON names one)"
         )
     with tempfile.TemporaryDirectory(prefix="sluice-overhead-") as folder:
         logs = Path(folder)
