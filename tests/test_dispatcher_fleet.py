@@ -18,7 +18,7 @@ from sluice.core.job import JobState
 from sluice.dispatcher import Dispatcher
 from sluice.fleet import Fleet, PoolSpec
 from sluice.runtime import pool_backend
-from tests.failures.procs import Proc
+from tests.failures.procs import Proc, answers, wait_answering
 from tests.helpers import free_port, make_job, wait_until
 from tests.servers import Gateway, run_gateway
 
@@ -49,16 +49,7 @@ async def start_sim(model: str, *args: str, host: str = "127.0.0.1", port: int |
     port = port or free_port()
     proc = Proc(["sim", "--preset", "fast", "--model", model, "--host", host, "--port", str(port), *args])
     url = f"http://{host}:{port}"
-
-    async def up() -> bool:
-        assert proc.alive, proc.output()
-        try:
-            async with httpx.AsyncClient() as c:
-                return (await c.get(url + "/v1/models", timeout=1)).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    await wait_until(up, timeout=30)
+    await wait_answering(proc, lambda: answers(url + "/v1/models"))
     return Sim(proc, url)
 
 

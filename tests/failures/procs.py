@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -52,20 +52,31 @@ class Proc:
         return self.log.read_text(errors="replace")
 
 
-async def start_gateway(broker: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc(["gateway", "--broker", broker, "--port", str(port)], env)
-    url = f"http://127.0.0.1:{port}"
+async def wait_answering(proc: Proc, ready: Callable[[], Awaitable[bool]], timeout: float = 30) -> None:
+    """Wait until ``ready()`` says the process answers; fails at once, with its log, if it died,
+    and counts a connection that is refused (not listening yet) as not ready."""
 
     async def up() -> bool:
         assert proc.alive, proc.output()
         try:
-            async with httpx.AsyncClient() as c:
-                return (await c.get(url + "/healthz", timeout=1)).status_code == 200
+            return await ready()
         except httpx.HTTPError:
             return False
 
-    await wait_until(up, timeout=30)
+    await wait_until(up, timeout=timeout)
+
+
+async def answers(url: str) -> bool:
+    """Whether ``url`` answers 200."""
+    async with httpx.AsyncClient() as c:
+        return (await c.get(url, timeout=1)).status_code == 200
+
+
+async def start_gateway(broker: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(["gateway", "--broker", broker, "--port", str(port)], env)
+    url = f"http://127.0.0.1:{port}"
+    await wait_answering(proc, lambda: answers(url + "/healthz"))
     return proc, url
 
 

@@ -17,7 +17,7 @@ import openai
 
 from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
-from tests.failures.procs import Proc, served, start_gateway, start_worker
+from tests.failures.procs import Proc, served, start_gateway, start_worker, wait_answering
 from tests.failures.test_worker_sigterm import counting_engine, submit
 from tests.helpers import free_port, wait_until
 from tests.redis_server import RedisServer
@@ -115,15 +115,7 @@ async def test_serve_works_off_its_embedded_queue_before_it_exits(http: httpx.As
         proc = Proc(["serve", "--backend", sim, "--max-concurrency", "2", "--port", str(port)], ENV)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         try:
-
-            async def up() -> bool:
-                assert proc.alive, proc.output()
-                try:
-                    return await served(url)
-                except httpx.HTTPError:
-                    return False
-
-            await wait_until(up, timeout=30)
+            await wait_answering(proc, lambda: served(url))
             first = asyncio.Event()
             stream = asyncio.ensure_future(read_stream(client, first))
             async with asyncio.timeout(30):
@@ -155,15 +147,7 @@ async def test_serve_on_redis_hands_its_jobs_back_to_the_other_workers(
         gateway: Proc | None = None
         worker: Proc | None = None
         try:
-
-            async def up() -> bool:
-                assert proc.alive, proc.output()
-                try:
-                    return await served(url)
-                except httpx.HTTPError:
-                    return False
-
-            await wait_until(up, timeout=30)
+            await wait_answering(proc, lambda: served(url))
             job_id = await submit(http, url, 1, tokens)
 
             async def streaming() -> bool:
