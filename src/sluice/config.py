@@ -23,10 +23,13 @@ from sluice.core.job import Job
 from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.request import RequestLimits
 from sluice.core.scheduler import ClassSpec
-from sluice.drain import DEFAULT_ACCEPT_S as DEFAULT_DRAIN_ACCEPT_S
-from sluice.drain import DEFAULT_GRACE_S as DEFAULT_DRAIN_GRACE_S
 from sluice.local_engine.server import DEFAULT_CTX_PER_SLOT as LOCAL_ENGINE_CTX_PER_SLOT
 from sluice.local_engine.server import DEFAULT_SLOTS as LOCAL_ENGINE_SLOTS
+
+#: after SIGTERM, how long running work may take to finish, unless configured (sluice.drain)
+DEFAULT_DRAIN_GRACE_S = 30.0
+#: after SIGTERM, how long a gateway still takes new requests, unless configured (seconds)
+DEFAULT_DRAIN_ACCEPT_S = 0.0
 
 
 class _Strict(BaseModel):

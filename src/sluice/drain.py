@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from sluice.config import DEFAULT_DRAIN_ACCEPT_S, DEFAULT_DRAIN_GRACE_S, ConfigError
+
 if TYPE_CHECKING:
     from sluice.dispatcher import Dispatcher
 
 log = logging.getLogger("sluice.drain")
 
 #: how long running work may take to finish after SIGTERM, unless configured
-DEFAULT_GRACE_S = 30.0
+DEFAULT_GRACE_S = DEFAULT_DRAIN_GRACE_S
 #: the environment variable that sets the grace period (the name the setting ``drain_grace_s`` reads)
 GRACE_ENV = "SLUICE_DRAIN_GRACE_S"
 #: how long a gateway still takes new requests after SIGTERM, unless configured (seconds)
-DEFAULT_ACCEPT_S = 0.0
+DEFAULT_ACCEPT_S = DEFAULT_DRAIN_ACCEPT_S
 #: the environment variable that sets it (the name the setting ``drain_accept_s`` reads)
 ACCEPT_ENV = "SLUICE_DRAIN_ACCEPT_S"
 #: how long after its tasks are cancelled a job's engine stream is given to close
@@ -54,9 +56,6 @@ class DrainPhase(StrEnum):
 def env_seconds(name: str, default: float) -> float:
     """A number of seconds from the environment (``default`` when unset); a bad value is a
     :class:`~sluice.config.ConfigError` that names the variable."""
-    # Imported here: the settings may take their defaults from this module one day.
-    from sluice.config import ConfigError
-
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
