@@ -30,6 +30,7 @@ import random
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from sluice.backends.base import Backend, public_name
@@ -95,6 +96,12 @@ BackendFactory = Callable[[PoolSpec, str, str], Backend]
 
 #: the smoothing of an engine's measured time to first token (weight of the newest sample)
 TTFT_SMOOTHING = 0.2
+
+
+#: what an engine's limit is: ``configured`` (a fixed ``max_concurrency``) or ``learned`` (its
+#: adaptive ConcurrencyLimit, under its ceiling if one is set)
+LIMIT_CONFIGURED = "configured"
+LIMIT_LEARNED = "learned"
 
 
 @dataclass(eq=False)
@@ -176,6 +183,35 @@ class Engine:
     @property
     def free_fraction(self) -> float:
         return 1.0 - self.inflight / self.limit
+
+    def row(self, now: float) -> dict[str, Any]:
+        """The engine as ``/admin`` and the dashboard show it (``now``: monotonic seconds).
+
+        Fields: ``name``; ``models``; ``pool``; ``limit``, the sequences it may run at once now,
+        ``limit_source`` (LIMIT_CONFIGURED or LIMIT_LEARNED) and ``ceiling``, the configured
+        ``max_concurrency`` a learned limit stays under (None: none); ``inflight`` and
+        ``inflight_tokens``, its work now; ``max_inflight_tokens``, its token budget or None;
+        ``failures``, errors in a row; ``health``, ``healthy``, ``ejected`` or ``probing``;
+        ``cooldown_s``, how long it still sits out an ejection; ``draining``; ``leaving``, its
+        address left its pool's DNS records; ``ttft_s``, its recent time to first token.
+        """
+        return {
+            "name": self.name,
+            "models": list(self.backend.models),
+            "pool": self.pool,
+            "limit": self.limit,
+            "limit_source": LIMIT_LEARNED if self.limiter.adaptive else LIMIT_CONFIGURED,
+            "ceiling": self.limiter.ceiling,
+            "inflight": self.inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "max_inflight_tokens": self.backend.max_inflight_tokens,
+            "failures": self.failures,
+            "health": self.health.state(now).value,
+            "cooldown_s": round(self.ejected_for(now), 3),
+            "draining": self.draining,
+            "leaving": self.leaving,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+        }
 
     def observe_ttft(self, ttft_s: float) -> None:
         self.ttft_s = ttft_s if self.ttft_s is None else self.ttft_s + TTFT_SMOOTHING * (ttft_s - self.ttft_s)

@@ -50,11 +50,6 @@ WORKER_FAMILIES = frozenset(
     }
 )
 
-#: what a limit shown for an engine is: ``configured`` (a fixed ``max_concurrency``) or
-#: ``learned`` (the engine's adaptive ConcurrencyLimit, under its ceiling if one is set)
-LIMIT_CONFIGURED = "configured"
-LIMIT_LEARNED = "learned"
-
 
 def new_process_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:12]}"
@@ -74,37 +69,9 @@ def metric_samples(metrics: Metrics, families: Collection[str]) -> list[list[Any
 
 
 def engine_rows(dispatcher: Dispatcher) -> list[dict[str, Any]]:
-    """Each engine the dispatcher feeds, as the dashboard shows it.
-
-    Fields: ``name``; ``models``; ``pool``, the pool it belongs to; ``limit``, the sequences it
-    may run at once now, ``limit_source`` (LIMIT_CONFIGURED or LIMIT_LEARNED) and ``ceiling``, the
-    configured ``max_concurrency`` a learned limit stays under (None: none); ``inflight`` and
-    ``inflight_tokens``, its work now; ``max_inflight_tokens``, its token budget or None;
-    ``failures``, errors in a row; ``health``, ``healthy``, ``ejected`` or ``probing``;
-    ``cooldown_s``, how long it still sits out an ejection; ``draining``; ``leaving``, its address
-    left its pool's DNS records; ``ttft_s``, its recent time to first token.
-    """
+    """Each engine the dispatcher feeds, as the dashboard shows it (:meth:`sluice.fleet.Engine.row`)."""
     now = time.monotonic()
-    return [
-        {
-            "name": e.name,
-            "models": list(e.backend.models),
-            "pool": e.pool,
-            "limit": e.limit,
-            "limit_source": LIMIT_LEARNED if e.limiter.adaptive else LIMIT_CONFIGURED,
-            "ceiling": e.limiter.ceiling,
-            "inflight": e.inflight,
-            "inflight_tokens": e.inflight_tokens,
-            "max_inflight_tokens": e.backend.max_inflight_tokens,
-            "failures": e.failures,
-            "health": e.health.state(now).value,
-            "cooldown_s": round(e.ejected_for(now), 3),
-            "draining": e.draining,
-            "leaving": e.leaving,
-            "ttft_s": None if e.ttft_s is None else round(e.ttft_s, 4),
-        }
-        for e in dispatcher.fleet.engines
-    ]
+    return [e.row(now) for e in dispatcher.fleet.engines]
 
 
 class Reporter:
