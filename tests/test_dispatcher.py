@@ -324,7 +324,7 @@ async def test_an_ejected_engine_is_probed_back_in() -> None:
     broker = MemoryBroker(BrokerSettings())
     await broker.start()
     dispatcher = Dispatcher(broker, [flaky, steady], retry_backoff_s=0.01, prefix_affinity=False)
-    engine = next(e for e in dispatcher.slots if e.name == "flaky")
+    engine = next(e for e in dispatcher.fleet.engines if e.name == "flaky")
     engine.health = EngineHealth(base_ejection_s=0.2, max_ejection_s=1.0)
     await dispatcher.start()
     try:

@@ -140,11 +140,6 @@ class Dispatcher:
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def slots(self) -> list[Engine]:
-        """The engines now in the fleet (each with its in-flight work, limit and health)."""
-        return self.fleet.engines
-
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -182,23 +177,16 @@ class Dispatcher:
         self._capacity.set()
 
     def backends(self) -> list[dict[str, object]]:
+        """Each engine for ``/admin``: its row (:meth:`Engine.row`), with its health and its
+        limiter in full."""
         now = time.monotonic()
         return [
             {
-                "name": e.name,
-                "pool": e.pool,
-                "models": list(e.backend.models),
+                **e.row(now),
                 "max_concurrency": e.limiter.ceiling,
-                "limit": e.limit,
                 "adaptive": e.limiter.adaptive,
-                "inflight": e.inflight,
-                "inflight_tokens": e.inflight_tokens,
-                "draining": e.draining,
-                "leaving": e.leaving,
-                "failures": e.failures,
                 "health": e.health.snapshot(now),
                 "limiter": e.limiter.snapshot(),
-                "ttft_s": e.ttft_s,
             }
             for e in self.fleet.engines
         ]
@@ -261,9 +249,12 @@ class Dispatcher:
                     free |= names
         return sorted(free)
 
-    def _pick(self, job: Job, target: str, exclude: Collection[str] = ()) -> Engine | None:
-        """The engine for the job's next attempt on engine model ``target``, or None while none
-        serving it has room. Engines in ``exclude`` (tried already) only when no other fits."""
+    def _pick(
+        self, job: Job, target: str, prefix: str | None, exclude: Collection[str] = ()
+    ) -> Engine | None:
+        """The engine for the job's next attempt on engine model ``target`` (its prompt prefix
+        key ``prefix``, None without affinity), or None while none serving it has room. Engines in
+        ``exclude`` (tried already) only when no other fits."""
         now = time.monotonic()
         ahead = self._ahead(job)  # an engine a job waits for goes to it first
         engines = [
@@ -295,7 +286,7 @@ class Dispatcher:
             candidates,
             prompt_tokens=job.prompt_tokens,
             output_tokens=job.max_tokens or 1,
-            prefix=_prefix(job, target) if self.router.affinity else None,
+            prefix=prefix,
         )
         return next((e for e in engines if e.name == name), None)
 
@@ -343,9 +334,11 @@ class Dispatcher:
         An alias's target is drawn once per attempt."""
         self._waiting.setdefault(job.id, job)
         target = self._targets[job.id] = self.fleet.choose(job.model)
+        # Hashed once per attempt, not at every wake-up while the job waits for room.
+        prefix = prefix_key({**job.body, "model": target}) if self.router.affinity else None
         try:
             while self.clock() < job.deadline:
-                engine = self._pick(job, target, exclude)
+                engine = self._pick(job, target, prefix, exclude)
                 if engine is not None:
                     return self._reserve(engine, job, target)
                 await self._wait_capacity(min(0.5, max(job.deadline - self.clock(), 0.01)))
@@ -701,16 +694,6 @@ class _Hold:
     cost: int
     #: the engine model name the attempt asks for (an alias's draw, else the job's model)
     target: str
-
-
-def _prefix(job: Job, target: str) -> str | None:
-    """The job's prompt prefix key on engine model ``target``; None when its body has none, or has
-    no text form to hash (a lone surrogate, which only a job queued by another build can hold:
-    its attempt fails as the client's error when the body is encoded)."""
-    try:
-        return prefix_key({**job.body, "model": target})
-    except (ValueError, TypeError, RecursionError):
-        return None
 
 
 def _count(value: object) -> TypeGuard[int]:
