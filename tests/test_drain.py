@@ -14,7 +14,7 @@ from sluice import drain
 from sluice.backends.base import Backend
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
-from sluice.config import ConfigError
+from sluice.config import ConfigError, load_settings
 from sluice.core.job import Job, JobState
 from sluice.dispatcher import Dispatcher
 from tests.helpers import make_job, wait_until
@@ -148,19 +148,13 @@ async def test_a_job_cancelled_meanwhile_is_not_handed_back() -> None:
         await broker.close()
 
 
-def test_the_grace_comes_from_the_settings_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    class WithField:
-        drain_grace_s = 7.0
-
-    monkeypatch.delenv(drain.GRACE_ENV, raising=False)
-    assert drain.grace_of(object()) == drain.DEFAULT_GRACE_S
-    monkeypatch.setenv(drain.GRACE_ENV, "12.5")
-    assert drain.grace_of(object()) == 12.5
-    assert drain.grace_of(WithField()) == 7.0
+def test_the_grace_comes_from_the_settings_and_their_environment_variable() -> None:
+    assert drain.grace_of(load_settings(environ={})) == drain.DEFAULT_GRACE_S
+    assert drain.grace_of(load_settings(environ={drain.GRACE_ENV: "12.5"})) == 12.5
+    assert drain.grace_of(load_settings(overrides={"drain_grace_s": 7.0}, environ={})) == 7.0
     for bad in ("soon", "-1", "nan"):
-        monkeypatch.setenv(drain.GRACE_ENV, bad)
-        with pytest.raises(ConfigError, match=drain.GRACE_ENV):
-            drain.grace_of(object())
+        with pytest.raises(ConfigError, match="drain_grace_s"):
+            load_settings(environ={drain.GRACE_ENV: bad})
 
 
 def test_the_phases_and_the_time_left() -> None:

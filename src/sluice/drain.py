@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from sluice.config import DEFAULT_DRAIN_ACCEPT_S, DEFAULT_DRAIN_GRACE_S, ConfigError
+from sluice.config import DEFAULT_DRAIN_ACCEPT_S, DEFAULT_DRAIN_GRACE_S, Settings
 
 if TYPE_CHECKING:
     from sluice.dispatcher import Dispatcher
@@ -53,33 +52,10 @@ class DrainPhase(StrEnum):
     HURRYING = "hurrying"
 
 
-def env_seconds(name: str, default: float) -> float:
-    """A number of seconds from the environment (``default`` when unset); a bad value is a
-    :class:`~sluice.config.ConfigError` that names the variable."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number of seconds, not {raw!r}") from None
-    if value < 0 or value != value:
-        raise ConfigError(f"{name} must be zero or more seconds, not {raw!r}")
-    return value
-
-
-def setting_seconds(settings: object, field: str, env: str, default: float) -> float:
-    """A drain setting: the settings' field where they have it, else the environment variable
-    ``env`` (the same name the field reads: ``SLUICE_<FIELD>``), else ``default``."""
-    value = getattr(settings, field, None)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return env_seconds(env, default)
-
-
-def grace_of(settings: object) -> float:
-    """How long running work may take to finish after SIGTERM (``drain_grace_s``)."""
-    return setting_seconds(settings, "drain_grace_s", GRACE_ENV, DEFAULT_GRACE_S)
+def grace_of(settings: Settings) -> float:
+    """How long running work may take to finish after SIGTERM (``drain_grace_s``, which the
+    settings read from ``SLUICE_DRAIN_GRACE_S`` as any setting from its variable)."""
+    return settings.drain_grace_s
 
 
 @dataclass

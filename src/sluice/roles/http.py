@@ -112,9 +112,9 @@ def quiet_gc() -> None:
     gc.freeze()
 
 
-def accept_of(settings: object) -> float:
+def accept_of(settings: Settings) -> float:
     """How long new requests are still taken after SIGTERM (``drain_accept_s``)."""
-    return drain.setting_seconds(settings, "drain_accept_s", ACCEPT_ENV, DEFAULT_ACCEPT_S)
+    return settings.drain_accept_s
 
 
 def _counted(scope: dict[str, Any]) -> bool:
