@@ -31,6 +31,7 @@ from sluice.dashboard import (
 )
 from sluice.metrics import Metrics
 from sluice.reports import REPORT_EVERY_S, Reporter, gateway_body, new_process_id
+from sluice.scaling_signal import ScalingSignal
 
 log = logging.getLogger("sluice.dashboard")
 
@@ -43,13 +44,20 @@ class DashboardFeed:
         metrics: this gateway's counters, which it reports for the others' dashboards too.
         every_s: the tick.
         keep: ticks of history kept.
+        scaling: this gateway's scaling signal, whose findings the snapshot shows; None: none.
     """
 
     def __init__(
-        self, broker: Broker, metrics: Metrics, *, every_s: float = REPORT_EVERY_S, keep: int = HISTORY_TICKS
+        self,
+        broker: Broker,
+        metrics: Metrics,
+        *,
+        scaling: ScalingSignal | None = None,
+        every_s: float = REPORT_EVERY_S,
+        keep: int = HISTORY_TICKS,
     ) -> None:
         self.broker = broker
-        self.metrics = metrics
+        self.scaling = scaling
         self.every_s = every_s
         self.history = History(keep)
         self.reporter = Reporter(broker, new_process_id("gateway"), "gateway", gateway_body(metrics))
@@ -115,19 +123,17 @@ class DashboardFeed:
             return self.latest
 
     def desired(self) -> dict[str, tuple[int, tuple[str, ...]]]:
-        """Per model, what this gateway's scaling signal last set: its desired engines, and the
-        classes whose deadlines are at risk (the gauges, read from this process's registry)."""
-        desired: dict[str, int] = {}
-        risk: dict[str, list[str]] = {}
-        for family in self.metrics.registry.collect():
-            if family.name == "sluice_desired_engines":
-                for sample in family.samples:
-                    desired[sample.labels["model"]] = int(sample.value)
-            elif family.name == "sluice_deadlines_at_risk":
-                for sample in family.samples:
-                    if sample.value > 0:
-                        risk.setdefault(sample.labels["model"], []).append(sample.labels["class"])
-        return {m: (n, tuple(sorted(risk.get(m, ())))) for m, n in desired.items()}
+        """Per model, what this gateway's scaling signal last found: its desired engines, and the
+        classes whose deadlines are at risk (empty without a signal, or before its first reading)."""
+        if self.scaling is None:
+            return {}
+        return {
+            model: (
+                signal.desired_engines,
+                tuple(sorted(c for c, risky in signal.assessment.at_risk.items() if risky)),
+            )
+            for model, signal in self.scaling.signals.items()
+        }
 
     async def next_after(self, seq: int, timeout: float) -> tuple[int, dict[str, Any]] | None:
         """The first snapshot after tick ``seq`` (at once if there is one), or None after ``timeout``."""

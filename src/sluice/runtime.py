@@ -318,9 +318,8 @@ def build_app(settings: Settings, *, dispatch: bool = False, pending: PendingEng
     gw = Gateway(settings, broker, metrics, startup=pending.startup if pending is not None else None)
     keyring = KeyRing(settings, broker)
     batches = build_batch_runner(settings, gw, keyring)
-    app = create_app(gw, keyring, backends=control, lifespan=lifespan)
+    app = create_app(gw, keyring, backends=control, lifespan=lifespan, scaling=scaling)
     app.state.batches = batches
-    app.state.scaling = scaling
     return app
 
 

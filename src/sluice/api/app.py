@@ -27,6 +27,7 @@ from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
 from sluice.api.limits import BodySizeLimit
 from sluice.api.request_id import RequestId
+from sluice.scaling_signal import ScalingSignal
 
 
 def create_app(
@@ -35,6 +36,7 @@ def create_app(
     *,
     backends: BackendControl | None = None,
     lifespan: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+    scaling: ScalingSignal | None = None,
 ) -> FastAPI:
     """The gateway's app.
 
@@ -45,6 +47,7 @@ def create_app(
             when the process runs no dispatcher.
         lifespan: starts the parts (broker, dispatcher) before the first request and stops them
             after the last.
+        scaling: the scaling signal this gateway computes, which the dashboard shows; None: none.
     """
 
     def app_lifespan(app: FastAPI) -> AbstractAsyncContextManager[None]:
@@ -63,6 +66,7 @@ def create_app(
     app.state.gateway = gateway
     app.state.keyring = keyring
     app.state.backends = backends
+    app.state.scaling = scaling
     dashboard.install(app)
     errors.install(app)
     app.include_router(openai.router)

@@ -259,7 +259,7 @@ def install(app: FastAPI) -> None:
     the app's own lifespan, so after the broker starts and before it stops) and the fleet's gauges
     on ``/metrics``. Call it once ``app.state`` has the gateway and the keyring."""
     gw: Gateway = app.state.gateway
-    feed = DashboardFeed(gw.broker, gw.metrics)
+    feed = DashboardFeed(gw.broker, gw.metrics, scaling=app.state.scaling)
     app.state.dashboard = feed
     app.state.dashboard_access = DashboardAccess(gw, app.state.keyring)
     app.state.dashboard_feeds = 0
