@@ -17,7 +17,7 @@ from sluice.broker.base import BrokerSettings, BrokerUnavailable
 from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
-from tests.helpers import make_job
+from tests.helpers import make_job, wait_until
 
 MODEL = "m"
 #: how long a worker "runs" a job, heartbeating half-way (seconds)
@@ -172,6 +172,27 @@ class FailoverLoad:
                 book.refused_finishes += 1
             else:
                 book.finished[job.id] += 1
+
+    async def assert_nothing_lost_since(
+        self, killed_at: float, *, resume_bound_s: float, answer_bound_s: float
+    ) -> float:
+        """The invariants of a failover at ``killed_at`` (monotonic): admissions resume (100 more
+        accepted) within ``resume_bound_s``; every job accepted before, during and after is on
+        record and succeeds; no admission took ``answer_bound_s`` to answer; and no job was
+        settled twice (fencing). Stops admitting; returns how long admissions took to resume."""
+        book = self.ledger
+        await wait_until(lambda: book.accepted_since(killed_at) >= 100, timeout=resume_bound_s + 30)
+        self.stop_admitting()
+        accepted = list(book.accepted)
+        assert await self.missing(accepted) == []
+        states = await self.wait_all_ended(accepted, timeout=60)
+        assert set(states.values()) == {JobState.SUCCEEDED}
+        resumed_s = book.resumed_after(killed_at)
+        assert resumed_s is not None and resumed_s < resume_bound_s
+        assert book.admit_latency_s < answer_bound_s
+        # Whatever became of a claim in the failover, at most one finish was accepted.
+        assert [job_id for job_id, n in book.finished.items() if n > 1] == []
+        return resumed_s
 
     async def missing(self, ids: list[str]) -> list[str]:
         """The ids among ``ids`` that the broker has no record of."""
