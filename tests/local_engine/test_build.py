@@ -21,18 +21,21 @@ from pathlib import Path
 import pytest
 
 from sluice.local_engine import build as engine_build
-from sluice.local_engine.build import (
-    EngineBuildError,
-    MissingToolError,
+from sluice.local_engine import cache as engine_cache
+from sluice.local_engine.build import build_llama_server
+from sluice.local_engine.cache import (
+    LLAMA_CPP_PYTHON_VERSION,
     build_key,
-    build_llama_server,
     build_work_dir,
     cached_binary_path,
-    check_build_tools,
+    cpu_flags,
     find_llama_server,
     find_model,
-    parse_progress,
+    model_cache_path,
 )
+from sluice.local_engine.commands import parse_progress, stop_group
+from sluice.local_engine.errors import EngineBuildError, MissingToolError
+from sluice.local_engine.toolchain import check_build_tools
 from tests.local_engine.procs import alive
 
 
@@ -53,7 +56,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_build_key_names_version_and_changes_with_cpu(cache: Path) -> None:
     key = build_key(flags="avx2 fma sse4_2")
-    assert key.startswith(f"{engine_build.LLAMA_CPP_PYTHON_VERSION}-")
+    assert key.startswith(f"{LLAMA_CPP_PYTHON_VERSION}-")
     assert key == build_key(flags="avx2 fma sse4_2")
     assert key != build_key(flags="avx2 avx512f fma sse4_2")
     assert key != build_key(version="9.9.9", flags="avx2 fma sse4_2")
@@ -77,9 +80,9 @@ def test_find_llama_server_env_var_and_cache(
 
 
 def test_find_model_env_var_and_cache(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_build, "_installed_package_model", lambda: None)
+    monkeypatch.setattr(engine_cache, "_installed_package_model", lambda: None)
     assert find_model() is None
-    cached = engine_build.model_cache_path()
+    cached = model_cache_path()
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"GGUF")
     assert find_model() == cached
@@ -263,10 +266,8 @@ def test_kept_tree_that_does_not_configure_is_started_afresh(
 def _fake_sdist(dest: Path) -> None:
     """A llama-cpp-python sdist holding just the vendored llama.cpp directory and one file."""
     dest.mkdir(parents=True, exist_ok=True)
-    prefix = f"llama_cpp_python-{engine_build.LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-    with tarfile.open(
-        dest / f"llama_cpp_python-{engine_build.LLAMA_CPP_PYTHON_VERSION}.tar.gz", "w:gz"
-    ) as sdist:
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz", "w:gz") as sdist:
         data = b"cmake_minimum_required(VERSION 3.14)\n"
         member = tarfile.TarInfo(prefix + "CMakeLists.txt")
         member.size = len(data)
@@ -287,7 +288,7 @@ def test_download_is_kept_across_attempts_and_a_cut_one_is_redone(
             raise EngineBuildError("`pip download` failed (exit code 2)")
         _fake_sdist(dest)
 
-    monkeypatch.setattr(engine_build, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(engine_build, "pip_download", fake_pip_download)
     with pytest.raises(EngineBuildError):
         build_llama_server(progress_bar=False)
     cut[0] = False
@@ -322,7 +323,7 @@ def test_build_uses_ccache_when_on_the_path(
     )
     assert ccache_env["CCACHE_BASEDIR"] == str(build_work_dir())
     flags_file = Path(ccache_env["CCACHE_EXTRAFILES"])
-    assert flags_file.read_text().strip() == engine_build.cpu_flags(), "ccache hashes the CPU's flags"
+    assert flags_file.read_text().strip() == cpu_flags(), "ccache hashes the CPU's flags"
     assert build_key() == key, "ccache does not change what is built, so not the key either"
 
 
@@ -405,7 +406,7 @@ def test_a_compiler_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Pat
             time.sleep(0.02)
         stubborn = int(marker.read_text())
         started = time.monotonic()
-        engine_build._stop_group(group, grace=0.5)
+        stop_group(group, grace=0.5)
         took = time.monotonic() - started
     deadline = time.monotonic() + 10
     while alive(stubborn):  # reparented to PID 1, which reaps it when it gets round to it
@@ -415,7 +416,7 @@ def test_a_compiler_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Pat
 
 
 def test_cli_status_exits_1_when_absent(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_build, "_installed_package_model", lambda: None)
+    monkeypatch.setattr(engine_cache, "_installed_package_model", lambda: None)
     from sluice.cli import main
 
     assert main(["engine", "status"]) == 1

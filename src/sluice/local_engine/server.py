@@ -26,22 +26,15 @@ from types import TracebackType
 import httpx
 
 from sluice import aio
-from sluice.local_engine.build import (
+from sluice.local_engine.build import build_llama_server, ensure_llama_server
+from sluice.local_engine.cache import (
     BINARY_NAME,
     LLAMA_CPP_PYTHON_VERSION,
     MODEL_ALIAS,
-    EngineBuildError,
-    EngineError,
-    MissingToolError,
-    ModelUnavailableError,
     build_key,
-    build_llama_server,
     cache_dir,
     cached_binary_path,
-    check_build_tools,
     cpu_flags,
-    ensure_llama_server,
-    ensure_model,
     find_llama_server,
     find_model,
     llama_server_version,
@@ -49,6 +42,9 @@ from sluice.local_engine.build import (
     read_build_info,
     usable_cpus,
 )
+from sluice.local_engine.errors import EngineBuildError, EngineError, MissingToolError, ModelUnavailableError
+from sluice.local_engine.model import ensure_model
+from sluice.local_engine.toolchain import check_build_tools
 from sluice.startup import EngineStartup, StartupPhase
 
 __all__ = [
