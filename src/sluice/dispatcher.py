@@ -135,6 +135,9 @@ class Dispatcher:
         self._waiting: dict[str, Job] = {}
         #: per running job: the engine model its current attempt goes to (an alias's draw)
         self._targets: dict[str, str] = {}
+        #: per running job: how many times this dispatcher claimed it while it ran here (more than
+        #: once when its lease was lost and the queue handed it back: :meth:`_adopt`)
+        self._claims: dict[str, int] = {}
         #: the engine and pool names the broker says are draining
         self._drained: set[str] = set()
         self._capacity = asyncio.Event()
@@ -311,8 +314,9 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
                 continue
             self._claims_outage.ok()
-            if job is None:
+            if job is None or self._adopt(job):
                 continue
+            self._claims[job.id] = 1
             # Running (leased, deadline-checked, cancellable) from now on, before it has a slot; it
             # counts as waiting until its task takes one, so no claim overtakes it meanwhile.
             self._waiting[job.id] = job
@@ -320,11 +324,29 @@ class Dispatcher:
             self.running[job.id] = task
             task.add_done_callback(functools.partial(self._forget, job.id))
 
+    def _adopt(self, job: Job) -> bool:
+        """Whether ``job`` is one this dispatcher runs already, claimed again: its lease was lost (a
+        late heartbeat, a failover that lost the claim) and the queue handed it back here. The
+        broker holds the new lease for this worker (on Redis its new fencing token replaces the
+        old), so the attempt that runs carries on under it: a second one would ask the engine for
+        the same answer again, and only one of them could settle it. A run already told to stop
+        (cancelled, its lease known lost) is not adopted: the claim starts the job afresh."""
+        task = self.running.get(job.id)
+        if task is None or task.done() or task.cancelling():
+            return False
+        self._claims[job.id] = self._claims.get(job.id, 1) + 1
+        log.info(
+            "a job running here was claimed again (its lease was lost): the running attempt goes on",
+            extra={"fields": {"job": job.id, "attempts": job.attempts}},
+        )
+        return True
+
     def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
         # Here, not in the task: a task cancelled before its first step runs none of its own code.
         # Only this task's entries: the job may have been claimed again since (its lease lost).
         if self.running.get(job_id) is task:
             del self.running[job_id]
+            self._claims.pop(job_id, None)
             self._targets.pop(job_id, None)
             if self._waiting.pop(job_id, None) is not None:
                 self._capacity.set()
@@ -561,6 +583,9 @@ class Dispatcher:
         usage: dict[str, object] | None = None,
         error: JobError | None = None,
     ) -> None:
+        # The claims of a lost lease adopted by the running attempt count, as the broker counted
+        # them (its STARTED events numbered them).
+        attempts += self._claims.get(job.id, 1) - 1
         # A client disconnect must not interrupt the settlement halfway.
         done = await asyncio.shield(
             self.broker.finish(
@@ -589,6 +614,7 @@ class Dispatcher:
             try:
                 await self.broker.register(self.worker_id, self.capacity())
                 await self.broker.describe_models(self.worker_id, self.model_info())
+                sent = dict(self._claims)
                 abort = await self.broker.heartbeat(self.worker_id, list(self.running))
                 self.apply_draining(await self.broker.draining())
             except asyncio.CancelledError:
@@ -600,7 +626,9 @@ class Dispatcher:
             self._heartbeat_outage.ok()
             for job_id in abort:
                 task = self.running.get(job_id)
-                if task is not None:
+                # A job claimed again while the heartbeat was on its way runs under the new lease:
+                # the abort was for the lease it lost.
+                if task is not None and self._claims.get(job_id) == sent.get(job_id):
                     task.cancel()
             await self._rediscover()
 
