@@ -16,16 +16,9 @@ from pydantic import TypeAdapter, ValidationError
 from sluice.api.responses import ResponseRequest
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.request import RequestRejected
-from sluice.core.responses import (
-    RECORD_KEY,
-    ResponseEvents,
-    chat_plan,
-    follow_up,
-    job_id_of,
-    response_id,
-    response_object,
-    usage,
-)
+from sluice.core.response_output import usage
+from sluice.core.response_request import RECORD_KEY, chat_plan, follow_up, job_id_of, response_id
+from sluice.core.responses import ResponseEvents, response_object
 from tests.helpers import make_job
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -441,6 +434,7 @@ def test_a_streamed_answer_ends_with_the_whole_answer() -> None:
     assert final["output"][1]["content"][0]["text"] == "Hello"
 
     # The same answer read back whole, as GET /v1/responses/{id} reads a finished job.
+    assert events.final is not None
     job.state, job.finished_at = JobState.SUCCEEDED, events.final["completed_at"]
     job.usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     job.result = {

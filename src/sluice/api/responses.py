@@ -1,6 +1,6 @@
 """OpenAI's Responses API on the queue: each response is a chat-completions job.
 
-``POST /v1/responses`` translates the request (:mod:`sluice.core.responses`) and queues it like
+``POST /v1/responses`` translates the request (:mod:`sluice.core.response_request`) and queues it like
 ``/v1/chat/completions``: the same admission, priorities, deadlines and rate limits, and a client
 that disconnects cancels it, unless it asked for ``background``. A stream's headers wait, as chat's
 do, until the engine has taken the job, so that a rejection before the first token is an error
@@ -43,14 +43,8 @@ from sluice.api.schemas import PositiveTimeout
 from sluice.broker.base import EventType
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.core.request import RequestRejected
-from sluice.core.responses import (
-    RECORD_KEY,
-    ResponseEvents,
-    chat_plan,
-    follow_up,
-    job_id_of,
-    response_object,
-)
+from sluice.core.response_request import RECORD_KEY, chat_plan, follow_up, job_id_of
+from sluice.core.responses import ResponseEvents, response_object
 
 router = APIRouter(tags=["responses"])
 
