@@ -40,11 +40,13 @@ log = logging.getLogger("sluice.kafka")
 
 @dataclass
 class _Partition:
-    """What one partition has in flight: the offsets read and not yet answered, and the next offset
-    to commit once they are."""
+    """What one partition has in flight: the offsets read and not yet answered, the highest one
+    answered, and the offset committed."""
 
     pending: set[int] = field(default_factory=set)
     done_up_to: int = -1
+    committed: int = -1
+    """The offset last committed by this bridge (never committed backwards)."""
 
 
 class KafkaBridge:
@@ -82,6 +84,9 @@ class KafkaBridge:
         self.tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Semaphore(max_inflight)
         self._commit_lock = asyncio.Lock()
+        # Partitions whose last commit failed (the Kafka broker away): the loop commits them again,
+        # so that an offset is not left behind when no later answer comes to commit it.
+        self._stale: set[TopicPartition] = set()
 
     async def run(self) -> None:
         """Consume until cancelled."""
@@ -91,6 +96,8 @@ class KafkaBridge:
             while True:
                 await self._room.acquire()
                 self._room.release()
+                for tp in list(self._stale):
+                    await self._commit(tp)
                 records = await self.consumer.getmany(timeout_ms=500, max_records=self.max_inflight)
                 for tp, batch in records.items():
                     for record in batch:
@@ -196,10 +203,24 @@ class KafkaBridge:
         part.pending.discard(offset)
         part.done_up_to = max(part.done_up_to, offset)
         self._room.release()
-        upto = min(part.pending) if part.pending else part.done_up_to + 1
+        await self._commit(tp)
+
+    async def _commit(self, tp: TopicPartition) -> None:
+        """Commit what is answered in a row from the partition's start. The offset is read under the
+        lock, so that a commit made late never moves the group's offset back."""
         async with self._commit_lock:
-            with contextlib.suppress(Exception):  # a commit missed is made by the next one
+            self._stale.discard(tp)
+            part = self.partitions[tp]
+            upto = min(part.pending) if part.pending else part.done_up_to + 1
+            if upto <= part.committed:
+                return
+            try:
                 await self.consumer.commit({tp: upto})
+            except Exception as exc:  # the broker away, or the partition moved in a rebalance
+                log.warning("kafka: commit of %s at %d failed: %s: %s", tp, upto, type(exc).__name__, exc)
+                self._stale.add(tp)
+                return
+            part.committed = upto
 
 
 def _line(request_id: str | None, job_id: str | None, error: APIError) -> dict[str, Any]:
