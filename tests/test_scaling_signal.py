@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from sluice.broker.base import Broker, BrokerSettings
+from sluice.broker.base import Broker, BrokerSettings, ModelStats
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
 from sluice.core.job import JobState
 from sluice.core.scaling import ScalingPolicy
+from sluice.dashboard_feed import DashboardFeed
 from sluice.metrics import Metrics
-from sluice.scaling_signal import ScalingSignal, engines_by_model
+from sluice.scaling_signal import READING_MAX_AGE_S, ScalingSignal, engines_by_model
 from tests.broker.brokers import empty_redis
 from tests.helpers import FakeClock, make_job
 from tests.redis_server import RedisServer
@@ -249,3 +250,46 @@ async def test_a_models_engines_are_split_over_its_pools(memory: tuple[MemoryBro
     assert signal.pools == {"h100": math.ceil(desired * 2 / 3 - 1e-9), "a10": math.ceil(desired / 3 - 1e-9)}
     for pool, engines_needed in signal.pools.items():
         assert gauge(metrics, "sluice_pool_desired_engines", pool=pool) == engines_needed
+
+
+class CountingBroker(MemoryBroker):
+    """The embedded broker, counting how often its queue stats are read."""
+
+    stats_reads = 0
+
+    async def stats(self) -> dict[str, ModelStats]:
+        self.stats_reads += 1
+        return await super().stats()
+
+
+async def test_the_signal_reads_what_the_dashboard_feed_read_and_the_broker_once() -> None:
+    clock = FakeClock()
+    broker = CountingBroker(BrokerSettings(clock=clock))
+    await broker.start()
+    try:
+        await broker.register("w1", {"m": 16})
+        await broker.put_report("w1", worker_report(clock, [("e1", 16)]), ttl_s=60)
+        await learn_rate(broker, clock)
+        signal = ScalingSignal(broker, Metrics())
+        feed = DashboardFeed(broker, Metrics(), scaling=signal)
+        assert feed.sampler is signal.sampler
+        await feed.tick()
+        assert broker.stats_reads == 1
+        for _ in range(10):  # queued after the feed's reading: not in it
+            await broker.admit(make_job(clock, priority="high", prompt_tokens=10, max_tokens=190))
+        s = (await signal.update())["m"]
+        assert broker.stats_reads == 1, "the signal read the broker beside the feed's reading"
+        assert s.demand.queued_jobs == 0 and s.supply.engines == 1
+        # The feed's next snapshot shows what the signal found in the feed's own reading.
+        snap = await feed.tick()
+        assert broker.stats_reads == 2, "each of the feed's ticks reads the broker afresh"
+        assert snap["models"][0]["desired_engines"] == s.desired_engines
+        # Without a recent enough reading (no feed ticking), the signal reads for itself.
+        clock.advance(READING_MAX_AGE_S + 1)
+        s = (await signal.update())["m"]
+        assert broker.stats_reads == 3 and s.demand.queued_jobs == 10
+        # poll() always reads afresh, whatever the latest reading.
+        await signal.poll()
+        assert broker.stats_reads == 4
+    finally:
+        await broker.close()

@@ -1,6 +1,7 @@
 """The gateway's side of the dashboard: once a second it publishes this gateway's report, reads the
-fleet from the broker (queue stats, the breakdown by class and tenant, every process's report) and
-builds the snapshot (:mod:`sluice.dashboard`); it keeps the recent history, bounded, and wakes the
+fleet from the broker (queue stats, the breakdown by class and tenant, every process's report,
+through the sampler it shares with the scaling signal: :mod:`sluice.fleet_sampler`) and builds the
+snapshot (:mod:`sluice.dashboard`); it keeps the recent history, bounded, and wakes the
 open feeds. It also exports the fleet's engines and queue bounds to ``/metrics``
 (:class:`FleetCollector`), for the Prometheus alerts in ``deploy/``.
 
@@ -23,12 +24,12 @@ from sluice.broker.signal import Signal
 from sluice.dashboard import (
     HISTORY_TICKS,
     POINT_WINDOW_S,
-    TOP_TENANTS,
     FleetInput,
     History,
     chart_point,
     snapshot,
 )
+from sluice.fleet_sampler import FleetSampler
 from sluice.metrics import Metrics
 from sluice.reports import REPORT_EVERY_S, Reporter, gateway_body, new_process_id
 from sluice.scaling_signal import ScalingSignal
@@ -45,6 +46,10 @@ class DashboardFeed:
         every_s: the tick.
         keep: ticks of history kept.
         scaling: this gateway's scaling signal, whose findings the snapshot shows; None: none.
+            The feed reads the broker through the signal's sampler, so that one reading a second
+            serves both.
+        sampler: where the feed reads the broker, when it is given; else the signal's (on the same
+            broker), else its own.
     """
 
     def __init__(
@@ -53,11 +58,15 @@ class DashboardFeed:
         metrics: Metrics,
         *,
         scaling: ScalingSignal | None = None,
+        sampler: FleetSampler | None = None,
         every_s: float = REPORT_EVERY_S,
         keep: int = HISTORY_TICKS,
     ) -> None:
         self.broker = broker
         self.scaling = scaling
+        if sampler is None and scaling is not None and scaling.sampler.broker is broker:
+            sampler = scaling.sampler
+        self.sampler = sampler or FleetSampler(broker)
         self.every_s = every_s
         self.history = History(keep)
         self.reporter = Reporter(broker, new_process_id("gateway"), "gateway", gateway_body(metrics))
@@ -104,19 +113,19 @@ class DashboardFeed:
         async with self._lock:
             broker = self.broker
             await self.reporter.publish()
-            stats = await broker.stats()
+            reading = await self.sampler.read()
             fleet = FleetInput(
-                at=broker.now(),
-                stats=stats,
-                breakdown=await broker.queue_breakdown(TOP_TENANTS),
-                reports=await broker.reports(),
+                at=reading.at,
+                stats=reading.stats,
+                breakdown=reading.breakdown,
+                reports=reading.reports,
                 classes=list(broker.classes),
                 limits=broker.settings.limits_for,
-                draining=frozenset(await broker.draining()),
+                draining=reading.draining,
                 desired=self.desired(),
             )
             tick = self.history.advance(fleet.at, fleet.reports)
-            tick.point = chart_point(fleet.at, stats, tick, self.history.window(POINT_WINDOW_S)[0])
+            tick.point = chart_point(fleet.at, reading.stats, tick, self.history.window(POINT_WINDOW_S)[0])
             self.latest = snapshot(fleet, self.history)
             self.seq += 1
             self._ticked.notify()

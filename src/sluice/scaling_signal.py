@@ -10,6 +10,11 @@ reports (:meth:`~sluice.broker.base.Broker.reports`). So every gateway computes 
 from the same state; what differs between them is only when each read it (the smoothed arrival
 rate and the oldest job's age come from each one's own readings): scrape any one, or take the max.
 
+The reading is shared with the dashboard's feed (:mod:`sluice.fleet_sampler`): the signal makes the
+sampler, the feed given the signal reads through it once a second, and the signal takes the feed's
+latest reading when it is at most :data:`READING_MAX_AGE_S` old, reading the broker itself only
+when no feed has.
+
 Wiring (the gateway's app)::
 
     signal = ScalingSignal(broker, metrics)
@@ -23,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +47,17 @@ from sluice.core.scaling import (
     throughput,
     urgent_tokens,
 )
+from sluice.fleet_sampler import FleetReading, FleetSampler
 from sluice.metrics import Metrics
 
 log = logging.getLogger("sluice.scaling")
 
 #: how often the signal is computed: well under KEDA's polling interval (30 s by default)
 SIGNAL_EVERY_S = 5.0
+#: how old a reading may be and still serve the signal: the dashboard's feed reads once a second,
+#: and two of its ticks let a tick that is late under load still serve (the signal itself is read
+#: every 30 s by KEDA)
+READING_MAX_AGE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,8 @@ class ScalingSignal:
         policy: objectives, headroom, bounds and hysteresis (:class:`ScalingPolicy`).
         every_s: how often :meth:`run` reads.
         arrival_tau_s: the arrival rate's smoothing time constant.
-        clock: seconds; the broker's clock unless given.
+        sampler: where it reads the broker, shared with the dashboard's feed
+            (:attr:`sluice.dashboard_feed.DashboardFeed.sampler`); its own unless given.
     """
 
     def __init__(
@@ -144,14 +155,14 @@ class ScalingSignal:
         *,
         every_s: float = SIGNAL_EVERY_S,
         arrival_tau_s: float = 30.0,
-        clock: Callable[[], float] | None = None,
+        sampler: FleetSampler | None = None,
     ) -> None:
         self.broker = broker
         self.metrics = metrics
         self.policy = policy or ScalingPolicy()
         self.every_s = every_s
         self.arrival_tau_s = arrival_tau_s
-        self.clock = clock or broker.now
+        self.sampler = sampler or FleetSampler(broker)
         self.signals: dict[str, ModelSignal] = {}
         #: per pool, the engines it needs for the models it serves (split_by_pool)
         self.pools: dict[str, int] = {}
@@ -176,7 +187,7 @@ class ScalingSignal:
         (the gauges keep their last values: an autoscaler should not scale down on a blind spot)."""
         while True:
             try:
-                await self.poll()
+                await self.update()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -188,12 +199,18 @@ class ScalingSignal:
             await asyncio.sleep(self.every_s)
 
     async def poll(self) -> dict[str, ModelSignal]:
-        """One reading of the broker: every model's signal, also set in the gauges."""
-        stats = await self.broker.stats()
-        breakdown = await self.broker.queue_breakdown(0)
-        reports = await self.broker.reports()
-        now = self.clock()
-        engines = engines_by_model(reports)
+        """One fresh reading of the broker: every model's signal, also set in the gauges."""
+        return self.observe(await self.sampler.read())
+
+    async def update(self) -> dict[str, ModelSignal]:
+        """As :meth:`poll`, from the sampler's latest reading when it is at most
+        :data:`READING_MAX_AGE_S` old (the dashboard feed's), else from a fresh one."""
+        return self.observe(await self.sampler.recent(READING_MAX_AGE_S))
+
+    def observe(self, reading: FleetReading) -> dict[str, ModelSignal]:
+        """Every model's signal from one reading, also set in the gauges."""
+        stats, breakdown, now = reading.stats, reading.breakdown, reading.at
+        engines = engines_by_model(reading.reports)
         anywhere = engines.get("", [])
         out: dict[str, ModelSignal] = {}
         for model in sorted(set(stats) | set(breakdown)):
