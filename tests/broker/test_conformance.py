@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sluice.broker import memory
 from sluice.broker.base import Broker, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
@@ -83,6 +84,31 @@ async def test_events_replay_and_resume(broker: Broker, clock: FakeClock) -> Non
     assert [e.id for e in resumed] == [4, 5, 6]
     assert [e.data.get("i") for e in resumed[:2]] == [1, 2]
     assert await drain_events(broker, job.id, after=6) == []
+
+
+async def test_events_read_long_after_the_end_are_those_read_live(
+    broker: Broker, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory broker keeps a running job's events as objects and packs them once it ended:
+    a reader long after the end, or one that resumes inside them, reads the same events."""
+    monkeypatch.setattr(memory, "PACK_AFTER_S", 0.0)
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    for i in range(3):
+        await broker.publish(
+            job.id, EventType.TOKEN, {"choices": [{"index": 0, "delta": {"content": str(i)}}]}
+        )
+    await broker.finish(job.id, W, JobState.SUCCEEDED, result={"choices": []}, usage={"total_tokens": 3})
+    live = [(e.id, e.type, e.data) for e in await drain_events(broker, job.id)]
+    await broker.maintain()  # upkeep packs the memory broker's ended streams
+    if isinstance(broker, MemoryBroker):
+        assert broker._records[job.id].packed is not None
+    later = [(e.id, e.type, e.data) for e in await drain_events(broker, job.id)]
+    assert later == live and [t for _, t, _ in live][-1] is EventType.DONE
+    resumed = [(e.id, e.type, e.data) for e in await drain_events(broker, job.id, after=3)]
+    assert resumed == live[3:]
+    assert live[-1][2]["result"] == {"choices": []}
 
 
 async def test_events_follow_live_job(broker: Broker, clock: FakeClock) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import json
+import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +43,33 @@ from sluice.core.scheduler import Backlog, ClassScheduler, Entry
 from sluice.views import job_view
 
 MAINTAIN_INTERVAL_S = 0.1
+#: how long after its end a job's events are packed (:meth:`_Record.pack`): its live readers have
+#: read them by then
+PACK_AFTER_S = 1.0
 
 
 @dataclass(slots=True)
 class _Record:
+    """A job and its event stream.
+
+    The events stay the objects they were published as while the job runs and shortly after it
+    ends, so that the readers that follow it live (the relay to a streaming client) take them as
+    they are, with nothing encoded or decoded in between: Redis needs bytes, one process does not.
+    Readers share them and must not change them. A second after the end they are packed into one
+    JSON text (:meth:`pack`), all but the terminal event: strings are invisible to the garbage
+    collector, and a busy gateway holds hundreds of thousands of token events for the result TTL
+    (as dicts they made GC pauses of 0.2 s). The terminal event stays an object: its result is the
+    job's own (``job.result``), kept once.
+    """
+
     job: Job
-    # (type, data as JSON): strings are invisible to the garbage collector, and a busy gateway holds
-    # hundreds of thousands of token events for the result TTL; as dicts they made GC pauses of 0.2 s.
-    events: list[tuple[EventType, str]] = field(default_factory=list)
+    #: the events from index ``packed_count`` on, (type, data) as published
+    events: list[tuple[EventType, Any]] = field(default_factory=list)
+    #: the events before ``packed_count``, as one JSON list of [type, data]; None until packed
+    packed: str | None = None
+    packed_count: int = 0
+    #: whether the terminal event was published
+    ended_stream: bool = False
     #: every new event
     signal: Signal = field(default_factory=Signal)
     #: the end of the job only: waiters for the outcome do not wake for every token
@@ -56,6 +77,29 @@ class _Record:
     #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
     #: tenant); None when it came with no limits
     bucket: str | None = None
+
+    @property
+    def count(self) -> int:
+        return self.packed_count + len(self.events)
+
+    def since(self, start: int) -> list[tuple[EventType, Any]]:
+        """The events from index ``start`` (0-based) on."""
+        if start >= self.packed_count:
+            return self.events[start - self.packed_count :]
+        assert self.packed is not None
+        old = [(EventType(t), d) for t, d in json.loads(self.packed)[start:]]
+        return old + self.events
+
+    def pack(self) -> None:
+        """Pack every event but the terminal one into the JSON text (see the class)."""
+        keep = 1 if self.ended_stream else 0
+        fresh = self.events[: len(self.events) - keep]
+        if not fresh:
+            return
+        old = json.loads(self.packed) if self.packed is not None else []
+        self.packed = json.dumps([*old, *([t.value, d] for t, d in fresh)], separators=(",", ":"))
+        self.packed_count += len(fresh)
+        self.events = self.events[len(fresh) :]
 
 
 @dataclass
@@ -115,6 +159,8 @@ class MemoryBroker(Broker):
         self._deadlines: list[tuple[float, str]] = []
         self._ttl: list[tuple[float, str]] = []
         self._dead: dict[str, float] = {}
+        #: (monotonic time, job id): ended jobs whose events are to be packed then, oldest first
+        self._to_pack: collections.deque[tuple[float, str]] = collections.deque()
         self._callbacks: list[str] = []
         self._callback_signal = Signal()
         self._work = Signal()
@@ -168,7 +214,10 @@ class MemoryBroker(Broker):
         return total
 
     def _emit(self, rec: _Record, type: EventType, data: dict[str, Any]) -> None:
-        rec.events.append((type, json.dumps(data, separators=(",", ":"))))
+        rec.events.append((type, data))
+        if type in TERMINAL_EVENTS:
+            rec.ended_stream = True
+            self._to_pack.append((time.monotonic() + PACK_AFTER_S, rec.job.id))
         rec.signal.notify()
 
     def _tenant(self, name: str) -> _Tenant:
@@ -229,7 +278,10 @@ class MemoryBroker(Broker):
         if error is not None:
             job.error = error
         heapq.heappush(self._ttl, (job.finished_at + self.settings.result_ttl_s, job.id))
-        self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, job_view(job))
+        view = job_view(job)
+        # The event is kept as it is now: deliveries appended later are the record's, not the event's.
+        view["deliveries"] = list(view["deliveries"])
+        self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, view)
         rec.ended.notify()
         if job.callback_url:
             self._callbacks.append(job.id)
@@ -346,14 +398,12 @@ class MemoryBroker(Broker):
             return
         sent = max(after, 0)
         while True:
-            while sent < len(rec.events):
-                type, data = rec.events[sent]
+            for type, data in rec.since(sent) if sent < rec.count else ():
                 sent += 1
-                event = Event(sent, type, json.loads(data))
-                yield event
-                if event.type in TERMINAL_EVENTS:
+                yield Event(sent, type, data)
+                if type in TERMINAL_EVENTS:
                     return
-            if rec.events and rec.events[-1][0] in TERMINAL_EVENTS:
+            if rec.ended_stream:
                 return  # resumed after the terminal event: nothing more will come
             try:
                 async with asyncio.timeout(timeout):
@@ -702,6 +752,12 @@ class MemoryBroker(Broker):
             heapq.heappush(self._deadlines, (job.deadline, job.id))
             self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
             self._work.notify()
+        mono = time.monotonic()
+        while self._to_pack and self._to_pack[0][0] <= mono:
+            _, job_id = self._to_pack.popleft()
+            rec = self._records.get(job_id)
+            if rec is not None:
+                rec.pack()
         while self._ttl and self._ttl[0][0] <= now:
             _, job_id = heapq.heappop(self._ttl)
             self._drop_record(job_id)
