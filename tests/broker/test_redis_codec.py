@@ -29,6 +29,7 @@ from sluice.broker.redis_codec import (
     tenant_limit_args,
 )
 from sluice.broker.redis_keys import JOB_OWN_FIELDS, JobField
+from sluice.broker.redis_shards import Shard
 from sluice.core.admission import Bounds, QueueLimits, QueueView, Refused
 from sluice.core.job import JobError, JobState
 from sluice.core.policy import PolicyState
@@ -248,8 +249,10 @@ async def spied(clock: FakeClock, redis_url: str) -> AsyncIterator[tuple[RedisBr
         replies: list[Any] = []
         call = broker._call
 
-        async def spy(name: str, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
-            reply = await call(name, keys, args)
+        async def spy(
+            name: str, keys: Sequence[str], args: Sequence[str | int | float], shard: Shard | None = None
+        ) -> Any:
+            reply = await call(name, keys, args, shard)
             if name == "admit":
                 replies.append(reply)
             return reply

@@ -1,10 +1,11 @@
 """Every Redis key name of the durable broker, and the names of the fields Python reads or writes in
 its hashes and streams, built in one place.
 
-All keys of one Sluice queue start with the same hash tag, ``{<queue>}:``, so that Redis Cluster
-puts them in one slot and every Lua script touches a single shard. Names that carry a model, a
-class or a tenant escape ``%`` and ``:`` in that part, so that ``model="a:b"`` can never collide
-with ``model="a", class="b"``.
+All keys of one ``QueueKeys`` start with the same hash tag, ``{<queue>}:``, so that Redis Cluster
+puts them in one slot and every Lua script, given the keys of one ``QueueKeys``, touches a single
+slot. On a cluster a queue is spread over several of them, one per shard (``redis_shards``).
+Names that carry a model, a class or a tenant escape ``%`` and ``:`` in that part, so that
+``model="a:b"`` can never collide with ``model="a", class="b"``.
 
 The scripts that find keys from data (``claim`` pops a tenant and then needs its list) build those
 names in Lua; ``lua/_keys.lua`` mirrors the builders marked "mirrored in Lua" below, and
@@ -84,6 +85,12 @@ class QueueKeys:
         return f"{self.prefix}marker:{part(model)}"
 
     # --- queue-wide ---------------------------------------------------------------------------------
+
+    @property
+    def shards(self) -> str:
+        """Set: the shards that hold a model's queue (``redis_shards``), in the home shard only, for
+        upkeep and stats to walk."""
+        return f"{self.prefix}shards"
 
     @property
     def models(self) -> str:

@@ -4,13 +4,15 @@ how durable an acknowledged write must be there (docs/redis.md).
     redis://[[user]:password@]host[:port][/db]          one Redis (``rediss://`` for TLS)
     unix://[[user]:password@]/path/to/redis.sock[?db=N]  one Redis on a Unix socket
     redis+sentinel://[[user]:password@]host:port[,host:port...]/master_name[/db][?options]
-    redis+cluster://[[user]:password@]host:port[,host:port...]
+    redis+cluster://[[user]:password@]host:port[,host:port...][?spread=models|none]
 
 A Sentinel URL lists sentinels (not Redis servers) and names the master they watch; its user and
 password are the data nodes', and its options are ``db``, ``password``, ``username`` (the same
 again, as query parameters) and ``sentinel_password`` / ``sentinel_username`` (the sentinels' own
 ACL, when they have one). A Cluster URL lists any few nodes of the cluster (the rest are found from
-them); a cluster has only database 0.
+them); a cluster has only database 0. Its ``spread`` option says whether each model's queue gets a
+hash tag of its own, so that models spread over the masters (``models``, the default), or the whole
+queue keeps one tag and one master (``none``: a tenant's limits then span its models atomically).
 
 This module only reads URLs and holds the durability rule; it does no I/O and does not import the
 Redis client (``redis_pipe`` builds the connections), so that the settings can name its defaults.
@@ -38,7 +40,9 @@ REDIS_PORT: Final = 6379
 SCHEMES: Final = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
 
 _SENTINEL_OPTIONS = frozenset({"db", "password", "username", "sentinel_password", "sentinel_username"})
-_CLUSTER_OPTIONS = frozenset({"password", "username"})
+_CLUSTER_OPTIONS = frozenset({"password", "username", "spread"})
+#: The values of a Cluster URL's ``spread`` option: a hash tag per model, or one for the whole queue.
+SPREAD_VALUES: Final = ("models", "none")
 
 
 class Kind(enum.Enum):
@@ -67,6 +71,8 @@ class Topology:
         password: the data nodes' password, if any.
         sentinel_username: the sentinels' own ACL user, if any.
         sentinel_password: the sentinels' own password, if any.
+        spread: whether the queue's models are spread over the cluster's masters, a hash tag per
+            model (``redis_shards``); False on one Redis and with Sentinel (one primary).
     """
 
     kind: Kind
@@ -78,6 +84,7 @@ class Topology:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    spread: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -165,7 +172,12 @@ def parse_broker_url(url: str) -> Topology:
     if scheme == "redis+cluster":
         if path.strip("/") not in ("", "0"):
             raise ValueError("a Redis Cluster has only database 0: give redis+cluster://HOST:PORT[,...]")
-        return Topology(Kind.CLUSTER, url, nodes, username=username, password=password)
+        spread = options.get("spread", "models")
+        if spread not in SPREAD_VALUES:
+            raise ValueError(f"spread= takes {' or '.join(SPREAD_VALUES)}, not {spread!r}")
+        return Topology(
+            Kind.CLUSTER, url, nodes, username=username, password=password, spread=spread == "models"
+        )
     service, _, db_part = path.partition("/")
     service = unquote(service)
     if not service:

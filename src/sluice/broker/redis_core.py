@@ -1,0 +1,367 @@
+"""The Redis broker's plumbing: its connections, its shards (``redis_shards``), how a script or a
+command is sent and its errors mapped, the blocking waits, and the upkeep loop. The broker's
+operations are in ``redis_jobs``, ``redis_work``, ``redis_upkeep`` and ``redis_admin``, each a part
+of :class:`sluice.broker.redis.RedisBroker`.
+
+Connections (``redis_pipe``): commands and scripts go out in pipelines, one per event-loop turn, on a
+``BlockingConnectionPool`` with short timeouts, so that a dead Redis answers with
+:class:`BrokerUnavailable` in about a second, never a hang; a second pool serves the blocking claim
+(``BZPOPMIN`` on the models' wake-up markers, at most 10 s per block) and the abort subscription;
+each process follows all the job streams it is asked for with one multiplexed reader
+(``redis_events``) per master. With Sentinel or Cluster (``redis_topology``) every pool connects to
+wherever the primary is now, and the writes in :data:`DURABLE_SCRIPTS` are answered only once a
+replica has them (docs/redis.md). On a cluster each shard has its own pools, located at the master
+of its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from sluice.broker.base import Broker, BrokerSettings, BrokerUnavailable
+from sluice.broker.redis_codec import to_json
+from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, stop_task
+from sluice.broker.redis_keys import QueueKeys
+from sluice.broker.redis_pipe import Batcher, Script, make_locator, make_pool, translate
+from sluice.broker.redis_shards import Shard, shard_of_job, shard_of_model, shard_queue
+from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS, Kind, durability_for, parse_broker_url
+from sluice.core.capacity import DrainRate
+from sluice.core.errors import (
+    UNFINISHABLE_LEFT,
+    WORKER_LOST_ATTEMPTS,
+    cancelled_error,
+    deadline_error,
+    evicted_error,
+    unfinishable_error,
+    worker_lost_error,
+)
+from sluice.outage import OutageLog
+
+log = logging.getLogger("sluice.broker.redis")
+
+T = TypeVar("T")
+
+#: Longest single BZPOPMIN of an idle claimer; a longer claim blocks again.
+CLAIM_BLOCK_S = 10.0
+#: How often each process offers to run upkeep; a lock lets one process per interval do it.
+MAINTAIN_INTERVAL_S = 0.25
+#: Events kept per job stream (``XADD MAXLEN ~``): room for a long generation, token by token.
+STREAM_MAXLEN = 10_000
+#: Work per upkeep script call, so that no call holds Redis for long; the rest follows at once.
+UPKEEP_BATCH = 500
+#: Jobs found expired per claim call before the call returns to be repeated.
+EXPIRED_PER_CLAIM = 64
+#: What a finished record's Redis TTL adds to the result TTL (lua/_job.lua, ``settle``).
+RECORD_GRACE_S = 60.0
+#: How long a worker may take to deliver a webhook before it is handed to another worker.
+CALLBACK_LEASE_S = 600.0
+#: Webhooks handed to one worker at a time.
+CALLBACK_BATCH = 100
+#: Backlogged tenants read per class and model for the dashboard's breakdown (bounds its cost).
+BREAKDOWN_SCAN = 2000
+
+# The errors the scripts settle jobs with, as JSON; the scripts fill in the placeholders.
+EXPIRED = to_json(deadline_error().to_dict())
+EVICTED = to_json(evicted_error().to_dict())
+CANCELLED = to_json(cancelled_error().to_dict())
+UNFINISHABLE = to_json(unfinishable_error(UNFINISHABLE_LEFT).to_dict())
+WORKER_LOST = to_json(worker_lost_error(WORKER_LOST_ATTEMPTS).to_dict())
+
+SCRIPT_NAMES = (
+    "admit",
+    "claim",
+    "heartbeat",
+    "publish",
+    "finish",
+    "cancel",
+    "reap",
+    "purge_expired",
+    "position",
+    "workers",
+    "release",
+    "callbacks",
+    "purge_dead",
+    "connect",
+)
+
+#: The scripts whose writes must reach the replicas the durability setting asks for before they are
+#: answered (``WAIT``): an accepted job, a settled one and a cancel are never lost in a failover.
+#: Claims need not wait: a claim lost with the primary leaves its job queued on the new one, and the
+#: lease token fences the worker that had it (its heartbeat is told to abort, its finish refused).
+DURABLE_SCRIPTS = frozenset({"admit", "finish", "cancel"})
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    """The keys and fixed arguments of a claim over one tuple of models of one shard (cached)."""
+
+    shard: Shard
+    keys: list[str]
+    markers: list[str]
+    lease_s: str
+    fixed: list[str]  # ARGV[6 .. 11]
+    unfinishable: str  # ARGV[13]
+    tail: list[str]  # class names, minimum shares, models
+
+
+class RedisCore(Broker):
+    """Connections, shards and upkeep of :class:`sluice.broker.redis.RedisBroker` (its arguments are
+    documented there)."""
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        settings: BrokerSettings | None = None,
+        *,
+        queue: str = "sluice",
+        max_connections: int = 64,
+        pool_timeout_s: float = 2.0,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        blocking_connections: int = 16,
+        min_replicas: int | None = None,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+        spread: bool | None = None,
+    ) -> None:
+        super().__init__(settings or BrokerSettings())
+        self.url = url
+        self.queue = queue
+        self.topology = parse_broker_url(url)
+        self.durability = durability_for(self.topology, min_replicas, wait_timeout_ms)
+        #: whether each model's queue is in a shard of its own (redis_shards); a test may force it on
+        #: one Redis to check the layout's slots there
+        self.spread = self.topology.spread if spread is None else spread
+        self._pools = {
+            "max_connections": max_connections,
+            "pool_timeout_s": pool_timeout_s,
+            "connect_timeout_s": connect_timeout_s,
+            "blocking_connections": blocking_connections,
+        }
+        # No socket timeouts: each call or pipeline gets one asyncio timeout instead (socket_timeout_s
+        # for commands, above the block time for blocking reads). With a socket timeout redis-py
+        # arms a timer around every reply and sends through asyncio.wait_for, which on Python 3.11
+        # can swallow a cancel and would leave a cancelled claim blocked for 10 s.
+        self._timeout = socket_timeout_s
+        self.home = self._make_shard(None, QueueKeys(queue))
+        self._shards: dict[int, Shard] = {}
+        # The home shard's names, for the operations on the whole queue (and for tests).
+        self.keys = self.home.keys
+        self._redis = self.home.redis
+        self._blocking = self.home.blocking
+        self._batch = self.home.batch
+        self._hub = self.home.hub
+        self._locator = self.home.locator
+        self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
+        self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._releases: set[asyncio.Task[None]] = set()
+        self._plans: dict[tuple[str, ...], list[ClaimPlan]] = {}
+        self._claim_turn = 0  # which shard a claim over several tries first
+        self._class_names = list(self.classes)
+        self._policy_args = self.settings.policy.lua_args()  # fixed for the broker's life
+        self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
+        self._drain_alpha = repr(DrainRate().alpha)
+        self._task: asyncio.Task[None] | None = None
+
+    def _make_shard(self, number: int | None, keys: QueueKeys) -> Shard:
+        """A shard's clients: its own on a cluster (located at its slot's master), else the home
+        shard's, as every slot is on the one primary."""
+        if number is not None and self.topology.kind is not Kind.CLUSTER:
+            home = self.home
+            return Shard(
+                number, keys, home.redis, home.blocking, home.reader, home.batch, home.hub, None, False
+            )
+        p = self._pools
+        locator = make_locator(self.topology, p["connect_timeout_s"], keys.prefix)
+        # One immediate retry on a fresh connection absorbs a Redis restart (every pooled
+        # connection is dead then); timeouts are not retried, as the command may have run.
+        common: dict[str, Any] = {
+            # RESP2: the pipelines read raw replies, which must keep one shape (redis-py 8 speaks
+            # RESP3 by default, where a hash comes back as a map).
+            "protocol": 2,
+            "decode_responses": True,
+            "socket_connect_timeout": p["connect_timeout_s"],
+            "retry": Retry(NoBackoff(), 1, (RedisConnectionError,)),
+            "socket_timeout": None,
+        }
+
+        def client(connections: int, timeout: float | None) -> Redis:
+            return Redis.from_pool(
+                make_pool(self.topology, locator, max_connections=connections, timeout=timeout, **common)
+            )
+
+        redis = client(int(p["max_connections"]), p["pool_timeout_s"])
+        blocking = client(int(p["blocking_connections"]) + 1, p["pool_timeout_s"])
+        reader = client(1, None)
+        batch = Batcher(redis, timeout=self._timeout, durability=self.durability)
+        hub = StreamHub(reader, redis, keys.wake(secrets.token_hex(8)))
+        return Shard(number, keys, redis, blocking, reader, batch, hub, locator, True)
+
+    # --- shards ---------------------------------------------------------------------------------
+
+    def _shard(self, number: int) -> Shard:
+        shard = self._shards.get(number)
+        if shard is None:
+            shard = self._shards[number] = self._make_shard(
+                number, QueueKeys(shard_queue(self.queue, number))
+            )
+        return shard
+
+    def _model_shard(self, model: str) -> Shard:
+        """The shard of a model's queue (the home shard unless the queue is spread)."""
+        return self._shard(shard_of_model(model)) if self.spread else self.home
+
+    def _job_shard(self, job_id: str) -> Shard:
+        """The shard a job's keys are in, from its id (the home shard when it names none)."""
+        number = shard_of_job(job_id) if self.spread else None
+        return self.home if number is None else self._shard(number)
+
+    def _by_shard(self, job_ids: Sequence[str]) -> dict[Shard, list[str]]:
+        groups: dict[Shard, list[str]] = {}
+        for job_id in job_ids:
+            groups.setdefault(self._job_shard(job_id), []).append(job_id)
+        return groups
+
+    async def _announce(self, shard: Shard) -> None:
+        """Record in the home shard that ``shard`` holds queues, once per process, so that upkeep and
+        stats in every process walk it."""
+        if shard.announced or shard is self.home:
+            return
+        await self._io(self.home.redis.sadd(self.keys.shards, str(shard.number)))
+        shard.announced = True
+
+    async def _shards_in_use(self) -> list[Shard]:
+        """The home shard, then every shard that has held a model's queue."""
+        if not self.spread:
+            return [self.home]
+        numbers = await self._io(self.home.redis.smembers(self.keys.shards))
+        return [self.home, *(self._shard(int(n)) for n in sorted(numbers, key=int) if str(n).isdigit())]
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._maintain_forever(), name="redis-broker-maintain")
+            await self._check_replicas()
+
+    async def _check_replicas(self) -> None:
+        """Say at start when the primary has fewer replicas than every durable write will wait for:
+        each of those writes would then be answered 503 after the WAIT timeout."""
+        if not self.durability.on:
+            return
+        try:
+            info = await self._io(self._redis.info("replication"))
+        except BrokerUnavailable as exc:
+            log.warning("could not count the Redis primary's replicas: %s", exc)
+            return
+        connected = int(info.get("connected_slaves", 0))
+        if connected < self.durability.replicas:
+            log.warning(
+                "the Redis primary (%s) has %d replica(s) connected, and every admission waits for %d: "
+                "they will be refused (503) until enough replicas are up (redis_min_replicas)",
+                self.topology.describe(),
+                connected,
+                self.durability.replicas,
+            )
+
+    async def close(self) -> None:
+        await stop_task(self._task)
+        self._task = None
+        await self._aborts.close()
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=2.0)
+        for shard in self._shards.values():
+            await shard.aclose()
+        await self.home.aclose()
+
+    async def ping(self) -> bool:
+        """Whether Redis answers now (for readiness probes)."""
+        try:
+            return bool(await self._io(self._redis.ping()))
+        except BrokerUnavailable:
+            return False
+
+    async def _call(
+        self, name: str, keys: Sequence[str], args: Sequence[str | int | float], shard: Shard | None = None
+    ) -> Any:
+        """Run a script on ``shard`` (the home shard by default; ``keys`` must be that shard's), in its
+        next pipeline. It runs whole even if the caller is cancelled (a client hung up): a state
+        change is applied entirely or not at all. The durable scripts are answered once the
+        replicas that the durability asks for have the change."""
+        script = self.scripts[name]
+        batch = (shard or self.home).batch
+        return await batch.call(script.command(keys, args), script=script, durable=name in DURABLE_SCRIPTS)
+
+    async def _io(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
+        """A command outside the pipelines (blocking reads, stats), with the same error mapping;
+        ``timeout`` defaults to the command timeout."""
+        try:
+            async with asyncio.timeout(timeout or self._timeout):
+                result = await awaitable
+        except TimeoutError as exc:
+            raise BrokerUnavailable("Redis did not answer in time") from exc
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
+        check_cancelled()
+        return result
+
+    async def _block(self, waits: Sequence[tuple[Shard, Sequence[str]]], block: float) -> str | None:
+        """Wait up to ``block`` seconds for a member on any of the wake-up markers (``BZPOPMIN``), each
+        group of markers on its shard's blocking client; the marker that woke the wait, or None.
+        Markers of shards that share a client (one Redis) go in one command; on a cluster each
+        master is waited on at once and the other waits are cancelled when one wakes."""
+        by_client: dict[int, tuple[Redis, list[str]]] = {}
+        for shard, markers in waits:
+            by_client.setdefault(id(shard.blocking), (shard.blocking, []))[1].extend(markers)
+        # Redis reads a zero timeout as "forever"; the timeout above the block notices a connection
+        # that died silently.
+        block = max(block, 0.01)
+
+        async def one(client: Redis, markers: list[str]) -> str | None:
+            popped = await self._io(client.bzpopmin(markers, timeout=block), timeout=block + 5.0)
+            return str(popped[0]) if popped else None
+
+        groups = list(by_client.values())
+        if len(groups) == 1:
+            return await one(*groups[0])
+        tasks = [asyncio.ensure_future(one(client, markers)) for client, markers in groups]
+        try:
+            pending: set[asyncio.Future[str | None]] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    woke = task.result()  # a failed wait raises here, as with one master
+                    if woke is not None:
+                        return woke
+            return None
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _now(self) -> str:
+        return repr(float(self.now()))
+
+    async def _maintain_forever(self) -> None:
+        lock_ms = int(MAINTAIN_INTERVAL_S * 1000)
+        upkeep = OutageLog(log, "broker upkeep")
+        while True:
+            await asyncio.sleep(MAINTAIN_INTERVAL_S)
+            try:
+                if await self._io(self._redis.set(self.keys.maintain_lock, "1", nx=True, px=lock_ms)):
+                    await self.maintain()
+            except Exception as exc:
+                upkeep.failed(exc)
+            else:
+                upkeep.ok()

@@ -1,0 +1,258 @@
+"""The gateway's side of the Redis broker: admission, a tenant's job list, reading a job and
+following its events, cancelling it, and its place in the queue. Part of
+:class:`sluice.broker.redis.RedisBroker`; each operation runs on the shard of its job or model
+(``redis_shards``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import AsyncIterator
+
+from sluice.broker.base import TERMINAL_EVENTS, Admission, Event, EventType, JobPage
+from sluice.broker.redis_codec import (
+    AdmitOutcome,
+    AdmitReply,
+    JobReply,
+    bound,
+    decode_job,
+    encode_job,
+    pairs,
+    tenant_limit_args,
+)
+from sluice.broker.redis_core import CANCELLED, EVICTED, RECORD_GRACE_S, STREAM_MAXLEN, RedisCore
+from sluice.broker.redis_events import decode_event
+from sluice.broker.redis_keys import JobField
+from sluice.broker.redis_shards import shard_of_job, tag_job_id
+from sluice.core import admission
+from sluice.core.job import TERMINAL_STATES, Job, JobState
+from sluice.core.policy import Candidate
+from sluice.core.ratelimit import TenantLimits
+from sluice.views import job_view
+
+
+class JobsMixin(RedisCore):
+    """Admitting, reading, following and cancelling jobs."""
+
+    async def _admit(self, job: Job, limits: TenantLimits | None) -> Admission:
+        shard = self._model_shard(job.model)
+        k = shard.keys
+        if shard.number is not None and shard_of_job(job.id) != shard.number:
+            job.id = tag_job_id(job.id, shard.number)  # GET /v1/jobs/{id} then finds its shard
+        await self._announce(shard)
+        queue = self.settings.limits_for(job.model)
+        cls_bounds = queue.classes.get(job.priority, admission.Bounds())
+        idem = k.idem(job.tenant, job.idempotency_key) if job.idempotency_key else k.job(job.id)
+        now = self.now()
+        job.state = JobState.QUEUED
+        keys = [
+            k.job(job.id),
+            k.out(job.id),
+            k.tq(job.model, job.priority, job.tenant),
+            k.sched(job.model, job.priority),
+            idem,
+            k.state(job.model),
+            k.deadline,
+            k.models,
+            k.capacity,
+            k.workers,
+            k.worker_slots,
+            k.marker(job.model),
+            k.tenant(job.tenant),
+            k.blocked,
+            k.running,
+            k.capped,
+            k.results,
+        ]
+        args: list[str | int | float] = [
+            repr(float(now)),
+            job.id,
+            job.model,
+            job.tenant,
+            job.priority,
+            job.cost,
+            repr(float(job.deadline)),
+            bound(queue.model.max_jobs),
+            bound(queue.model.max_tokens),
+            bound(cls_bounds.max_jobs),
+            bound(cls_bounds.max_tokens),
+            repr(float(self.settings.drain_prior_per_slot)),
+            repr(self._idempotency_ttl_s(job, now)) if job.idempotency_key else 0,
+            *tenant_limit_args(limits),
+            *self._policy_args,
+            repr(float(self.settings.result_ttl_s)),
+            STREAM_MAXLEN,
+            EVICTED,
+            repr(admission.MIN_RETRY_AFTER_S),
+            repr(admission.MAX_RETRY_AFTER_S),
+            repr(admission.RETRY_PATIENCE_S),
+            repr(admission.RETRY_SHARE),
+            len(self._class_names),
+            *self._class_names,
+            *encode_job(job),
+        ]
+        reply = AdmitReply.from_reply(await self._call("admit", keys, args, shard))
+        if reply.outcome is AdmitOutcome.QUEUED:
+            assert reply.tenant is not None
+            await self._list_job(job, now)
+            rate = reply.tenant.limiter(job.tenant).status(now)
+            return Admission(job, False, reply.position, reply.estimated_start_s, rate)
+        if reply.outcome is not AdmitOutcome.REFUSED:
+            # A repeat of an idempotent request, or our own earlier try of this call got through.
+            first_id = reply.first_id or job.id
+            first = await self.get(first_id)
+            if first is None:  # dropped in between: admit afresh
+                return await self._admit(job, limits)
+            pos = await self.position(first_id)
+            return Admission(first, reply.outcome is AdmitOutcome.DUPLICATE, pos or 0, 0.0)
+        # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
+        # the memory broker raises (tenant limits first, then the queue).
+        assert reply.tenant is not None and reply.refusal is not None
+        refusal = reply.refusal
+        drain = refusal.drain(self.settings.drain_prior_per_slot)
+        limiter = reply.tenant.limiter(job.tenant)
+        admission.check_tenant(limiter, cost=job.cost, queued=reply.tenant.queued, now=now, drain=drain)
+        candidate = Candidate(job.cost, job.priority, now, job.deadline, refusal.view, queue, drain)
+        try:
+            self.settings.policy.admit(candidate, refusal.policy)
+        except admission.Refused as refused:
+            book = admission.Reservations(refusal.next_free)
+            raise admission.reserve(refused, cost=job.cost, now=now, drain=drain, book=book) from None
+        raise RuntimeError("the admit script refused a job that the queue policy accepts")
+
+    async def _list_job(self, job: Job, now: float) -> None:
+        """Add an admitted job to its tenant's list, which then lives at least as long as the job's
+        record can (NX sets a first expiry, GT only ever lengthens it). The list is in the home
+        shard: it spans the tenant's models, and holds only ids, which name their shards."""
+        key = self.keys.tenant_jobs(job.tenant)
+        ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(key, {job.id: job.created_at})
+            pipe.pexpire(key, ttl_ms, nx=True)
+            pipe.pexpire(key, ttl_ms, gt=True)
+            await self._io(pipe.execute())
+
+    async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
+        key = self.keys.tenant_jobs(tenant)
+        start = 0
+        if after is not None:
+            rank = await self._batch.call(("ZREVRANK", key, after))
+            if rank is None:
+                return JobPage([], False)
+            start = int(rank) + 1
+        jobs: list[Job] = []
+        gone: list[str] = []
+        # One more than the page, to know whether more follow; members whose record expired are
+        # dropped from the list and the next ones read in their place.
+        while len(jobs) <= limit:
+            want = limit + 1 - len(jobs)
+            ids: list[str] = await self._batch.call(("ZREVRANGE", key, start, start + want - 1))
+            if not ids:
+                break
+            start += len(ids)
+            for job_id, job in zip(ids, await asyncio.gather(*(self.get(i) for i in ids)), strict=True):
+                if job is None:
+                    gone.append(job_id)
+                else:
+                    jobs.append(job)
+        if gone:
+            await self._batch.call(("ZREM", key, *gone))
+        return JobPage(jobs[:limit], len(jobs) > limit)
+
+    async def _record(self, job_id: str) -> dict[str, str]:
+        shard = self._job_shard(job_id)
+        return pairs(await shard.batch.call(("HGETALL", shard.keys.job(job_id))))
+
+    def _idempotency_ttl_s(self, job: Job, now: float) -> float:
+        """How long an idempotency key is stored: no longer than its job's record can live (its
+        deadline, a lease for a lost worker's job to be reaped, the result TTL and the record's own
+        grace). admit.lua honours the key only while that record exists, so a repeat gets the first
+        job exactly as long as the job is kept."""
+        s = self.settings
+        return max(job.deadline - now, 0.0) + s.lease_s + s.result_ttl_s + RECORD_GRACE_S
+
+    async def get(self, job_id: str) -> Job | None:
+        data = await self._record(job_id)
+        return decode_job(data) if data else None
+
+    async def wait(self, job_id: str, timeout: float) -> Job | None:
+        data = await self._record(job_id)
+        if not data:
+            return None
+        job = decode_job(data)
+        if job.terminal:
+            return job
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                async for event in self.events(job_id, after=int(data.get(JobField.SEQ, "0"))):
+                    if event.type in TERMINAL_EVENTS:
+                        break
+        return await self.get(job_id) or job
+
+    async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
+        shard = self._job_shard(job_id)
+        key = shard.keys.out(job_id)
+        last = max(after, 0)
+        # Event 1 (QUEUED) is kept in the record; the stream starts at 0-2 (see admit.lua).
+        record = shard.batch.call(("HMGET", shard.keys.job(job_id), JobField.STATE, JobField.QUEUED_EVENT))
+        stream = shard.batch.call(("XRANGE", key, f"0-{max(last + 1, 2)}", "+"))
+        (state, queued), backlog = await asyncio.gather(record, stream)
+        if state is None:
+            return
+        if last < 1 and queued is not None:
+            last = 1
+            yield Event(1, EventType.QUEUED, json.loads(queued))
+        for entry_id, fields in backlog:
+            event = decode_event(entry_id, pairs(fields))
+            last = event.id
+            if event.type in TERMINAL_EVENTS:
+                yield await self._terminal(job_id, event)
+                return
+            yield event
+        if JobState(state) in TERMINAL_STATES:
+            return  # resumed after the terminal event: nothing more will come
+        async with shard.hub.subscribe(key, last) as sub:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        event = await sub.queue.get()
+                except TimeoutError:
+                    return
+                if event.type in TERMINAL_EVENTS:
+                    yield await self._terminal(job_id, event)
+                    return
+                yield event
+
+    async def _terminal(self, job_id: str, event: Event) -> Event:
+        """A terminal event carries the job's view, read from its record, which no longer changes."""
+        job = await self.get(job_id)
+        return Event(event.id, event.type, job_view(job) if job else {"id": job_id, "object": "job"})
+
+    async def cancel(self, job_id: str) -> Job | None:
+        shard = self._job_shard(job_id)
+        k = shard.keys
+        reply = await self._call(
+            "cancel",
+            [k.job(job_id), k.deadline, k.results, k.running, k.blocked],
+            [
+                self._now(),
+                k.prefix,
+                job_id,
+                repr(float(self.settings.result_ttl_s)),
+                STREAM_MAXLEN,
+                self.keys.abort_channel,  # the home shard's: a cluster's PUBLISH reaches every node
+                CANCELLED,
+            ],
+            shard,
+        )
+        return JobReply.from_reply(reply).job
+
+    async def position(self, job_id: str) -> int | None:
+        shard = self._job_shard(job_id)
+        k = shard.keys
+        pos = int(
+            await self._call("position", [k.job(job_id)], [k.prefix, job_id, *self._class_names], shard)
+        )
+        return None if pos < 0 else pos

@@ -1,0 +1,296 @@
+"""The worker's side of the Redis broker: registering its slots, claiming a job, renewing and
+releasing leases, publishing events and settling the job. Part of
+:class:`sluice.broker.redis.RedisBroker`.
+
+A claim over models whose queues are in several shards (a spread queue on a cluster) runs the claim
+script once per shard, starting from a different shard at each claim so that none is always served
+first, and blocks on the wake-up markers of all of them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from sluice.broker.base import EventType
+from sluice.broker.redis_codec import JobReply, capacity_slots, pairs, settle_fields, to_json
+from sluice.broker.redis_core import (
+    CLAIM_BLOCK_S,
+    EXPIRED,
+    EXPIRED_PER_CLAIM,
+    STREAM_MAXLEN,
+    UNFINISHABLE,
+    ClaimPlan,
+    RedisCore,
+)
+from sluice.broker.redis_pipe import translate
+from sluice.broker.redis_shards import Shard
+from sluice.core.capacity import SLOW_QUANTILE, SLOW_STEP
+from sluice.core.job import Job, JobError, JobState
+from sluice.core.model_info import ModelInfo, merge
+
+
+class WorkMixin(RedisCore):
+    """Workers, claims, leases, events and settlements."""
+
+    # --- the worker registry --------------------------------------------------------------------
+
+    async def _workers(
+        self, op: str, worker_id: str = "", slots: Mapping[str, int] | None = None, shard: Shard | None = None
+    ) -> dict[str, str]:
+        k = (shard or self.home).keys
+        expires = self.now() + max(self.settings.lease_s, 1.0)
+        reply = await self._call(
+            "workers",
+            [k.workers, k.worker_slots, k.capacity],
+            [self._now(), op, worker_id, repr(float(expires)), to_json(dict(sorted((slots or {}).items())))],
+            shard,
+        )
+        return pairs(reply)
+
+    async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
+        # The home shard knows every model's slots (served_models); a model's shard knows the slots
+        # of its own models, which its admissions predict with and its finishes measure.
+        await self._workers("register", worker_id, slots)
+        if not self.spread:
+            return
+        per_shard: dict[Shard, dict[str, int]] = {}
+        for model, n in slots.items():
+            per_shard.setdefault(self._model_shard(model), {})[model] = n
+        for shard, own in per_shard.items():
+            await self._announce(shard)
+            await self._workers("register", worker_id, own, shard)
+
+    async def unregister(self, worker_id: str) -> None:
+        for shard in await self._shards_in_use():
+            await self._workers("unregister", worker_id, shard=shard)
+        await self._batch.call(("HDEL", self.keys.model_info, worker_id))
+
+    async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
+        described = {model: info.to_dict() for model, info in sorted(models.items())}
+        await self._batch.call(("HSET", self.keys.model_info, worker_id, to_json(described)))
+
+    async def model_info(self) -> dict[str, ModelInfo]:
+        k = self.keys
+        live, described = await asyncio.gather(
+            self._batch.call(("ZRANGEBYSCORE", k.workers, self._now(), "+inf")),
+            self._batch.call(("HGETALL", k.model_info)),
+        )
+        accounts: dict[str, list[ModelInfo]] = {}
+        for worker_id, raw in pairs(described).items():
+            if worker_id not in live:
+                continue
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                for model, info in json.loads(raw).items():
+                    accounts.setdefault(model, []).append(ModelInfo.from_dict(info))
+        return {model: merge(infos) for model, infos in accounts.items()}
+
+    async def served_models(self) -> dict[str, int]:
+        return {model: n for model, n in capacity_slots(await self._workers("list")).items() if n > 0}
+
+    # --- claims ---------------------------------------------------------------------------------
+
+    def _plan(self, models: Sequence[str]) -> list[ClaimPlan]:
+        """One plan per shard that holds some of ``models`` (one, unless the queue is spread)."""
+        plans = self._plans.get(tuple(models))
+        if plans is not None:
+            return plans
+        groups: dict[Shard, list[str]] = {}
+        for model in models:
+            groups.setdefault(self._model_shard(model), []).append(model)
+        plans = []
+        for shard, own in groups.items():
+            k = shard.keys
+            keys = [k.active, k.deadline, k.results, k.running, k.blocked, k.capacity]
+            for model in own:
+                keys += [k.state(model), k.marker(model)]
+                keys += [k.sched(model, c) for c in self._class_names]
+            fixed = [
+                repr(float(self.settings.result_ttl_s)),
+                str(STREAM_MAXLEN),
+                str(len(self._class_names)),
+                str(len(own)),
+                str(EXPIRED_PER_CLAIM),
+                EXPIRED,
+            ]
+            plans.append(
+                ClaimPlan(
+                    shard,
+                    keys,
+                    [k.marker(m) for m in own],
+                    repr(float(self.settings.lease_s)),
+                    fixed,
+                    UNFINISHABLE,
+                    [*self._class_names, *self._min_shares, *own],
+                )
+            )
+        self._plans[tuple(models)] = plans
+        return plans
+
+    async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
+        plans = self._plan(models)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        woken: Shard | None = None
+        while True:
+            # Across shards, a different one first at each claim: no shard's models always win.
+            turn = self._claim_turn
+            self._claim_turn += 1
+            for i in range(len(plans)):
+                plan = plans[(turn + i) % len(plans)]
+                job = await self._claim_on(plan, worker_id, 1 if plan.shard is woken else 0)
+                if job is not None:
+                    return job
+            woken = None
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                return None
+            marker = await self._block([(p.shard, p.markers) for p in plans], min(remaining, CLAIM_BLOCK_S))
+            woken = next((p.shard for p in plans if marker in p.markers), None)
+
+    async def _claim_on(self, plan: ClaimPlan, worker_id: str, woken: int) -> Job | None:
+        """Run the claim script on one shard until it leases a job or finds none."""
+        script = self.scripts["claim"]
+        while True:
+            token = secrets.token_hex(8)
+            command = script.command(
+                plan.keys,
+                [
+                    self._now(),
+                    plan.shard.keys.prefix,
+                    plan.lease_s,
+                    worker_id,
+                    token,
+                    *plan.fixed,
+                    woken,
+                    plan.unfinishable,
+                    *plan.tail,
+                ],
+            )
+
+            def orphan(reply: Any, worker_id: str = worker_id, token: str = token) -> None:
+                # The caller was cancelled but its claim went through: hand that job straight
+                # back rather than leave it leased to nobody until the lease runs out.
+                release = asyncio.ensure_future(self._release_claimed(reply, worker_id, token))
+                self._releases.add(release)
+                release.add_done_callback(self._releases.discard)
+
+            try:
+                reply = await plan.shard.batch.submit(command, script=script, orphan=orphan)
+            except (RedisError, OSError) as exc:
+                raise translate(exc) from exc
+            claimed = JobReply.from_reply(reply)
+            if claimed.job is not None:
+                self._tokens[(worker_id, claimed.job.id)] = token
+                return claimed.job
+            if claimed.code != 2:
+                return None
+
+    async def _release_claimed(self, reply: Any, worker_id: str, token: str) -> None:
+        claimed = JobReply.from_reply(reply).job
+        if claimed is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._release(claimed.id, worker_id, token)
+
+    async def _release(self, job_id: str, worker_id: str, token: str) -> Any:
+        shard = self._job_shard(job_id)
+        k = shard.keys
+        return await self._call(
+            "release",
+            [k.job(job_id), k.out(job_id), k.active, k.deadline, k.running, k.blocked],
+            [k.prefix, job_id, worker_id, token, STREAM_MAXLEN],
+            shard,
+        )
+
+    async def release(self, job_id: str, worker_id: str) -> bool:
+        token = self._tokens.get((worker_id, job_id))
+        if token is None:
+            return False
+        released = await self._release(job_id, worker_id, token)
+        # Forgotten only once the script has answered: if Redis could not be reached, the lease is
+        # still this worker's, and a heartbeat or a finish may still need the token.
+        self._tokens.pop((worker_id, job_id), None)
+        return int(released) == 1
+
+    # --- leases, events, settlements ------------------------------------------------------------
+
+    async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
+        if not job_ids:
+            return set()
+
+        async def beat(shard: Shard, ids: list[str]) -> list[Any]:
+            k = shard.keys
+            args: list[str | int | float] = [self._now(), repr(float(self.settings.lease_s)), worker_id]
+            for job_id in ids:
+                args += [job_id, self._tokens.get((worker_id, job_id), "")]
+            return list(await self._call("heartbeat", [k.active, *map(k.job, ids)], args, shard))
+
+        replies = await asyncio.gather(*(beat(s, ids) for s, ids in self._by_shard(job_ids).items()))
+        abort = {str(i) for reply in replies for i in reply}
+        for job_id in abort:
+            self._tokens.pop((worker_id, job_id), None)
+        return abort
+
+    async def wait_abort_signal(self, timeout: float) -> None:
+        await self._aborts.wait(timeout)
+
+    async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
+        shard = self._job_shard(job_id)
+        k = shard.keys
+        await self._call(
+            "publish",
+            [k.job(job_id), k.out(job_id)],
+            [self._now(), type.value, to_json(data), STREAM_MAXLEN],
+            shard,
+        )
+
+    async def finish(
+        self,
+        job_id: str,
+        worker_id: str,
+        state: JobState,
+        *,
+        result: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
+        error: JobError | None = None,
+        attempts: int | None = None,
+        backend: str | None = None,
+    ) -> Job | None:
+        fields = settle_fields(result=result, usage=usage, error=error, attempts=attempts, backend=backend)
+        used = usage.get("total_tokens") if usage is not None else None
+        return await self._finish(job_id, worker_id, state, used if isinstance(used, int) else -1, fields)
+
+    async def _finish(
+        self, job_id: str, worker_id: str, state: JobState, used: int, fields: list[str]
+    ) -> Job | None:
+        shard = self._job_shard(job_id)
+        k = shard.keys
+        token = self._tokens.pop((worker_id, job_id), "")
+        reply = await self._call(
+            "finish",
+            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.capacity, k.blocked],
+            [
+                self._now(),
+                k.prefix,
+                job_id,
+                worker_id,
+                token,
+                state.value,
+                repr(float(self.settings.result_ttl_s)),
+                STREAM_MAXLEN,
+                self._drain_alpha,
+                repr(SLOW_QUANTILE),
+                repr(SLOW_STEP),
+                used,
+                *fields,
+            ],
+            shard,
+        )
+        return JobReply.from_reply(reply).job
