@@ -61,6 +61,12 @@ _OWN = _IDENTITY | _STREAM_ONLY | {"choices", "usage"}
 #: Keys that name something rather than carry generated text (a call's id, its function's name, a
 #: discriminator): the first value stays, as engines may repeat them on every fragment.
 _NAMES = frozenset({"id", "type", "name", "role", "index"})
+#: A choice's keys that are not its own fields (see :attr:`_Choice.fields`), in a chat stream and in a
+#: completions one.
+_CHAT_OWN = frozenset({"index", "delta", "message"})
+_TEXT_OWN = frozenset({"index", "text", "delta", "message"})
+#: The fields of a chunk that says nothing besides its identity, choices and usage (never changed).
+_NO_FIELDS: dict[str, Any] = {}
 #: Delta fields whose text is generated, and counts as tokens where the engine reports no usage.
 _GENERATED = ("content", "refusal", "reasoning_content", "reasoning")
 
@@ -248,39 +254,63 @@ class Assembler:
         return {**self.last_fields, "choices": choices}
 
     def add(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk)."""
-        if isinstance(data.get("usage"), dict):
-            self.usage = data["usage"]
-        self.last_fields = chunk_fields(data)
-        _fold(self.fields, self.last_fields, False)
+        """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk).
+
+        Called for every token: the common chunk (identity, one choice whose delta is a piece of
+        content, nulls) takes a short way to the same answer as the general fold."""
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        if data.keys() <= _OWN:
+            self.last_fields = _NO_FIELDS
+        else:
+            self.last_fields = chunk_fields(data)
+            _fold(self.fields, self.last_fields, False)
+        choices = data.get("choices")
+        if not choices:
+            return []
+        chat = self.job.endpoint is Endpoint.CHAT
+        skip = _CHAT_OWN if chat else _TEXT_OWN
         relay = []
-        for raw in data.get("choices") or []:
+        for raw in choices:
             if not isinstance(raw, dict):
                 continue
             index = raw.get("index", 0)
             index = index if isinstance(index, int) else 0
-            c = self.choices.setdefault(index, _Choice(index))
-            if self.job.endpoint is Endpoint.CHAT:
+            c = self.choices.get(index)
+            if c is None:
+                c = self.choices[index] = _Choice(index)
+            if chat:
                 self._add_delta(c, raw.get("delta"))
-                rest = {k: v for k, v in raw.items() if k not in ("index", "delta", "message")}
             else:
                 text = raw.get("text")
                 if isinstance(text, str):
                     _fold(c.message, {"text": text}, True)
                     self.tokens += bool(text)
-                rest = {k: v for k, v in raw.items() if k not in ("index", "text", "delta", "message")}
-            _fold(c.fields, rest, False)
+            # The choice's own fields: only what is new (a null the choice has already says nothing).
+            fields = c.fields
+            rest = {k: v for k, v in raw.items() if k not in skip and (v is not None or k not in fields)}
+            if rest:
+                _fold(fields, rest, False)
             relay.append(raw)
         return relay
 
     def _add_delta(self, c: _Choice, delta: Any) -> None:
         if not isinstance(delta, Mapping):
             return
+        if len(delta) == 1:
+            content = delta.get("content")
+            text = c.message.get("content")
+            if type(content) is str and isinstance(text, _Text):
+                # A piece of content after the first: the fold would append it, as here.
+                text.parts.append(content)
+                self.tokens += bool(content)
+                return
         calls = delta.get("tool_calls")
         if isinstance(calls, list):
             c.add_tool_calls(calls)
         _fold(c.message, {k: v for k, v in delta.items() if k != "tool_calls"}, True)
-        if any(delta.get(k) for k in _GENERATED) or calls:
+        if calls or any(delta.get(k) for k in _GENERATED):
             self.tokens += 1
 
     def final_usage(self) -> dict[str, Any]:
