@@ -11,7 +11,7 @@ def test_prior_until_measured() -> None:
 
 
 def test_ewma_follows_load() -> None:
-    d = DrainRate(slots=4, alpha=0.5)
+    d = DrainRate(slots=4, alpha=2.0)  # 0.5 a job, per slot of the four
     d.observe(200, 1.0)
     assert d.rate == pytest.approx(800)
     d.observe(100, 1.0)
@@ -49,3 +49,47 @@ def test_a_job_is_promised_as_slow_as_most_jobs_have_been() -> None:
     for _ in range(2000):
         d.observe(100, 0.5)
     assert d.slow_service_s(100) >= d.service_s(100)
+
+
+def test_the_moving_averages_weigh_a_job_per_slot() -> None:
+    """On 64 slots one finished job is 1/64 of a batch: a job twice as fast moves the rate by a
+    sixty-fourth of what it moves a single slot's."""
+    one, many = DrainRate(slots=1), DrainRate(slots=64)
+    for d in (one, many):
+        d.observe(100, 1.0)
+        d.observe(100, 0.5)
+    assert one.slot_rate == pytest.approx(100 / (1 - 0.2 * 0.5), rel=1e-6)
+    assert 100 < many.slot_rate < 100.5
+    assert many.weight == pytest.approx(0.2 / 64)
+
+
+def test_a_rate_learnt_at_light_load_is_a_full_batchs() -> None:
+    """A job takes 1 s when a quarter of the slots are busy and 2 s when all are (the line
+    t = 0.667 + 1.333 u per 100 cost units): after a spell of both, a run of light-load jobs still
+    gives the full batch's rate and promise, since a queue only forms once every slot is busy."""
+    d = DrainRate(slots=8)
+    for i in range(600):
+        full = i % 2 == 0
+        d.observe(100, 2.0 if full else 1.0, running=8 if full else 2)
+    for _ in range(200):
+        d.observe(100, 1.0, running=2)
+    assert d.per_slot == pytest.approx(100, rel=0.05)  # as measured, at light load
+    assert d.slowdown == pytest.approx(2.0, rel=0.15)
+    assert d.slot_rate == pytest.approx(50, rel=0.15)  # a full batch's
+    assert d.slow_service_s(100) >= 1.7
+
+
+def test_no_slowdown_is_assumed_when_none_is_seen_or_told() -> None:
+    told = DrainRate(slots=4)
+    for i in range(300):
+        told.observe(100, 1.0, running=1 + i % 4)  # as fast whatever the fill
+    assert told.slowdown == pytest.approx(1.0, abs=0.02)
+    untold = DrainRate(slots=4)
+    for _ in range(50):
+        untold.observe(100, 1.0)
+    assert untold.slowdown == 1.0 and untold.fills == 0
+    # A batch that seems to speed up as it fills is not believed: never faster than measured.
+    faster = DrainRate(slots=4)
+    for i in range(300):
+        faster.observe(100, 2.0 if i % 2 else 1.0, running=1 if i % 2 else 4)
+    assert faster.slowdown == 1.0

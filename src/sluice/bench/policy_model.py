@@ -177,6 +177,7 @@ class _Job:
     in_batch: bool = False
     admitted_step: int = 0
     retried: bool = False  # this is the retry
+    running_at_start: int = 0  # the jobs running, itself included, when it was dispatched
 
 
 @dataclass
@@ -230,6 +231,7 @@ def run(
     seq = itertools.count()
     generated = wasted = preemptions = steps = 0
     stepping = False
+
     m = engine.max_tokens
 
     def cost(job: _Job) -> int:
@@ -286,6 +288,7 @@ def run(
                 continue
             job.started, job.outcome = now, "running"
             running.append(job)
+            job.running_at_start = len(running)
             waiting.append(job)
         schedule_step(now)
 
@@ -333,10 +336,13 @@ def run(
                 j.tokens += 1
                 generated += 1
                 if j.tokens >= j.answer:
+                    # The jobs beside it, as the brokers tell the drain rate: the mean of the
+                    # running jobs when it started and when it finished, itself included.
+                    beside = (j.running_at_start + len(running)) / 2
                     running.remove(j)
                     j.in_batch = False
                     j.outcome, j.done = "ok", now
-                    drain.observe(cost(j), now - j.started)
+                    drain.observe(cost(j), now - j.started, beside)
             if engine.kv_tokens is not None:
                 # The next step needs a token of cache for every sequence: preempt the newest.
                 while kv_used() + sum(1 for j in running if j.in_batch) > engine.kv_tokens:

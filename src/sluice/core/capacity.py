@@ -10,6 +10,15 @@ early takes a fraction of what its ``max_tokens`` allows, one that runs to the e
 and a full batch runs each sequence slower than a light one. What a job is promised when it is
 admitted is therefore its generation at :data:`SLOW_QUANTILE` of the time per cost unit the
 finished jobs took (:attr:`DrainRate.slow`), not at the mean.
+
+A queue only forms once every slot is busy, and a full batch runs each sequence slower than the
+light load the rate may have been learnt at (1.2 to 3 times, on the engines of
+``sluice.bench.policy_model``'s family): a burst after a lull would be admitted at the lull's pace,
+its last admissions would miss their deadlines, and its queue would seem to rise slower than it
+does (codel then takes it for a standing one). So the brokers tell each finished job with how many
+jobs ran beside it, and the rate learns the line of a job's time against the batch's fill
+(:attr:`DrainRate.slowdown`): the wait for a queue, and a job's promised time, are at the full
+batch's pace.
 """
 
 from __future__ import annotations
@@ -24,27 +33,46 @@ SLOW_QUANTILE = 0.95
 #: ``exp(SLOW_STEP * q)``, one below lowers it by ``exp(-SLOW_STEP * (1 - q))``, so that it rests
 #: where a share q of the samples is below it (a stochastic approximation of the quantile).
 SLOW_STEP = 0.2
+#: Weight of the newest job in the fit of how a job slows as the batch fills (:attr:`DrainRate.fill`):
+#: far less than ``alpha``, since one job's time says little about the slope (its answer may
+#: have stopped early), and a light load gives only a narrow range of fills to draw the line through.
+FILL_ALPHA = 0.01
+#: The fill spread the slope is shrunk by (a ridge on the fill's variance): with fills all near one
+#: value the line is not drawn, and the rate stays what it was measured at (no slowdown assumed).
+FILL_RIDGE = 0.002
+#: The most a full batch is taken to slow a job down against the fill it was measured at.
+MAX_FILL_SLOWDOWN = 4.0
+#: Whether the moving averages weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`); the
+#: Redis twin (lua/finish.lua) follows the same switch.
+WEIGHT_PER_SLOT = True
 
 
 @dataclass
 class DrainRate:
-    """Smoothed per-slot service rate (cost units per second) of one model, its slot count, and how
-    slow a job gets.
+    """Smoothed per-slot service rate (cost units per second) of one model, its slot count, how
+    slow a job gets, and how a job slows as the batch fills.
 
     Args:
         prior_per_slot: the rate assumed before any job has finished.
-        alpha: weight of the newest sample in the moving averages.
+        alpha: weight of the newest sample in the moving averages, per slot (:attr:`weight`).
 
     Attributes:
-        per_slot: a slot's rate: the moving average of the jobs' costs over that of their service
-            times (a ratio of averages, not an average of ratios: a job that stops early carries
-            much cost in little time, and must not make the queue look faster than it drains).
+        per_slot: a slot's rate at the fill it was measured at: the moving average of the jobs'
+            costs over that of their service times (a ratio of averages, not an average of ratios:
+            a job that stops early carries much cost in little time, and must not make the queue
+            look faster than it drains).
         samples: the finished jobs measured.
         slots: the slots of the live workers serving the model.
         service: the moving average of the jobs' service times, in seconds (the ratio's
             denominator; 0 before the first sample).
         slow: the :data:`SLOW_QUANTILE` of a job's seconds per cost unit on a slot (0 before the
-            first sample).
+            first sample), at the fill it was measured at.
+        fill: the moving average (:attr:`weight`) of the share of the slots busy while the jobs
+            ran: the fill ``per_slot`` and ``slow`` were measured at (0: never told).
+        fit_u, fit_t, fit_uu, fit_ut: the slow moving averages (:data:`FILL_ALPHA`) of a job's
+            fill u, its seconds per cost unit t, u² and u·t: the line t(u) drawn through them is
+            how a job slows as the batch fills (:attr:`slowdown`).
+        fills: the finished jobs measured with their fill.
     """
 
     prior_per_slot: float = 50.0
@@ -54,17 +82,27 @@ class DrainRate:
     slots: int = 0
     service: float = 0.0
     slow: float = 0.0
+    fill: float = 0.0
+    fit_u: float = 0.0
+    fit_t: float = 0.0
+    fit_uu: float = 0.0
+    fit_ut: float = 0.0
+    fills: int = 0
 
-    def observe(self, cost: int, service_s: float) -> None:
+    def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
+        """One finished job: its cost, the seconds it took, and (when the broker knows it) how
+        many of the model's jobs ran beside it, itself included: the mean of the model's running
+        jobs when it started and when it finished (both brokers count those)."""
         if cost <= 0 or service_s <= 0:
             return
         per_cost = service_s / cost
+        alpha = self.weight
         if self.samples == 0 or self.service <= 0:
             self.per_slot, self.service = cost / service_s, service_s
         else:
             carried = self.per_slot * self.service  # the moving average of the costs
-            self.service += self.alpha * (service_s - self.service)
-            self.per_slot = (carried + self.alpha * (cost - carried)) / self.service
+            self.service += alpha * (service_s - self.service)
+            self.per_slot = (carried + alpha * (cost - carried)) / self.service
         if self.slow <= 0:
             self.slow = per_cost
         elif per_cost > self.slow:
@@ -72,6 +110,48 @@ class DrainRate:
         else:
             self.slow *= math.exp(-SLOW_STEP * (1 - SLOW_QUANTILE))
         self.samples += 1
+        if running is not None and running > 0:
+            self.observe_fill(min(running / max(self.slots, 1), 1.0), per_cost)
+
+    @property
+    def weight(self) -> float:
+        """The newest job's weight in the moving averages: ``alpha`` per slot, so that they
+        remember about as many batches on an engine of 64 slots as on one of 4, and not a fifth
+        of a second of finishing jobs (a rate that swings by half within a second is read by
+        every admission, and the admissions it lets in are those made when it swung high)."""
+        return self.alpha / max(self.slots, 1) if WEIGHT_PER_SLOT else self.alpha
+
+    def observe_fill(self, u: float, t: float) -> None:
+        """A finished job's fill ``u`` (the share of the slots busy while it ran) and its seconds
+        per cost unit ``t``, into the line of how a job slows as the batch fills."""
+        if self.fills == 0:
+            self.fill, self.fit_u, self.fit_t, self.fit_uu, self.fit_ut = u, u, t, u * u, u * t
+        else:
+            a = FILL_ALPHA
+            self.fill += self.weight * (u - self.fill)
+            self.fit_u += a * (u - self.fit_u)
+            self.fit_t += a * (t - self.fit_t)
+            self.fit_uu += a * (u * u - self.fit_uu)
+            self.fit_ut += a * (u * t - self.fit_ut)
+        self.fills += 1
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower a job runs in a full batch than at the fill the rate was measured at
+        (1: never told a fill, or no slowdown seen). A queue only forms once every slot is busy,
+        so the wait for it and the promise of a job's time are made at the full batch's pace, not
+        at the light load's the rate may have been learnt at: the line t(u) fitted through the
+        finished jobs' fills, at 1 over at :attr:`fill`, within [1, :data:`MAX_FILL_SLOWDOWN`]."""
+        if self.fills == 0 or self.fit_t <= 0:
+            return 1.0
+        var = max(self.fit_uu - self.fit_u * self.fit_u, 0.0)
+        cov = self.fit_ut - self.fit_u * self.fit_t
+        slope = max(cov, 0.0) / (var + FILL_RIDGE)
+        at_fill = self.fit_t + slope * (self.fill - self.fit_u)
+        at_full = self.fit_t + slope * (1.0 - self.fit_u)
+        if at_fill <= 0:
+            return MAX_FILL_SLOWDOWN
+        return min(max(at_full / at_fill, 1.0), MAX_FILL_SLOWDOWN)
 
     @property
     def measured(self) -> bool:
@@ -79,7 +159,8 @@ class DrainRate:
 
     @property
     def slot_rate(self) -> float:
-        return self.per_slot if self.samples else self.prior_per_slot
+        """A slot's rate in a full batch (:attr:`slowdown`), or the prior before any measurement."""
+        return self.per_slot / self.slowdown if self.samples else self.prior_per_slot
 
     @property
     def rate(self) -> float:
@@ -87,14 +168,15 @@ class DrainRate:
         return max(self.slot_rate * max(self.slots, 1), 1e-3)
 
     def service_s(self, cost: int) -> float:
-        """Expected time one job of this cost occupies a slot."""
+        """Expected time one job of this cost occupies a slot in a full batch."""
         return cost / max(self.slot_rate, 1e-3)
 
     def slow_service_s(self, cost: int) -> float:
         """The time a job of this cost is promised: at the :data:`SLOW_QUANTILE` of the time per
-        cost unit seen, never less than :meth:`service_s` (before any measurement, that)."""
+        cost unit seen, in a full batch, never less than :meth:`service_s` (before any
+        measurement, that)."""
         mean = self.service_s(cost)
-        return max(cost * self.slow, mean) if self.samples else mean
+        return max(cost * self.slow * self.slowdown, mean) if self.samples else mean
 
     def wait_s(self, tokens_ahead: int) -> float:
         return tokens_ahead / self.rate
