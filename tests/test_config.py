@@ -58,6 +58,8 @@ def test_flags_reach_settings(tmp_path: Path) -> None:
         ("queue_policy = 'lifo'", "queue_policy"),
         ("queue_half_life_s = 0", "queue_half_life_s"),
         ("queue_interval_s = 0.1\nqueue_early_s = 1", "queue_interval_s"),
+        ("prefix_load_factor = 0.9", "prefix_load_factor"),
+        ("prefix_remember = -1", "prefix_remember"),
     ],
 )
 def test_invalid_config_is_a_clear_error(tmp_path: Path, text: str, needle: str) -> None:
@@ -161,3 +163,24 @@ def test_unset_settings_are_the_core_and_broker_defaults() -> None:
     assert s.result_ttl_s == 600.0  # the documented value (docs/configuration.md)
     job_defaults = {f.name: f.default for f in dataclasses.fields(Job)}
     assert s.max_attempts == job_defaults["max_attempts"]
+
+
+def test_prefix_routing_settings_reach_the_router(tmp_path: Path) -> None:
+    """``prefix_load_factor`` and ``prefix_remember`` (file, environment, flags) are what the
+    router is built with; unset, they are the router's own defaults."""
+    from sluice.core.routing import Router
+
+    default = load_settings(environ={}).router()
+    bare = Router()
+    assert (default.affinity, default.load_factor, default.remember) == (
+        bare.affinity,
+        bare.load_factor,
+        bare.remember,
+    )
+    path = tmp_path / "sluice.toml"
+    path.write_text("prefix_load_factor = 1.5\nprefix_remember = 10\nprefix_affinity = false\n")
+    router = load_settings(path, environ={"SLUICE_PREFIX_REMEMBER": "0"}).router()
+    assert (router.affinity, router.load_factor, router.remember) == (False, 1.5, 0)
+    args = build_parser("serve").parse_args(["serve", "--prefix-load-factor", "2", "--prefix-remember", "7"])
+    s = settings_from_args(args)
+    assert (s.router().load_factor, s.router().remember) == (2.0, 7)

@@ -22,6 +22,7 @@ from sluice.core.admission import Bounds, QueueLimits
 from sluice.core.job import Job
 from sluice.core.policy import CoDelPolicy, FifoPolicy, QueuePolicy, make_policy
 from sluice.core.request import RequestLimits
+from sluice.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_REMEMBER, Router
 from sluice.core.scheduler import ClassSpec
 from sluice.local_engine.server import DEFAULT_CTX_PER_SLOT as LOCAL_ENGINE_CTX_PER_SLOT
 from sluice.local_engine.server import DEFAULT_SLOTS as LOCAL_ENGINE_SLOTS
@@ -366,6 +367,20 @@ class Settings(_Strict):
         description="requests sharing a prompt prefix (`prompt_cache_key`, `user`, the system prompt "
         "and first message) go to the same engine while its load allows, for its prefix cache",
     )
+    prefix_load_factor: float = Field(
+        default=DEFAULT_LOAD_FACTOR,
+        ge=1,
+        description="with `prefix_affinity`: how far over its share of the load (in flight, in "
+        "proportion to limit and weight) an engine may run before a prefix homed on it spills to the "
+        "next engine on the ring; 1 keeps the load even and moves more prefixes, higher keeps more "
+        "prefixes home at the cost of imbalance",
+    )
+    prefix_remember: int = Field(
+        default=DEFAULT_REMEMBER,
+        ge=0,
+        description="with `prefix_affinity`: prefixes whose last engine is remembered (LRU), so a "
+        "conversation that spilled once returns to the engine that caches it; 0: none",
+    )
     max_concurrency: int = Field(
         default=8,
         ge=1,
@@ -700,6 +715,12 @@ class Settings(_Strict):
             max_prompt_tokens=self.max_prompt_tokens,
             default_timeout_s=self.default_timeout_s,
             max_timeout_s=self.max_timeout_s,
+        )
+
+    def router(self) -> Router:
+        """The dispatcher's engine picker: prefix affinity and its bound and memory, as set."""
+        return Router(
+            affinity=self.prefix_affinity, load_factor=self.prefix_load_factor, remember=self.prefix_remember
         )
 
     def class_specs(self) -> list[ClassSpec]:

@@ -61,6 +61,11 @@ VIRTUAL_NODES = 100
 LOAD_SENSITIVITY = 1.0
 #: Rings remembered, one per set of engine names (membership changes rarely).
 RING_CACHE = 32
+#: :class:`Router`'s bound on an engine's share of the load before a prefix spills (the
+#: ``prefix_load_factor`` setting reads it).
+DEFAULT_LOAD_FACTOR = 1.25
+#: :class:`Router`'s prefixes whose last engine is remembered (the ``prefix_remember`` setting).
+DEFAULT_REMEMBER = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,14 +239,16 @@ class Router:
         self,
         *,
         affinity: bool = True,
-        load_factor: float = 1.25,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
         quiet_fraction: float = 0.0,
-        remember: int = 65_536,
+        remember: int = DEFAULT_REMEMBER,
     ) -> None:
         if load_factor < 1:
             raise ValueError("load_factor must be at least 1")
         if not 0 <= quiet_fraction <= 1:
             raise ValueError("quiet_fraction must be between 0 and 1")
+        if remember < 0:
+            raise ValueError("remember must be at least 0")
         self.affinity = affinity
         self.load_factor = load_factor
         self.quiet_fraction = quiet_fraction

@@ -82,6 +82,8 @@ ADMISSION = (
 DISPATCH = (
     Flag("--max-concurrency", "max_concurrency", int),
     Flag("--routing", "routing", str),
+    Flag("--prefix-load-factor", "prefix_load_factor", float),
+    Flag("--prefix-remember", "prefix_remember", int),
     Flag("--dns-refresh", "dns_refresh_s", float),
 )
 
