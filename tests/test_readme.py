@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.helpers import free_port
+from tests.local_engine.tethered import Keeper, tethered
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -163,18 +164,13 @@ def tail(log: Path, lines: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def started(command: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The command in its own process group; on exit the group and every descendant are killed,
-    whatever happened (llama-server runs in a session of its own)."""
+def started(command: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator[Keeper]:
+    """The command under a keeper (:func:`~tests.local_engine.tethered.tethered`), which leads its
+    process group: should this test process die, even by SIGKILL, the keeper kills everything the
+    command started (pip, ``sluice serve``, llama-server). On exit the group and every descendant
+    are killed, whatever happened (llama-server runs in a session of its own)."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["bash", "-c", command],
-            cwd=cwd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = tethered(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     seen: dict[int, bytes] = {}
     try:
         yield proc
@@ -187,6 +183,7 @@ def started(command: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=STOP_WITHIN_S)
+        proc.untether()
 
 
 def wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path) -> dict[str, object]:
@@ -294,7 +291,10 @@ def test_first_screen_install_and_serve_then_use_it(tmp_path: Path) -> None:
         try:
             proc.wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"sluice serve did not stop within {STOP_WITHIN_S:.0f} s of SIGINT:\n{tail(log)}")
+            pytest.fail(
+                f"sluice serve, or a process it started, did not stop within {STOP_WITHIN_S:.0f} s "
+                f"of SIGINT:\n{tail(log)}"
+            )
         assert proc.returncode == 0, tail(log)
         for pid, cmdline in engine.items():
             wait_for(partial(gone, pid, cmdline), STOP_WITHIN_S, f"process {pid} after the stop")
