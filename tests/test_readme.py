@@ -26,6 +26,7 @@ import pytest
 
 from tests.helpers import free_port
 from tests.local_engine.tethered import Keeper, tethered
+from tests.local_engine.tethered import descendants as process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -121,19 +122,10 @@ def copy_tree(dest: Path) -> None:
 
 def descendants(pid: int) -> dict[int, bytes]:
     """pid's descendants and their command lines, from /proc (empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
     out: dict[int, bytes] = {}
-    todo = list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
+    for child in process_tree(pid):
         with contextlib.suppress(OSError):
             out[child] = (Path("/proc") / str(child) / "cmdline").read_bytes()
-        todo.extend(children.get(child, []))
     return out
 
 
