@@ -320,9 +320,18 @@ class Dispatcher:
             # Running (leased, deadline-checked, cancellable) from now on, before it has a slot; it
             # counts as waiting until its task takes one, so no claim overtakes it meanwhile.
             self._waiting[job.id] = job
-            task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
+            # This task runs the job from here on, and a new one takes over the claims: the engine
+            # request goes out in this turn of the event loop rather than in the next, and a loop
+            # that is also the gateway's may take long to turn when intake is flooded.
+            task = asyncio.current_task()
+            assert task is not None
+            successor = asyncio.create_task(self._dispatch_forever(), name="dispatch")
+            self._tasks = [successor if t is task else t for t in self._tasks]
+            task.set_name(f"job-{job.id}")
             self.running[job.id] = task
             task.add_done_callback(functools.partial(self._forget, job.id))
+            await self._run(job)
+            return
 
     def _adopt(self, job: Job) -> bool:
         """Whether ``job`` is one this dispatcher runs already, claimed again: its lease was lost (a
@@ -437,6 +446,10 @@ class Dispatcher:
                     return
                 engine.health.on_success(time.monotonic())
                 engine.failures = 0
+                # The engine is done with it: its slot goes to the next job now, not after the
+                # settlement (a task and a few turns of a loop that may be busy with intake).
+                self._release(held)
+                held = None
                 await self._finish(
                     job,
                     JobState.SUCCEEDED,
