@@ -11,7 +11,7 @@ def test_prior_until_measured() -> None:
 
 
 def test_ewma_follows_load() -> None:
-    d = DrainRate(slots=4, alpha=2.0)  # 0.5 a job, per slot of the four
+    d = DrainRate(slots=4, alpha=2.0, weigh_per_slot=True)  # 0.5 a job, per slot of the four
     d.observe(200, 1.0)
     assert d.rate == pytest.approx(800)
     d.observe(100, 1.0)
@@ -54,7 +54,7 @@ def test_a_job_is_promised_as_slow_as_most_jobs_have_been() -> None:
 def test_the_moving_averages_weigh_a_job_per_slot() -> None:
     """On 64 slots one finished job is 1/64 of a batch: a job twice as fast moves the rate by a
     sixty-fourth of what it moves a single slot's."""
-    one, many = DrainRate(slots=1), DrainRate(slots=64)
+    one, many = DrainRate(slots=1, weigh_per_slot=True), DrainRate(slots=64, weigh_per_slot=True)
     for d in (one, many):
         d.observe(100, 1.0)
         d.observe(100, 0.5)
@@ -67,7 +67,7 @@ def test_a_rate_learnt_at_light_load_is_a_full_batchs() -> None:
     """A job takes 1 s when a quarter of the slots are busy and 2 s when all are (the line
     t = 0.667 + 1.333 u per 100 cost units): after a spell of both, a run of light-load jobs still
     gives the full batch's rate and promise, since a queue only forms once every slot is busy."""
-    d = DrainRate(slots=8)
+    d = DrainRate(slots=8, weigh_per_slot=True)
     for i in range(600):
         full = i % 2 == 0
         d.observe(100, 2.0 if full else 1.0, running=8 if full else 2)

@@ -218,7 +218,9 @@ def run(
 ) -> Result:
     rng = random.Random(seed + 1)
     sizes = random.Random(f"sizes-{seed}")
-    drain = drain_factory(engine.slots) if drain_factory else DrainRate(slots=engine.slots)
+    drain = (
+        drain_factory(engine.slots) if drain_factory else DrainRate(slots=engine.slots, weigh_per_slot=True)
+    )
     state = PolicyState()
     book = Reservations()
     limits = QueueLimits()

@@ -42,9 +42,10 @@ FILL_ALPHA = 0.01
 FILL_RIDGE = 0.002
 #: The most a full batch is taken to slow a job down against the fill it was measured at.
 MAX_FILL_SLOWDOWN = 4.0
-#: Whether the moving averages weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`); the
-#: Redis twin (lua/finish.lua) follows the same switch.
-WEIGHT_PER_SLOT = True
+#: Whether the brokers' drain rates weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`).
+#: False until the Redis twin (lua/finish.lua) does the same (requested of its owner), so that the
+#: two brokers decide alike; ``sluice.bench.policy_model`` measures with it on.
+WEIGHT_PER_SLOT = False
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DrainRate:
             fill u, its seconds per cost unit t, u² and u·t: the line t(u) drawn through them is
             how a job slows as the batch fills (:attr:`slowdown`).
         fills: the finished jobs measured with their fill.
+        weigh_per_slot: the moving averages weigh a job at ``alpha`` per slot (else at ``alpha``).
     """
 
     prior_per_slot: float = 50.0
@@ -88,6 +90,7 @@ class DrainRate:
     fit_uu: float = 0.0
     fit_ut: float = 0.0
     fills: int = 0
+    weigh_per_slot: bool = WEIGHT_PER_SLOT
 
     def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
         """One finished job: its cost, the seconds it took, and (when the broker knows it) how
@@ -119,7 +122,7 @@ class DrainRate:
         remember about as many batches on an engine of 64 slots as on one of 4, and not a fifth
         of a second of finishing jobs (a rate that swings by half within a second is read by
         every admission, and the admissions it lets in are those made when it swung high)."""
-        return self.alpha / max(self.slots, 1) if WEIGHT_PER_SLOT else self.alpha
+        return self.alpha / max(self.slots, 1) if self.weigh_per_slot else self.alpha
 
     def observe_fill(self, u: float, t: float) -> None:
         """A finished job's fill ``u`` (the share of the slots busy while it ran) and its seconds
