@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -202,3 +203,50 @@ def test_codel_target_is_at_least_one_jobs_drain_time() -> None:
     for t in (100.0, 1000.0):
         assert p.delay_limit(s, t, p.target(candidate(t, d=slow))) >= 1.0
     p.admit(candidate(1000.0, jobs=1, d=slow), s)  # one job ahead: 1 s, within the floor
+
+
+# -- decide: one rule for every refusal's Retry-After ---------------------------------------------
+
+
+def test_a_tenants_refusals_take_their_times_from_the_same_book_as_the_queues() -> None:
+    """A tenant at its max_queued, refused five times in a second, is told five distinct times,
+    each after the one before by its job's cost at half the drain rate (400 a second: 0.5 s), as
+    the queue's refusals are; and a queue refusal after them is told a time after theirs."""
+    from sluice.core.admission import Reservations
+    from sluice.core.policy import decide
+    from sluice.core.ratelimit import TenantLimiter, TenantLimits
+
+    d, book, state = drain(), Reservations(), PolicyState()
+    capped = TenantLimiter(TenantLimits(tenant="t", max_queued=1))
+    told = []
+    for i in range(5):
+        with pytest.raises(Refused) as refused:
+            decide(DeadlinePolicy(), candidate(10.0 + i / 10), state, limiter=capped, queued=1, book=book)
+        assert refused.value.code == "too_many_queued" and refused.value.reserved
+        told.append(10.0 + i / 10 + refused.value.retry_after_s)
+    assert all(b - a == pytest.approx(0.5) for a, b in itertools.pairwise(told)), told
+    free = TenantLimiter(TenantLimits(tenant="u"))
+    full = Candidate(COST, "normal", 11.0, 71.0, queue(3), QueueLimits(Bounds(max_jobs=3)), d)
+    with pytest.raises(Refused) as refused:
+        decide(DeadlinePolicy(), full, state, limiter=free, queued=0, book=book)
+    assert refused.value.code == "queue_full" and 11.0 + refused.value.retry_after_s == pytest.approx(
+        told[-1] + 0.5
+    )
+    # A job with room is admitted, and reserves nothing.
+    ok = decide(DeadlinePolicy(), candidate(12.0), state, limiter=free, queued=0, book=book)
+    assert ok.position == 0 and book.next_free == pytest.approx(told[-1] + 1.0)
+
+
+def test_a_rate_limits_time_is_never_sooner_than_its_bucket_refills() -> None:
+    from sluice.core.admission import Reservations
+    from sluice.core.policy import decide
+    from sluice.core.ratelimit import TenantLimiter, TenantLimits
+
+    limiter = TenantLimiter(TenantLimits(tenant="t", rpm=6))  # a burst of 6, then one every 10 s
+    book = Reservations()
+    for _ in range(6):
+        decide(DeadlinePolicy(), candidate(0.0), PolicyState(), limiter=limiter, queued=0, book=book)
+        limiter.take(COST, 0.0)  # the broker takes the admitted job's charge
+    with pytest.raises(Refused) as refused:
+        decide(DeadlinePolicy(), candidate(0.0), PolicyState(), limiter=limiter, queued=0, book=book)
+    assert refused.value.code == "rate_limit_exceeded" and refused.value.retry_after_s >= 9.9

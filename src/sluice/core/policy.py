@@ -42,11 +42,15 @@ from sluice.core.admission import (
     QueueLimits,
     QueueView,
     Refused,
+    Reservations,
     check_bounds,
     check_deadline,
+    check_tenant,
     clamp_retry_after,
+    reserve,
 )
 from sluice.core.capacity import DrainRate
+from sluice.core.ratelimit import TenantLimiter
 
 __all__ = [
     "POLICIES",
@@ -57,6 +61,7 @@ __all__ = [
     "FifoPolicy",
     "PolicyState",
     "QueuePolicy",
+    "decide",
     "make_policy",
 ]
 
@@ -301,3 +306,27 @@ def make_policy(name: str, **params: float) -> QueuePolicy:
         return cls(**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters for queue policy {name!r}: {exc}") from None
+
+
+def decide(
+    policy: QueuePolicy,
+    c: Candidate,
+    state: PolicyState,
+    *,
+    limiter: TenantLimiter,
+    queued: int,
+    book: Reservations,
+) -> Admitted:
+    """A job's whole admission, as both brokers make it: the caller's own limits
+    (:func:`~sluice.core.admission.check_tenant`: its key's rates, its tenant's ``queued`` jobs),
+    then the queue's bounds and ``policy``. Every refusal that says to retry, the tenant's as the
+    queue's, takes its Retry-After from the model's reservation ``book``
+    (:func:`~sluice.core.admission.reserve`): never sooner than its own reason allows (a rate
+    limit's bucket refill, room in the queue), nor than the times already handed out, so that one
+    rule decides every time told and the refusals of a burst, whatever refused them, do not come
+    back together."""
+    try:
+        check_tenant(limiter, cost=c.cost, queued=queued, now=c.now, drain=c.drain)
+        return policy.admit(c, state)
+    except Refused as refused:
+        raise reserve(refused, cost=c.cost, now=c.now, drain=c.drain, book=book) from None

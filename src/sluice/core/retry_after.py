@@ -9,6 +9,11 @@ should have drained that long. So every refusal is remembered by what refused it
 model and class, the tenant), with the time it told the client to come back; a repeat before
 that time is told what is left of it, or a shorter wait if the queue now gives one. Once the time
 has passed, a refusal is a fresh estimate again.
+
+Superseded by one rule: every refusal that says to retry, the tenant's as the queue's, takes its
+time from the model's reservation book (``sluice.core.policy.decide``, ``admission.reserve``),
+which never tells a repeat a time sooner than the one it told before. The gateway stops counting
+down here once both brokers admit through ``decide``; this module then goes.
 """
 
 from __future__ import annotations
