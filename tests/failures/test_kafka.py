@@ -21,6 +21,8 @@ from tests.kafka.load import (
     create_topics,
     in_system,
     produce_requests,
+    read_answers,
+    request_ids,
     start_bridge,
 )
 from tests.redis_server import RedisServer
@@ -96,3 +98,32 @@ async def test_requests_from_a_topic_are_answered_once_each_through_a_killed_bri
         assert await check.committed(tp) == N
     finally:
         await check.stop()
+
+
+async def test_requests_whose_jobs_a_restarted_redis_lost_are_admitted_again(kafka: str) -> None:
+    # Redis without persistence, SIGKILLed and started empty: the jobs the bridge waits on are gone,
+    # and it admits their requests again instead of answering them as lost.
+    n = 30
+    with RedisServer(aof=False) as redis:
+        await create_topics(kafka)
+        await produce_requests(kafka, n)
+        async with serve_in_background(preset("fast", model="sim", base_step_s=0.05)) as engine:
+            procs = [
+                start_worker(redis.url, engine, concurrency=2, env=ENV),
+                start_bridge(redis.url, kafka, 4, ENV),
+            ]
+            try:
+
+                async def answered(at_least: int) -> bool:
+                    return len({a.key for a in await read_answers(kafka)}) >= at_least
+
+                await wait_until(lambda: answered(5), timeout=120)
+                redis.restart(kill=True)  # empty: its queue, the running jobs and their keys are gone
+                await wait_until(lambda: answered(n), timeout=180)
+                answers = await read_answers(kafka)
+                assert all(p.alive for p in procs), [p.output() for p in procs]
+            finally:
+                for proc in procs:
+                    proc.stop()
+    assert {a.key for a in answers} == set(request_ids(n))
+    assert all(a.value["response"]["status_code"] == 200 for a in answers), answers

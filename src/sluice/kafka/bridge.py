@@ -141,7 +141,7 @@ class KafkaBridge:
             except Exception as exc:  # the broker is away: try again
                 log.warning("kafka: admission failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(1.0)
-        task = asyncio.create_task(self._watch(tp, record.offset, request_id, admission.job.id))
+        task = asyncio.create_task(self._watch(tp, record, request_id, admission.job.id))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -177,7 +177,9 @@ class KafkaBridge:
             )
         return request_id, endpoint, body
 
-    async def _watch(self, tp: TopicPartition, offset: int, request_id: str, job_id: str) -> None:
+    async def _watch(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], request_id: str, job_id: str
+    ) -> None:
         while True:
             try:
                 job = await self.gateway.broker.wait(job_id, 15.0)
@@ -185,9 +187,15 @@ class KafkaBridge:
                 log.warning("kafka: waiting failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
-            if job is None or job.terminal:
+            if job is None:
+                # The broker lost it (a Redis restarted without its data): the request is admitted
+                # again, as the batch runner submits a lost line again, rather than answered as lost.
+                log.warning("kafka: job %s of request %s was lost; admitting it again", job_id, request_id)
+                await self._admit(tp, record)
+                return
+            if job.terminal:
                 break
-        await self._answer(tp, offset, _job_line(request_id, job))
+        await self._answer(tp, record.offset, _job_line(request_id, job))
 
     async def _answer(self, tp: TopicPartition, offset: int, line: dict[str, Any]) -> None:
         """Write the answer, then commit what is answered in a row from the partition's start."""
@@ -233,9 +241,7 @@ def _line(request_id: str | None, job_id: str | None, error: APIError) -> dict[s
     }
 
 
-def _job_line(request_id: str, job: Job | None) -> dict[str, Any]:
-    if job is None:
-        return _line(request_id, None, APIError(502, "The job was lost.", "job_lost"))
+def _job_line(request_id: str, job: Job) -> dict[str, Any]:
     if job.state is JobState.SUCCEEDED and job.result is not None:
         return {
             "id": request_id,
