@@ -350,3 +350,43 @@ async def test_the_queue_never_holds_a_batch_backlog(tmp_path: Path) -> None:
         # the engine's two slots were kept busy, and nothing more waited in the queue
         assert most == 2
         assert (await client.batches.retrieve(batch.id)).status == "completed"
+
+
+async def test_the_batch_whose_deadline_comes_first_runs_first(tmp_path: Path) -> None:
+    # One slot: a batch created later with a shorter window takes it from the one already running.
+    async with (
+        serve_in_background(preset("fast", model="sim", base_step_s=0.02)) as sim,
+        run_gateway(
+            [sim],
+            files_dir=str(tmp_path / "files"),
+            max_concurrency=1,
+            batch_completion_windows=["24h", "1h"],
+        ) as gw,
+        AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client,
+    ):
+        late = await client.files.create(
+            file=("late.jsonl", jsonl([chat_line(f"l{i}", max_tokens=4) for i in range(20)])), purpose="batch"
+        )
+        soon = await client.files.create(
+            file=("soon.jsonl", jsonl([chat_line(f"s{i}", max_tokens=4) for i in range(5)])), purpose="batch"
+        )
+        first = await client.batches.create(
+            input_file_id=late.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        async def started() -> bool:
+            b = await client.batches.retrieve(first.id)
+            return b.status == "in_progress"
+
+        await wait_until(started, timeout=30)
+        second = await client.batches.create(
+            input_file_id=soon.id,
+            endpoint="/v1/chat/completions",
+            completion_window="1h",  # type: ignore[arg-type]
+        )
+        done = await finished(client, second.id, timeout=60)
+        assert done.status == "completed"
+        behind = await client.batches.retrieve(first.id)
+        assert behind.status == "in_progress" and behind.request_counts is not None
+        assert behind.request_counts.completed < 20  # it waited while the sooner deadline ran
+        assert (await finished(client, first.id, timeout=60)).status == "completed"
