@@ -22,6 +22,7 @@ from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
 from sluice.broker.redis_keys import QueueKeys, queued_jobs_field, queued_tokens_field
 from sluice.broker.redis_pipe import Batcher
+from sluice.broker.redis_shards import shard_of_model, shard_queue
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
@@ -94,7 +95,7 @@ class _Monitor:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.commands: list[list[str]] = []
+        self.lines: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -105,13 +106,14 @@ class _Monitor:
         self._task = asyncio.create_task(self._read(reader))
         return self
 
+    @classmethod
+    def args(cls, line: str) -> list[str]:
+        """The command and arguments of one MONITOR line."""
+        return [bytes(a, "utf-8").decode("unicode_escape") for a in cls._arg.findall(line)]
+
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
-            args = [
-                bytes(a, "utf-8").decode("unicode_escape") for a in self._arg.findall(line.decode("utf-8"))
-            ]
-            if args:
-                self.commands.append(args)
+            self.lines.append(line.decode("utf-8"))
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None and self._writer is not None
@@ -171,7 +173,11 @@ async def _exercise(broker: RedisBroker, clock: FakeClock) -> None:
     await broker.served_models()
 
 
-async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server: RedisServer) -> None:
+async def _monitored(
+    redis_url: str, port: int, spread: bool
+) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """Run :func:`_exercise` and say what each script declared (name, KEYS) and which raw lines the
+    server ran (MONITOR)."""
     clock = FakeClock()
     declared: list[tuple[str, list[str]]] = []
     original = Script.command
@@ -182,31 +188,82 @@ async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server:
 
     Script.command = spy  # type: ignore[method-assign]
     try:
-        async with _Monitor(redis_server.port) as monitor, RedisBroker(redis_url, make_settings(clock)) as b:
+        async with (
+            _Monitor(port) as monitor,
+            RedisBroker(redis_url, make_settings(clock), spread=spread) as b,
+        ):
             await _exercise(b, clock)
     finally:
         Script.command = original  # type: ignore[method-assign]
-
-    slot = key_slot(QueueKeys().prefix)
     names = {name for name, _ in declared}
     assert names >= {"admit", "claim", "heartbeat", "publish", "finish", "cancel", "reap", "purge_expired"}
     assert names >= {"position", "workers", "callbacks", "purge_dead"}
+    return declared, monitor.lines
+
+
+_SKIPPED = ("MONITOR", "FLUSHALL", "COMMAND", "CLIENT", "HELLO", "PING", "SCRIPT", "INFO")
+
+
+async def _slots_per_call(redis_url: str, lines: list[str]) -> list[tuple[str, set[str]]]:
+    """The keys of each call the server ran: a command a client sent, or all the commands one script
+    ran inside (the ``lua`` lines MONITOR shows after its EVALSHA, which nothing can interleave).
+    Redis itself says which arguments are keys."""
+    calls: list[tuple[str, set[str]]] = []
+    async with Redis.from_url(redis_url, decode_responses=True) as r:
+        for line in lines:
+            inside = " lua] " in line
+            args = _Monitor.args(line)
+            if not args or args[0].upper() in _SKIPPED:
+                continue
+            try:
+                keys = {str(k) for k in await r.command_getkeys(*args)}
+            except ResponseError:
+                keys = set()  # no key arguments (PUBLISH, SUBSCRIBE, ...)
+            if args[0].upper() in ("EVALSHA", "EVAL"):
+                keys = set()  # the declared KEYS are checked apart; its calls follow
+                calls.append(("script", keys))
+            elif inside and calls and calls[-1][0] == "script":
+                calls[-1][1].update(keys)
+            else:
+                calls.append((args[0].upper(), keys))
+    return calls
+
+
+async def test_every_key_of_a_queue_is_in_one_slot(redis_url: str, redis_server: RedisServer) -> None:
+    declared, lines = await _monitored(redis_url, redis_server.port, spread=False)
+    slot = key_slot(QueueKeys().prefix)
     for name, keys in declared:
         assert {key_slot(k) for k in keys} == {slot}, name
 
     # What the scripts touch without declaring it (tenant lists, job records found by id) and what the
-    # client runs directly (XREAD, BZPOPMIN, pipelines): Redis itself says which arguments are keys.
-    touched: set[str] = set()
-    async with Redis.from_url(redis_url, decode_responses=True) as r:
-        for args in monitor.commands:
-            if args[0].upper() in ("MONITOR", "FLUSHALL", "COMMAND", "CLIENT", "HELLO", "PING", "SCRIPT"):
-                continue
-            try:
-                touched.update(await r.command_getkeys(*args))
-            except ResponseError:
-                continue  # no key arguments (PUBLISH, SUBSCRIBE, ...)
+    # client runs directly (XREAD, BZPOPMIN, pipelines).
+    touched = {k for _, keys in await _slots_per_call(redis_url, lines) for k in keys}
     assert any(":tq:" in k for k in touched) and any(":job:" in k for k in touched)
     assert {k for k in touched if key_slot(k) != slot} == set()
+
+
+async def test_a_spread_queue_touches_one_slot_per_call(redis_url: str, redis_server: RedisServer) -> None:
+    """Spread as on a cluster (a hash tag per model's shard), on one Redis that MONITOR can watch:
+    every script, with what it touches inside, and every command stays in one slot, and a model's
+    queue and jobs are in its own shard's slot."""
+    declared, lines = await _monitored(redis_url, redis_server.port, spread=True)
+    model = "org/llama:8b"
+    own = {key_slot(QueueKeys(shard_queue("sluice", shard_of_model(m))).prefix) for m in (model, "x")}
+    home = key_slot(QueueKeys().prefix)
+    assert len(own | {home}) == 3  # the models are in shards of their own, apart from the home shard
+    for name, keys in declared:
+        assert len({key_slot(k) for k in keys}) == 1, (name, keys)
+
+    calls = await _slots_per_call(redis_url, lines)
+    for what, used in calls:
+        assert len({key_slot(k) for k in used}) <= 1, (what, sorted(used))
+    touched = {k for _, keys in calls for k in keys}
+    model_slot = key_slot(QueueKeys(shard_queue("sluice", shard_of_model(model))).prefix)
+    for kind in (":tq:", ":job:", ":out:", ":tenant:", ":qs:", ":idem:", ":sched:", ":marker:"):
+        found = {key_slot(k) for k in touched if kind in k}
+        assert found and found <= own, kind
+    assert any(key_slot(k) == model_slot and ":tq:org/llama%3A8b:" in k for k in touched)
+    assert {key_slot(k) for k in touched} == own | {home}
 
 
 async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:

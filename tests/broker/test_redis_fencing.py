@@ -8,7 +8,11 @@ release script, as if it had never reached the replica, while the broker still h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from sluice.broker.redis import STREAM_MAXLEN, RedisBroker
+from sluice.broker.redis_shards import Shard
 from sluice.core.job import JobState
 from tests.broker.brokers import make_settings
 from tests.helpers import FakeClock, make_job
@@ -42,3 +46,35 @@ async def test_another_workers_claim_fences_the_first_run(redis_url: str) -> Non
         assert await a.finish(job.id, "a", JobState.SUCCEEDED, result={"by": "a"}) is None
         done = await b.finish(job.id, "b", JobState.SUCCEEDED, result={"by": "b"})
         assert done is not None and done.result == {"by": "b"}
+
+
+async def test_a_heartbeat_told_to_abort_keeps_the_token_of_a_claim_made_meanwhile(redis_url: str) -> None:
+    """The queue hands a job back to the worker that runs it while that worker's heartbeat, sent with
+    the old token, is on its way: the heartbeat is told to abort the old run, and the new lease's
+    token stays, so the adopted run's finish is accepted."""
+    clock = FakeClock()
+    async with (
+        RedisBroker(redis_url, make_settings(clock)) as gateway,
+        RedisBroker(redis_url, make_settings(clock)) as a,
+    ):
+        job = make_job(clock)
+        await gateway.admit(job)
+        assert (await a.claim("a", ["m"], timeout=1)) is not None
+        old = a._tokens[("a", job.id)]
+        call = a._call
+
+        async def racing(
+            name: str, keys: Sequence[str], args: Sequence[str | int | float], shard: Shard | None = None
+        ) -> Any:
+            if name == "heartbeat":  # its args hold the old token already
+                await _lose_the_claim(a, job.id, "a")
+                again = await a.claim("a", ["m"], timeout=1)
+                assert again is not None and again.id == job.id
+            return await call(name, keys, args, shard)
+
+        a._call = racing  # type: ignore[method-assign]
+        assert await a.heartbeat("a", [job.id]) == {job.id}  # the old run is told to stop
+        a._call = call  # type: ignore[method-assign]
+        assert a._tokens[("a", job.id)] != old
+        done = await a.finish(job.id, "a", JobState.SUCCEEDED, result={"by": "adopted"})
+        assert done is not None and done.result == {"by": "adopted"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.broker.base import BrokerSettings, BrokerUnavailable
@@ -54,23 +55,34 @@ class Ledger:
     refused_finishes: int = 0
     failed_calls: int = 0
 
-    def accepted_since(self, t: float) -> int:
-        """Admissions sent at ``t`` or later and accepted."""
-        return sum(1 for at in self.sent_at if at >= t)
+    def accepted_since(self, t: float, only: Callable[[str], bool] | None = None) -> int:
+        """Admissions sent at ``t`` or later and accepted (of the jobs ``only`` selects, if given)."""
+        return sum(
+            1 for job_id, at in zip(self.accepted, self.sent_at, strict=True) if at >= t and _of(only, job_id)
+        )
 
     def accepted_before(self, t: float) -> list[str]:
         """The jobs whose acceptance was answered before ``t``."""
         return [job_id for job_id, at in zip(self.accepted, self.accepted_at, strict=True) if at < t]
 
-    def resumed_after(self, t: float) -> float | None:
+    def resumed_after(self, t: float, only: Callable[[str], bool] | None = None) -> float | None:
         """Seconds from ``t`` to the first acceptance of an admission sent after it (one in flight
-        at ``t`` may have been answered by the old primary just before it died)."""
-        later = [done for sent, done in zip(self.sent_at, self.accepted_at, strict=True) if sent >= t]
+        at ``t`` may have been answered by the old primary just before it died), of the jobs
+        ``only`` selects if given."""
+        later = [
+            done
+            for job_id, sent, done in zip(self.accepted, self.sent_at, self.accepted_at, strict=True)
+            if sent >= t and _of(only, job_id)
+        ]
         return min(later) - t if later else None
 
     @property
     def claimed_twice(self) -> set[str]:
         return {job_id for job_id, who in self.claims.items() if len(who) > 1}
+
+
+def _of(only: Callable[[str], bool] | None, job_id: str) -> bool:
+    return only is None or only(job_id)
 
 
 def load_settings() -> BrokerSettings:
@@ -79,10 +91,20 @@ def load_settings() -> BrokerSettings:
 
 
 class FailoverLoad:
-    """Admitters and workers on ``url`` until :meth:`stop`; :attr:`ledger` keeps the books."""
+    """Admitters and workers on ``url`` until :meth:`stop`; :attr:`ledger` keeps the books. The
+    admitters take turns over ``models``; every worker serves them all."""
 
-    def __init__(self, url: str, *, min_replicas: int | None, admitters: int = 4, workers: int = 2) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        min_replicas: int | None,
+        admitters: int = 4,
+        workers: int = 2,
+        models: Sequence[str] = (MODEL,),
+    ) -> None:
         self.url = url
+        self.models = list(models)
         self.min_replicas = min_replicas
         self.ledger = Ledger()
         self._admitters = admitters
@@ -118,8 +140,10 @@ class FailoverLoad:
 
     async def _admit_forever(self, broker: RedisBroker) -> None:
         book = self.ledger
+        turn = 0
         while self._admitting:
-            job = make_job(time.time, model=MODEL, timeout=300.0)
+            turn += 1
+            job = make_job(time.time, model=self.models[turn % len(self.models)], timeout=300.0)
             started = time.monotonic()
             try:
                 await broker.admit(job)
@@ -143,8 +167,8 @@ class FailoverLoad:
         claims = 0
         while True:
             try:
-                await broker.register(worker_id, {MODEL: 4})
-                job = await broker.claim(worker_id, [MODEL], timeout=0.5)
+                await broker.register(worker_id, dict.fromkeys(self.models, 4))
+                job = await broker.claim(worker_id, self.models, timeout=0.5)
             except BrokerUnavailable:
                 book.failed_calls += 1
                 await asyncio.sleep(0.05)
@@ -174,20 +198,26 @@ class FailoverLoad:
                 book.finished[job.id] += 1
 
     async def assert_nothing_lost_since(
-        self, killed_at: float, *, resume_bound_s: float, answer_bound_s: float
+        self,
+        killed_at: float,
+        *,
+        resume_bound_s: float,
+        answer_bound_s: float,
+        resumed: Callable[[str], bool] | None = None,
     ) -> float:
         """The invariants of a failover at ``killed_at`` (monotonic): admissions resume (100 more
-        accepted) within ``resume_bound_s``; every job accepted before, during and after is on
-        record and succeeds; no admission took ``answer_bound_s`` to answer; and no job was
-        settled twice (fencing). Stops admitting; returns how long admissions took to resume."""
+        accepted, of the jobs ``resumed`` selects when given: those of the master that was lost)
+        within ``resume_bound_s``; every job accepted before, during and after is on record and
+        succeeds; no admission took ``answer_bound_s`` to answer; and no job was settled twice
+        (fencing). Stops admitting; returns how long admissions took to resume."""
         book = self.ledger
-        await wait_until(lambda: book.accepted_since(killed_at) >= 100, timeout=resume_bound_s + 30)
+        await wait_until(lambda: book.accepted_since(killed_at, resumed) >= 100, timeout=resume_bound_s + 30)
         self.stop_admitting()
         accepted = list(book.accepted)
         assert await self.missing(accepted) == []
         states = await self.wait_all_ended(accepted, timeout=60)
         assert set(states.values()) == {JobState.SUCCEEDED}
-        resumed_s = book.resumed_after(killed_at)
+        resumed_s = book.resumed_after(killed_at, resumed)
         assert resumed_s is not None and resumed_s < resume_bound_s
         assert book.admit_latency_s < answer_bound_s
         # Whatever became of a claim in the failover, at most one finish was accepted.

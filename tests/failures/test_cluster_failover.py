@@ -1,10 +1,8 @@
 """The Redis broker on a real Redis Cluster (three masters, a replica each, made by redis-cli): its
-scripts run there as on one Redis, a stale slot map is corrected by MOVED, and kill -9 of the master
-that serves the queue lets its replica take over with nothing accepted lost (WAIT, on by default
-with a cluster).
-
-One queue is one hash tag, so one slot, so one master (and its replica) at a time: the other masters
-serve other queues (docs/redis.md says what spreading one queue's models over masters would take).
+scripts run there as on one Redis, each model's queue is on the master of its own hash tag (so the
+models of one queue spread over the masters), a stale slot map is corrected by MOVED, and kill -9 of
+the master that serves a model lets its replica take over with nothing accepted lost (WAIT, on by
+default with a cluster) while the other masters go on serving their models.
 """
 
 from __future__ import annotations
@@ -17,10 +15,12 @@ import pytest
 
 from sluice.broker.base import EventType
 from sluice.broker.redis import RedisBroker
+from sluice.broker.redis_keys import QueueKeys
+from sluice.broker.redis_shards import shard_of_job, shard_of_model, shard_queue
 from sluice.core.job import JobState
 from tests.failures.failover_load import FailoverLoad, load_settings
 from tests.helpers import make_job, wait_until
-from tests.redis_server import RedisClusterNodes, wait_replicas
+from tests.redis_server import RedisClusterNodes, RedisServer, wait_replicas
 
 #: each test starts its own replicated Redis and waits out a failover
 pytestmark = pytest.mark.slow
@@ -39,19 +39,45 @@ def cluster() -> Iterator[RedisClusterNodes]:
         yield cluster
 
 
+def _prefix(model: str) -> str:
+    """The hash-tagged prefix of the keys of ``model``'s queue and jobs (queue ``sluice``)."""
+    return QueueKeys(shard_queue("sluice", shard_of_model(model))).prefix
+
+
+def _one_model_per_master(cluster: RedisClusterNodes) -> list[str]:
+    """Model names whose queues are on different masters, one per master; the first is not on the
+    master of the home shard (the queue-wide keys, ``{sluice}:``)."""
+    home = cluster.master_of(QueueKeys().prefix).port
+    found: dict[int, str] = {}
+    for i in range(1000):
+        model = f"model-{i}"
+        found.setdefault(cluster.master_of(_prefix(model)).port, model)
+        if len(found) == cluster.masters:
+            return sorted(found.values(), key=lambda m: cluster.master_of(_prefix(m)).port == home)
+    raise AssertionError("no model name found for every master")
+
+
+def _blocked_clients(node: RedisServer) -> int:
+    with node.client() as c:
+        return int(c.info("clients")["blocked_clients"])
+
+
 async def test_a_job_runs_through_on_a_cluster(cluster: RedisClusterNodes) -> None:
     async with (
         RedisBroker(cluster.url, load_settings()) as gateway,
         RedisBroker(cluster.url, load_settings()) as worker,
     ):
         assert gateway.durability.replicas == 1  # the default with a cluster
-        master = cluster.master_of(gateway.keys.prefix)
+        assert gateway.spread
+        master = cluster.master_of(_prefix("m"))
         job = make_job(time.time)
         admission = await gateway.admit(job)
         assert admission.position == 0
+        shard = gateway._job_shard(job.id)
+        assert shard.number == shard_of_model("m") == shard_of_job(job.id)
         with cluster.replicas_of(master)[0].client() as replica:
             replica.execute_command("READONLY")  # a cluster replica answers reads only when asked to
-            assert replica.exists(gateway.keys.job(job.id)) == 1  # WAIT: the replica had it first
+            assert replica.exists(shard.keys.job(job.id)) == 1  # WAIT: the replica had it first
 
         claimed = await worker.claim("w", ["m"], timeout=2)
         assert claimed is not None and claimed.id == job.id
@@ -66,41 +92,109 @@ async def test_a_job_runs_through_on_a_cluster(cluster: RedisClusterNodes) -> No
             EventType.DONE,
         ]
 
-        # Connections sent to a node that does not serve the queue's slot follow its MOVED.
+        # Connections sent to a node that does not serve the shard's slot follow its MOVED.
         other = next(m for m in cluster.current_masters() if m is not master)
-        await gateway._redis.connection_pool.disconnect()
-        assert gateway._locator is not None
-        gateway._locator.redirect(("127.0.0.1", other.port))
+        await shard.redis.connection_pool.disconnect()
+        assert shard.locator is not None
+        shard.locator.redirect(("127.0.0.1", other.port))
         again = await gateway.get(job.id)
         assert again is not None and again.state is JobState.SUCCEEDED
-        assert gateway._locator.current == ("127.0.0.1", master.port)
+        assert shard.locator.current == ("127.0.0.1", master.port)
+
+
+async def test_models_spread_over_the_masters(cluster: RedisClusterNodes) -> None:
+    models = _one_model_per_master(cluster)
+    masters = [cluster.master_of(_prefix(m)) for m in models]
+    assert len({m.port for m in masters}) == 3
+    async with (
+        RedisBroker(cluster.url, load_settings()) as gateway,
+        RedisBroker(cluster.url, load_settings()) as worker,
+    ):
+        jobs = [make_job(time.time, model=model) for model in models]
+        for job in jobs:
+            assert (await gateway.admit(job)).position == 0
+        for job, model, master in zip(jobs, models, masters, strict=True):
+            assert shard_of_job(job.id) == shard_of_model(model)
+            keys = gateway._job_shard(job.id).keys
+            with master.client() as c:  # any other master would answer MOVED
+                assert (
+                    c.exists(keys.job(job.id), keys.state(model), keys.tq(model, job.priority, job.tenant))
+                    == 3
+                )
+                slot = int(c.execute_command("CLUSTER", "KEYSLOT", keys.prefix))
+                assert int(c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)) > 0
+        await worker.register("w", dict.fromkeys(models, 2))  # (a registration lasts a lease: 2 s)
+        stats = await gateway.stats()
+        assert {m: (stats[m].queued_jobs, stats[m].slots) for m in models} == dict.fromkeys(models, (1, 2))
+
+        # A broker that never saw these models finds each job from its id alone.
+        async with RedisBroker(cluster.url, load_settings()) as stranger:
+            found = [await stranger.get(job.id) for job in jobs]
+            assert [j.model if j else None for j in found] == models
+
+        claimed = [await worker.claim("w", models, timeout=2) for _ in models]
+        assert sorted(j.id for j in claimed if j is not None) == sorted(j.id for j in jobs)
+        # An idle claim over models on three masters blocks on all three and wakes for any of them.
+        waiting = asyncio.create_task(worker.claim("w", models, timeout=30))
+        await wait_until(lambda: all(_blocked_clients(m) >= 1 for m in masters), timeout=10)
+        late = make_job(time.time, model=models[1])
+        await gateway.admit(late)
+        woken = await asyncio.wait_for(waiting, 10)
+        assert woken is not None and woken.id == late.id
+        for job in [*claimed, woken]:
+            assert job is not None
+            done = await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
+            assert done is not None and done.state is JobState.SUCCEEDED
+        stats = await gateway.stats()
+        assert {m: (stats[m].queued_jobs, stats[m].running_jobs) for m in models} == dict.fromkeys(
+            models, (0, 0)
+        )
 
 
 async def _events(broker: RedisBroker, job_id: str) -> list[EventType]:
     return [e.type async for e in broker.events(job_id, timeout=10)]
 
 
-async def test_killing_the_queues_master_loses_no_accepted_job(cluster: RedisClusterNodes) -> None:
-    load = FailoverLoad(cluster.url, min_replicas=None)  # the default with a cluster: one replica
+async def test_killing_a_models_master_loses_no_accepted_job(cluster: RedisClusterNodes) -> None:
+    models = _one_model_per_master(cluster)
+    # the default with a cluster: one replica confirms every admission
+    load = FailoverLoad(cluster.url, min_replicas=None, models=models)
     await load.start()
     book = load.ledger
+    lost_shard = shard_of_model(models[0])
+
+    def on_lost_master(job_id: str) -> bool:
+        return shard_of_job(job_id) == lost_shard
+
+    def elsewhere(job_id: str) -> bool:
+        return not on_lost_master(job_id)
+
     try:
-        await wait_until(lambda: len(book.accepted) >= 100, timeout=30)
-        master = cluster.master_of("{sluice}:")
+        await wait_until(lambda: len(book.accepted) >= 150, timeout=30)
+        master = cluster.master_of(_prefix(models[0]))
+        assert all(cluster.master_of(_prefix(m)) is not master for m in models[1:])
+        # Not the home shard's master: every admission also writes the tenant's job list there.
+        assert cluster.master_of(QueueKeys().prefix) is not master
         killed_at = time.monotonic()
         master.kill()
         # (The helpers block: in threads, so that the load goes on meanwhile.)
-        promoted = await asyncio.to_thread(cluster.wait_promoted, master, "{sluice}:")
+        promoted = await asyncio.to_thread(cluster.wait_promoted, master, _prefix(models[0]))
         promoted_s = time.monotonic() - killed_at
+        # Meanwhile the other masters went on taking their models' jobs.
+        served_elsewhere = book.accepted_since(killed_at, elsewhere)
+        assert served_elsewhere > 0
         # The promoted replica has no replica of its own until the old master is back (as one):
         # until then WAIT cannot be met and admissions are answered 503, as they should.
         await asyncio.to_thread(master.start)
         await asyncio.to_thread(wait_replicas, promoted, 1)
         resumed_s = await load.assert_nothing_lost_since(
-            killed_at, resume_bound_s=RESUME_BOUND_S, answer_bound_s=ANSWER_BOUND_S
+            killed_at, resume_bound_s=RESUME_BOUND_S, answer_bound_s=ANSWER_BOUND_S, resumed=on_lost_master
         )
+        on_lost = sum(1 for job_id in book.accepted if on_lost_master(job_id))
         print(
-            f"\ncluster failover, durable: {len(book.accepted)} accepted, 0 lost; replica promoted after "
+            f"\ncluster failover, durable, {len(models)} models on {len(models)} masters: "
+            f"{len(book.accepted)} accepted ({on_lost} on the killed master), 0 lost; "
+            f"{served_elsewhere} accepted by the other masters before the promotion; replica promoted after "
             f"{promoted_s:.2f} s, admissions resumed after {resumed_s:.2f} s (with the old master back as a "
             f"replica); {len(book.unavailable_at)} admissions answered 503 and {book.refused} refused "
             f"meanwhile, the slowest answer {book.admit_latency_s:.2f} s; "

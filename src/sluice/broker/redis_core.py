@@ -175,13 +175,9 @@ class RedisCore(Broker):
         self._task: asyncio.Task[None] | None = None
 
     def _make_shard(self, number: int | None, keys: QueueKeys) -> Shard:
-        """A shard's clients: its own on a cluster (located at its slot's master), else the home
-        shard's, as every slot is on the one primary."""
-        if number is not None and self.topology.kind is not Kind.CLUSTER:
-            home = self.home
-            return Shard(
-                number, keys, home.redis, home.blocking, home.reader, home.batch, home.hub, None, False
-            )
+        """A shard's clients: its own on a cluster (located at its slot's master); elsewhere every
+        slot is on the one primary, and a shard shares the home shard's pipeline and pools, with a
+        stream reader of its own (an XREAD names the streams of one slot, as on a cluster)."""
         p = self._pools
         locator = make_locator(self.topology, p["connect_timeout_s"], keys.prefix)
         # One immediate retry on a fresh connection absorbs a Redis restart (every pooled
@@ -201,9 +197,13 @@ class RedisCore(Broker):
                 make_pool(self.topology, locator, max_connections=connections, timeout=timeout, **common)
             )
 
+        reader = client(1, None)
+        if number is not None and self.topology.kind is not Kind.CLUSTER:
+            home = self.home
+            hub = StreamHub(reader, home.redis, keys.wake(secrets.token_hex(8)))
+            return Shard(number, keys, home.redis, home.blocking, reader, home.batch, hub, locator, False)
         redis = client(int(p["max_connections"]), p["pool_timeout_s"])
         blocking = client(int(p["blocking_connections"]) + 1, p["pool_timeout_s"])
-        reader = client(1, None)
         batch = Batcher(redis, timeout=self._timeout, durability=self.durability)
         hub = StreamHub(reader, redis, keys.wake(secrets.token_hex(8)))
         return Shard(number, keys, redis, blocking, reader, batch, hub, locator, True)
@@ -318,12 +318,12 @@ class RedisCore(Broker):
 
     async def _block(self, waits: Sequence[tuple[Shard, Sequence[str]]], block: float) -> str | None:
         """Wait up to ``block`` seconds for a member on any of the wake-up markers (``BZPOPMIN``), each
-        group of markers on its shard's blocking client; the marker that woke the wait, or None.
-        Markers of shards that share a client (one Redis) go in one command; on a cluster each
-        master is waited on at once and the other waits are cancelled when one wakes."""
-        by_client: dict[int, tuple[Redis, list[str]]] = {}
+        shard's markers in a command of their own on its blocking client (a command names the keys
+        of one slot); the marker that woke the wait, or None. With several shards they are all
+        waited on at once and the other waits are cancelled when one wakes."""
+        by_shard: dict[Shard, list[str]] = {}
         for shard, markers in waits:
-            by_client.setdefault(id(shard.blocking), (shard.blocking, []))[1].extend(markers)
+            by_shard.setdefault(shard, []).extend(markers)
         # Redis reads a zero timeout as "forever"; the timeout above the block notices a connection
         # that died silently.
         block = max(block, 0.01)
@@ -332,7 +332,7 @@ class RedisCore(Broker):
             popped = await self._io(client.bzpopmin(markers, timeout=block), timeout=block + 5.0)
             return str(popped[0]) if popped else None
 
-        groups = list(by_client.values())
+        groups = [(shard.blocking, markers) for shard, markers in by_shard.items()]
         if len(groups) == 1:
             return await one(*groups[0])
         tasks = [asyncio.ensure_future(one(client, markers)) for client, markers in groups]

@@ -72,10 +72,12 @@ class Shard:
         blocking: the client of the blocking claims and webhook waits.
         reader: the client of the multiplexed stream reader.
         batch: the pipeline that scripts and commands go out in.
-        hub: the stream reader of the jobs of this shard (the home shard's when not ``owned``).
-        locator: finds its master on a cluster; None elsewhere.
-        owned: whether the clients are this shard's own (closed with it); without a cluster every
-            shard shares the home shard's, as they all reach the one primary.
+        hub: the stream reader of the jobs of this shard (always its own).
+        locator: finds its master (its reader's, when not ``owned``) with Sentinel or Cluster; None
+            on one Redis.
+        owned: whether the command and blocking clients and the pipeline are this shard's own
+            (closed with it); without a cluster every shard shares the home shard's, as they all
+            reach the one primary.
         announced: whether this process has already recorded the shard in the home shard's set.
     """
 
@@ -91,12 +93,12 @@ class Shard:
     announced: bool = field(default=False)
 
     async def aclose(self) -> None:
-        """Close its stream reader and clients when they are its own (else the home shard's)."""
-        if not self.owned:
-            return
+        """Close its stream reader, and its pools when they are its own (else the home shard's)."""
         await self.hub.close()
-        await self.batch.drain()
-        for client in (self.redis, self.blocking, self.reader):
-            await client.aclose()
+        await self.reader.aclose()
+        if self.owned:
+            await self.batch.drain()
+            for client in (self.redis, self.blocking):
+                await client.aclose()
         if self.locator is not None:
             await self.locator.aclose()

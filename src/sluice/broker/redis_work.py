@@ -31,6 +31,7 @@ from sluice.broker.redis_core import (
 )
 from sluice.broker.redis_pipe import translate
 from sluice.broker.redis_shards import Shard
+from sluice.core import capacity
 from sluice.core.capacity import SLOW_QUANTILE, SLOW_STEP
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
@@ -225,17 +226,22 @@ class WorkMixin(RedisCore):
         if not job_ids:
             return set()
 
+        sent = {job_id: self._tokens.get((worker_id, job_id), "") for job_id in job_ids}
+
         async def beat(shard: Shard, ids: list[str]) -> list[Any]:
             k = shard.keys
             args: list[str | int | float] = [self._now(), repr(float(self.settings.lease_s)), worker_id]
             for job_id in ids:
-                args += [job_id, self._tokens.get((worker_id, job_id), "")]
+                args += [job_id, sent[job_id]]
             return list(await self._call("heartbeat", [k.active, *map(k.job, ids)], args, shard))
 
         replies = await asyncio.gather(*(beat(s, ids) for s, ids in self._by_shard(job_ids).items()))
         abort = {str(i) for reply in replies for i in reply}
         for job_id in abort:
-            self._tokens.pop((worker_id, job_id), None)
+            # Forgotten only if it is still the token this heartbeat sent: a claim of the same job by
+            # this worker may have stored a new one meanwhile, which the adopted run needs.
+            if self._tokens.get((worker_id, job_id)) == sent.get(job_id):
+                self._tokens.pop((worker_id, job_id), None)
         return abort
 
     async def wait_abort_signal(self, timeout: float) -> None:
@@ -289,6 +295,7 @@ class WorkMixin(RedisCore):
                 repr(SLOW_QUANTILE),
                 repr(SLOW_STEP),
                 used,
+                1 if capacity.WEIGHT_PER_SLOT else 0,  # read at each call: a switch tests may flip
                 *fields,
             ],
             shard,
