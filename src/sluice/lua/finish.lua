@@ -1,6 +1,7 @@
 -- finish: settle a running job in a terminal state, if the caller still holds its lease, and
 -- publish its terminal event. A success feeds the model's drain rate (sluice.core.capacity.DrainRate:
--- a slot's rate, the EWMA of costs over that of service times; the EWMA of service times; how slow
+-- a slot's rate, the EWMA of costs over that of service times, each job weighing alpha per slot of
+-- the model (DrainRate.weight); the EWMA of service times; how slow
 -- a job gets per cost unit, a quantile tracked on a log scale), which admit reads for its deadline
 -- prediction.
 --
@@ -11,7 +12,9 @@
 -- ARGV[10] the quantile of DrainRate.slow (capacity.SLOW_QUANTILE)   ARGV[11] its step (SLOW_STEP)
 -- ARGV[12] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
 --          (what the job was charged and did not use comes back; what it used beyond, is taken)
--- ARGV[13 ..] field, value pairs to record (result, usage, error, attempts, backend)
+-- ARGV[13] 1 when the EWMA weight is per slot (DrainRate.weight: ARGV[9] over the model's slots),
+--          0 when it is ARGV[9] as is (capacity.WEIGHT_PER_SLOT)
+-- ARGV[14 ..] field, value pairs to record (result, usage, error, attempts, backend)
 -- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 -- (decoded by redis_codec.JobReply)
@@ -25,7 +28,8 @@ local capacity_k, blocked_k = KEYS[6], KEYS[7]
 local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local result_ttl, maxlen, drain_alpha = tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
 local slow_q, slow_step, used = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local CHANGES_AT = 13 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
+local per_slot_weight = ARGV[13] == '1'
+local CHANGES_AT = 14 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
 local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -45,16 +49,19 @@ if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
   if cost > 0 and service > 0 then
     local model = f.model
-    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model)
+    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model,
+      's:' .. model)
     local per_slot, samples = tonumber(d[1]) or 0, tonumber(d[2]) or 0
     local mean_s, slow = tonumber(d[3]) or 0, tonumber(d[4]) or 0
+    local alpha = drain_alpha -- DrainRate.weight
+    if per_slot_weight then alpha = drain_alpha / math.max(tonumber(d[5]) or 0, 1) end
     local per_cost = service / cost
     if samples == 0 or mean_s <= 0 then -- DrainRate.observe
       per_slot, mean_s = cost / service, service
     else
       local carried = per_slot * mean_s
-      mean_s = mean_s + drain_alpha * (service - mean_s)
-      per_slot = (carried + drain_alpha * (cost - carried)) / mean_s
+      mean_s = mean_s + alpha * (service - mean_s)
+      per_slot = (carried + alpha * (cost - carried)) / mean_s
     end
     if slow <= 0 then
       slow = per_cost
