@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from sluice import __version__
 from sluice.api import (
@@ -18,6 +19,7 @@ from sluice.api import (
     files,
     health,
     jobs,
+    lean,
     openai,
     responses,
     ws,
@@ -25,9 +27,20 @@ from sluice.api import (
 from sluice.api.admin import BackendControl
 from sluice.api.auth import KeyRing
 from sluice.api.gateway import Gateway
-from sluice.api.limits import BodySizeLimit
-from sluice.api.request_id import RequestId
+from sluice.api.limits import Guard
 from sluice.scaling_signal import ScalingSignal
+
+
+class SluiceApp(FastAPI):
+    """FastAPI, with the hot routes (:mod:`sluice.api.lean`) answered before the framework: they
+    reach it only for what the framework must answer (an invalid body)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if lean.is_lean(scope):
+            scope["app"] = self
+            await lean.serve(self, scope, receive, send, super().__call__)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -53,7 +66,7 @@ def create_app(
     def app_lifespan(app: FastAPI) -> AbstractAsyncContextManager[None]:
         return lifespan() if lifespan is not None else contextlib.nullcontext()
 
-    app = FastAPI(
+    app = SluiceApp(
         title="Sluice",
         version=__version__,
         description="A queue-scheduling gateway for LLM inference, with an OpenAI-compatible API.",
@@ -78,6 +91,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(docs.router)
-    app.add_middleware(BodySizeLimit, max_bytes=gateway.settings.max_body_bytes, exempt=[files.UPLOAD_PATH])
-    app.add_middleware(RequestId)  # outermost: every answer has one, the body limit's 413 too
+    # One layer: the request id (on every answer, the body limit's 413 too), the body limit, the
+    # last resort for a bug.
+    app.add_middleware(Guard, max_bytes=gateway.settings.max_body_bytes, exempt=[files.UPLOAD_PATH])
     return app

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -13,7 +12,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.api.schemas import MAX_JSON_DEPTH, UNREADABLE
 from sluice.broker.base import BrokerUnavailable
@@ -289,53 +287,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Only what escapes LastResort (an outer middleware's failure) reaches the framework's last
-        # handler; LastResort answers the rest.
+        # Only what escapes the last resort (sluice.api.limits.Guard: an outer middleware's
+        # failure) reaches the framework's last handler; the Guard answers the rest.
         log.error("unexpected error", exc_info=exc)
-        return _internal_error().response()
-
-    app.add_middleware(LastResort)
+        return internal_error().response()
 
 
-def _internal_error() -> APIError:
+def internal_error() -> APIError:
     return APIError(500, "Internal error; the request was not processed.", "internal_error")
-
-
-class LastResort:
-    """The answer to an exception that no handler took (a bug): logged once, by its type and
-    frames (sluice.logs never prints an exception's message, which may hold request data), and
-    answered 500 in OpenAI's shape, or, once a response or a WebSocket has begun, by closing it.
-
-    It is not re-raised: the framework's own last handler would re-raise it to the server, which
-    logs it a second time, as raw text. An HTTPException passes on, to the middleware that raised it
-    (the body size limit answers its own).
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] in ("http.response.start", "websocket.accept", "websocket.close"):
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except StarletteHTTPException:
-            raise
-        except Exception as exc:
-            where = {"method": scope.get("method", "WEBSOCKET"), "path": scope.get("path")}
-            log.error("unexpected error", exc_info=exc, extra={"fields": where})
-            with contextlib.suppress(Exception):  # the client may be gone already
-                if scope["type"] == "websocket":
-                    close = {"type": "websocket.close", "code": 1011, "reason": "internal_error"}
-                    await send(close)
-                elif not started:
-                    await _internal_error().response()(scope, receive, send)

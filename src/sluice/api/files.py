@@ -58,12 +58,20 @@ def file_object(meta: FileMeta) -> dict[str, Any]:
     }
 
 
+#: The longest file id looked up, in UTF-8 bytes: the store's ids are far shorter (``file-`` and 24
+#: characters), and a name past the file system's limit (255 bytes) would be an OSError, not a
+#: missing file.
+MAX_FILE_ID = 128
+
+
 def _not_found(file_id: str) -> APIError:
     return APIError(404, f"No such File object: {file_id}", "file_not_found", param="file_id")
 
 
 async def caller_file(store: BatchStore, caller: Caller, file_id: str) -> FileMeta:
     """The caller's own file, or 404 (another tenant's file is indistinguishable from none)."""
+    if len(file_id.encode("utf-8", "surrogatepass")) > MAX_FILE_ID:
+        raise _not_found(file_id)  # none is this long; and a store on disk cannot even look it up
     meta = await store.get_file(file_id)
     if meta is None or meta.tenant != caller.tenant:
         raise _not_found(file_id)

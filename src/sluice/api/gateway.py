@@ -211,11 +211,19 @@ class Gateway:
         return job
 
     async def build_job(
-        self, request: Request, caller: Caller, endpoint: Endpoint, body: dict[str, Any]
+        self,
+        request: Request,
+        caller: Caller,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        opts: SchedulingOptions | None = None,
     ) -> Job:
         """The job a validated request body makes; raises the APIError of the first rule it breaks
-        (the rules themselves are :func:`sluice.core.request.plan_job`)."""
-        opts = SchedulingOptions.model_validate(body)
+        (the rules themselves are :func:`sluice.core.request.plan_job`). ``opts``: the body as the
+        route validated it already (a ChatRequest is a SchedulingOptions), so that it is not
+        validated, nor walked for unreadable strings, a second time."""
+        if opts is None:
+            opts = SchedulingOptions.model_validate(body)
         s = self.settings
         model = await self.resolve_model(opts.model)
         asked = RequestedJob(

@@ -15,14 +15,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
-from sluice.api.relay import ACCEPT_WAIT_S, answer, engine_accepted, key_check, openai_stream, wait_for_client
-from sluice.api.schemas import ChatRequest, CompletionRequest
+from sluice.api.relay import (
+    ACCEPT_WAIT_S,
+    EventStream,
+    answer,
+    engine_accepted,
+    key_check,
+    openai_stream,
+    wait_for_client,
+)
+from sluice.api.request_id import HEADER as REQUEST_ID
+from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
 from sluice.core.job import Endpoint
 from sluice.core.model_info import ModelInfo
 
@@ -31,32 +39,33 @@ router = APIRouter(tags=["openai"])
 PING_S = 15
 
 
-async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any]) -> Response:
+async def complete(
+    request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any], opts: SchedulingOptions
+) -> EventStream | Response:
+    """The answer to a chat or completions request whose body ``opts`` validated (``body`` is its
+    dump): a JSON answer, or with ``stream`` an :class:`EventStream`. Raises the APIError of a
+    refusal. Both the FastAPI routes below and the lean ones (:mod:`sluice.api.lean`) answer so."""
     gw = gateway(request)
-    job = await gw.build_job(request, who, endpoint, body)
-    job.stream_tokens = bool(body.get("stream"))
+    job = await gw.build_job(request, who, endpoint, body, opts)
+    stream = bool(body.get("stream"))
+    job.stream_tokens = stream
     # A synchronous request holds a connection until it ends: count it before queueing anything.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(gw.connection(who))
         admission = await gw.admit(job, who, client_retry(request))
         job = admission.job
-        if body.get("stream"):
+        # x-request-id is the job's id (sluice.api.request_id), set here rather than by a wrapper.
+        headers = {"x-sluice-job-id": job.id, REQUEST_ID: job.id, **rate_headers(admission)}
+        if stream:
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
             held = stack.pop_all()  # the stream's generator releases the connection when it ends
-            return EventSourceResponse(
-                openai_stream(
-                    gw.broker,
-                    job,
-                    include_usage,
-                    gw.settings.max_stream_s,
-                    held,
-                    alive=key_check(request, who),
-                ),
-                ping=PING_S,
-                sep="\n",
-                headers={"x-sluice-job-id": job.id, **rate_headers(admission)},
+            return EventStream(
+                openai_stream(gw.broker, job, include_usage, held, alive=key_check(request, who)),
+                headers,
+                ping_s=PING_S,
+                limit_s=gw.settings.max_stream_s,
             )
         finished = await wait_for_client(request, gw.broker, job)
         try:
@@ -64,8 +73,26 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
         except APIError as exc:
             exc.job_id = job.id
             raise
-        response.headers.update({"x-sluice-job-id": job.id, **rate_headers(admission)})
+        response.headers.update(headers)
         return response
+
+
+class _Answer(Response):
+    """A Response that is an :class:`EventStream` (FastAPI's routes return Responses)."""
+
+    def __init__(self, stream: EventStream) -> None:
+        self.stream = stream
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.stream(scope, receive, send)
+        if self.background is not None:
+            await self.background()
+
+
+async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: SchedulingOptions) -> Response:
+    answered = await complete(request, who, endpoint, body.model_dump(exclude_none=True, mode="json"), body)
+    return _Answer(answered) if isinstance(answered, EventStream) else answered
 
 
 @router.post(
@@ -77,7 +104,7 @@ async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: dic
     },
 )
 async def chat_completions(request: Request, body: ChatRequest, who: Who) -> Response:
-    return await _complete(request, who, Endpoint.CHAT, body.model_dump(exclude_none=True, mode="json"))
+    return await _complete(request, who, Endpoint.CHAT, body)
 
 
 @router.post(
@@ -89,9 +116,7 @@ async def chat_completions(request: Request, body: ChatRequest, who: Who) -> Res
     },
 )
 async def completions(request: Request, body: CompletionRequest, who: Who) -> Response:
-    return await _complete(
-        request, who, Endpoint.COMPLETIONS, body.model_dump(exclude_none=True, mode="json")
-    )
+    return await _complete(request, who, Endpoint.COMPLETIONS, body)
 
 
 @router.get("/v1/models", responses=errors(*KEYED))

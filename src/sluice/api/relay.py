@@ -8,11 +8,13 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from datetime import UTC, datetime
+from typing import Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import HTTPConnection
+from starlette.types import Message, Receive, Scope, Send
 
 from sluice.api import auth
 from sluice.api.errors import APIError
@@ -26,25 +28,80 @@ T = TypeVar("T")
 DEADLINE_SLACK_S = 5.0
 
 
-async def _disconnected(request: Request) -> None:
+#: The ASGI scope extension through which the server calls back when a request's client leaves
+#: (sluice.roles.http_limits adds it): the cheap way to watch a client, no task per request.
+CLIENT_GONE = "sluice.client_gone"
+
+
+class ClientWatch(Protocol):
+    """``scope["extensions"][CLIENT_GONE]``: calls ``callback`` once the request's client has
+    disconnected (at once, soon, if it has already); the call returned stops watching."""
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+
+def client_watch(scope: Scope) -> ClientWatch | None:
+    """The server's :class:`ClientWatch` for this request, if it offers one."""
+    extensions = scope.get("extensions")
+    return extensions.get(CLIENT_GONE) if extensions else None
+
+
+async def _disconnected(receive: Receive) -> None:
     # The body was read already, so the next message is the disconnect, whenever it comes.
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def while_connected(request: Request, awaitable: Awaitable[T]) -> T | None:
-    """What ``awaitable`` gives, or None as soon as the client disconnects (it is then cancelled):
-    a long poll must not outlive its client, nor keep the connection slot it holds."""
+async def until_client_leaves(
+    scope: Scope, receive: Receive, awaitable: Awaitable[T]
+) -> tuple[bool, T | None]:
+    """``(True, what awaitable gives)``, or ``(False, None)`` as soon as the client disconnects,
+    ``awaitable`` then cancelled. With the server's :class:`ClientWatch` the awaitable runs in this
+    task, which the watch cancels; elsewhere a task reads the disconnect from ``receive``."""
+    watch = client_watch(scope)
+    if watch is None:
+        return await _until_disconnect_read(receive, awaitable)
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    def gone() -> None:
+        nonlocal left
+        left = True
+        task.cancel()
+
+    stop = watch.watch(gone)
+    try:
+        return True, await awaitable
+    except asyncio.CancelledError:
+        # Ours, and only ours: the client left. Anyone else's cancellation goes on.
+        if not left or task.uncancel() > 0:
+            raise
+        return False, None
+    finally:
+        stop()
+
+
+async def _until_disconnect_read(receive: Receive, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
     work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.create_task(_disconnected(request))
+    watcher = asyncio.create_task(_disconnected(receive))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (work, watcher):
             task.cancel()
-    return work.result() if work.done() and not work.cancelled() else None
+    if work.done() and not work.cancelled():
+        return True, work.result()
+    return False, None
+
+
+async def while_connected(request: Request, awaitable: Awaitable[T]) -> T | None:
+    """What ``awaitable`` gives, or None as soon as the client disconnects (it is then cancelled):
+    a long poll must not outlive its client, nor keep the connection slot it holds."""
+    _, result = await until_client_leaves(request.scope, request.receive, awaitable)
+    return result
 
 
 async def cancel_quietly(broker: Broker, job_id: str) -> None:
@@ -55,15 +112,9 @@ async def cancel_quietly(broker: Broker, job_id: str) -> None:
 async def wait_for_client(request: Request, broker: Broker, job: Job) -> Job | None:
     """Wait until the job is terminal; cancel it and return None if the client goes away first."""
     budget = max(job.deadline - job.created_at, 0) + DEADLINE_SLACK_S
-    waiter = asyncio.create_task(broker.wait(job.id, budget))
-    watcher = asyncio.create_task(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (waiter, watcher):
-            task.cancel()
-    if waiter in done and not waiter.cancelled():
-        return waiter.result()
+    stayed, finished = await until_client_leaves(request.scope, request.receive, broker.wait(job.id, budget))
+    if stayed:
+        return finished
     await cancel_quietly(broker, job.id)
     return None
 
@@ -209,29 +260,30 @@ async def openai_stream(
     broker: Broker,
     job: Job,
     include_usage: bool,
-    max_stream_s: float,
     held: contextlib.AsyncExitStack | None = None,
     alive: KeyCheck | None = None,
-) -> AsyncIterator[dict[str, Any]]:
-    """SSE payloads of an OpenAI stream, fed by the job's events. Cancels the job if the client leaves,
-    or if its key is revoked meanwhile (``alive``, see :func:`revocable`: an error payload ends it).
+) -> AsyncIterator[str]:
+    """SSE payloads (each one event's ``data``) of an OpenAI stream, fed by the job's events, for
+    :class:`EventStream`, which bounds the stream's time. Cancels the job if the stream ends before
+    the job does (the client left, the stream's time is up), or if the caller's key is revoked
+    meanwhile (``alive``, see :func:`revocable`: an error payload ends it).
 
     ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
     """
     sent_tokens = False
     finished = False
     try:
-        async for event in bounded(revocable(broker.events(job.id), alive), max_stream_s):
+        async for event in revocable(broker.events(job.id), alive):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
                 data = event.data
-                yield {"data": json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))}
+                yield json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))
             elif event.type is EventType.RETRY and sent_tokens:
                 # Tokens already sent cannot be taken back: end this stream with an error.
                 finished = True
                 err = {"message": "The engine failed mid-answer; retry the request.", "code": "engine_error"}
-                yield {"data": json.dumps({"error": {**err, "type": "server_error", "param": None}})}
-                yield {"data": "[DONE]"}
+                yield json.dumps({"error": {**err, "type": "server_error", "param": None}})
+                yield "[DONE]"
                 await cancel_quietly(broker, job.id)
                 return
             elif event.type is EventType.DONE:
@@ -242,20 +294,146 @@ async def openai_stream(
                     result = event.data.get("result")
                     fields = chunk_fields(result) if isinstance(result, dict) else None
                     usage = event.data.get("usage")
-                    yield {"data": json.dumps(chunk(job, [], usage=usage, fields=fields))}
-                yield {"data": "[DONE]"}
+                    yield json.dumps(chunk(job, [], usage=usage, fields=fields))
+                yield "[DONE]"
                 return
             elif event.type is EventType.ERROR:
                 finished = True
                 final = await broker.get(job.id)
                 error = failure(final or job)
-                yield {"data": json.dumps(error_body(error.message, error.type, error.code, error.param))}
-                yield {"data": "[DONE]"}
+                yield json.dumps(error_body(error.message, error.type, error.code, error.param))
+                yield "[DONE]"
                 return
     except KeyRevoked:
-        yield {"data": json.dumps({"error": REVOKED})}
+        yield json.dumps({"error": REVOKED})
     finally:
         if not finished:
             await cancel_quietly(broker, job.id)
         if held is not None:
             await held.aclose()
+
+
+#: SSE headers, as sse-starlette sent them: no cache may keep the stream, nor a proxy buffer it.
+SSE_HEADERS = (
+    (b"cache-control", b"no-store"),
+    (b"connection", b"keep-alive"),
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
+_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def sse_frame(data: str) -> bytes:
+    """One event of ``data`` (one ``data:`` line per line of it), as sse-starlette framed it."""
+    if "\n" not in data and "\r" not in data:
+        return b"data: " + data.encode() + b"\n\n"
+    lines = data.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return "".join(f"data: {line}\n" for line in lines).encode() + b"\n"
+
+
+def ping_frame() -> bytes:
+    """The keep-alive comment, as sse-starlette wrote it."""
+    return f": ping - {datetime.now(UTC)}\n\n".encode()
+
+
+class EventStream:
+    """An SSE answer written straight to the ASGI ``send``: each payload one ``data:`` frame, a
+    keep-alive comment every ``ping_s``, one deadline for the whole stream (``limit_s``, after which
+    it ends as if the payloads had) rather than a timer per event; and if the client leaves, the
+    payloads are closed (their ``finally`` cancels the job) and nothing more is sent.
+
+    Args:
+        payloads: each event's data, in order; closed however the stream ends.
+        headers: the answer's own headers (before the SSE ones).
+        ping_s: seconds between keep-alive comments; 0: none.
+        limit_s: the longest the stream may last; None: unbounded.
+    """
+
+    def __init__(
+        self,
+        payloads: AsyncIterator[str],
+        headers: dict[str, str] | None = None,
+        *,
+        ping_s: float = 15.0,
+        limit_s: float | None = None,
+    ) -> None:
+        self.payloads = payloads
+        self.headers = headers or {}
+        self.ping_s = ping_s
+        self.limit_s = limit_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": [*head, *SSE_HEADERS]})
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        left = False
+
+        def gone() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                task.cancel()
+
+        watch = client_watch(scope)
+        stop: Callable[[], None] | None = None
+        reader: asyncio.Task[None] | None = None
+        if watch is not None:
+            stop = watch.watch(gone)
+        else:
+            reader = asyncio.create_task(_call_when_gone(receive, gone))
+        pings = _Pings(loop, send, self.ping_s)
+        try:
+            async with asyncio.timeout(self.limit_s):
+                async for data in self.payloads:
+                    await send({"type": "http.response.body", "body": sse_frame(data), "more_body": True})
+        except TimeoutError:
+            pass  # the stream's time is up: it ends as a finished one does, the job cancelled
+        except asyncio.CancelledError:
+            if not left or task.uncancel() > 0:
+                raise
+        finally:
+            if stop is not None:
+                stop()
+            if reader is not None:
+                reader.cancel()
+            await pings.stop()
+            await self.payloads.aclose()  # type: ignore[attr-defined]
+        if not left:
+            await send(_END)
+
+
+async def _call_when_gone(receive: Receive, gone: Callable[[], None]) -> None:
+    await _disconnected(receive)
+    gone()
+
+
+class _Pings:
+    """A keep-alive comment every ``every`` seconds, sent by a short task when it is due (none
+    runs in between)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send: Send, every: float) -> None:
+        self._loop = loop
+        self._send = send
+        self._every = every
+        self._sending: asyncio.Task[None] | None = None
+        self._timer = loop.call_later(every, self._due) if every > 0 else None
+
+    def _due(self) -> None:
+        self._sending = self._loop.create_task(self._ping())
+
+    async def _ping(self) -> None:
+        await self._send({"type": "http.response.body", "body": ping_frame(), "more_body": True})
+        self._timer = self._loop.call_later(self._every, self._due)
+
+    async def stop(self) -> None:
+        """No more pings; one being sent is let finish, so that the stream's end comes after it."""
+        if self._timer is not None:
+            self._timer.cancel()
+        sending = self._sending
+        if sending is not None and not sending.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sending)
+        if self._timer is not None:
+            self._timer.cancel()

@@ -14,6 +14,10 @@ that never finish a request. The protocol below is uvicorn's own with the bounds
   closed; the app sees the client as gone;
 - an idle keep-alive connection is closed after ``keep_alive_s`` (uvicorn's own timer).
 
+Each request's scope also carries a :class:`ClientGone` (``extensions["sluice.client_gone"]``,
+:data:`sluice.api.relay.CLIENT_GONE`): the app registers a callback that runs when the client leaves,
+which watches a waiting request with no task or read of its own (``sluice.api.relay``).
+
 A refused client is answered, then the connection half-closed and drained for ``LINGER_S`` so that
 the answer reaches it rather than being lost to a reset, and then closed.
 """
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from sluice.api.relay import CLIENT_GONE
 from sluice.protocol import error_body
 
 #: How long a refused connection is drained before it is closed (seconds).
@@ -62,6 +68,39 @@ def _response(status: int, reason: str, message: str, code: str) -> bytes:
     return head.encode("ascii") + body
 
 
+class ClientGone:
+    """Calls back when the client of one request has left (its connection lost, or its body too
+    slow) before the answer was complete: :class:`sluice.api.relay.ClientWatch`.
+
+    Attributes:
+        cycle: uvicorn's request/response cycle of the request.
+    """
+
+    __slots__ = ("_callbacks", "_loop", "cycle")
+
+    def __init__(self, cycle: RequestResponseCycle, loop: asyncio.AbstractEventLoop) -> None:
+        self.cycle = cycle
+        self._loop = loop
+        self._callbacks: list[Callable[[], None]] = []
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        if self.cycle.disconnected:
+            handle = self._loop.call_soon(callback)
+            return handle.cancel
+        self._callbacks.append(callback)
+        return lambda: self._discard(callback)
+
+    def _discard(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        """The client left: call every callback once."""
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with :class:`ConnectionLimits` (a subclass of it per set of
     limits is made by :func:`bounded_protocol`, as uvicorn takes a class)."""
@@ -77,6 +116,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        #: the watches of this connection's requests that may still be answering
+        self._gone: list[ClientGone] = []
 
     # --- timers -------------------------------------------------------------------------------
 
@@ -109,7 +150,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # The app reads a disconnect from now on, and anything it still sends is dropped.
         cycle.disconnected = True
         cycle.message_event.set()
+        self._fire_gone()
         self._refuse(answer)
+
+    def _fire_gone(self) -> None:
+        gone, self._gone = self._gone, []
+        for watch in gone:
+            if watch.cycle.disconnected:
+                watch.fire()
 
     def _refuse(self, answer: bytes) -> None:
         """Answer (if there is anything to say), stop parsing, and close after a short drain."""
@@ -134,6 +182,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        for watch in self._gone:
+            if not watch.cycle.response_complete:
+                watch.cycle.disconnected = True  # a pipelined request's too: its client is gone
+        self._fire_gone()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -162,6 +214,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if not (self.parser.should_upgrade() and self._should_upgrade()):
             self._arm(self.limits.body_timeout_s, self._body_timeout)
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:
+                watch = ClientGone(cycle, self.loop)
+                self._gone = [w for w in self._gone if not w.cycle.response_complete]
+                self._gone.append(watch)
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+                extensions[CLIENT_GONE] = watch
 
     def on_message_complete(self) -> None:
         self._disarm()

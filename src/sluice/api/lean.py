@@ -1,0 +1,168 @@
+"""The hot routes without the framework: ``POST /v1/chat/completions`` and ``POST /v1/completions``
+as plain ASGI (read the body, validate it once, authenticate, admit, answer), in front of FastAPI,
+which keeps every other route, these routes' OpenAPI schema, and every answer to a body that is not
+plainly valid.
+
+A request takes the lean way only when its body is an ``application/json`` object that the route's
+model accepts; anything else (another Content-Type or none, JSON that does not parse or is not an
+object, a body the model refuses) is handed to FastAPI as it came, body included, so that its
+errors are exactly the framework's (:mod:`sluice.api.errors`). What the lean way answers itself is
+what the routes would: the same handler (:func:`sluice.api.openai.complete`), the same 401s and
+refusals (:class:`~sluice.api.errors.APIError`), the same 413 for a body over the cap
+(:mod:`sluice.api.limits`), the same 503 when the broker is unreachable, the same 500 for a bug
+(:class:`~sluice.api.limits.Guard`), each with its ``x-request-id``.
+
+What it saves per request (docs/benchmarks/overhead.md): FastAPI's dependency solving and second
+validation, and the six middleware layers each ``send`` went through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.types import Message, Receive, Scope, Send
+
+from sluice.api.auth import KeyRing
+from sluice.api.errors import APIError, internal_error
+from sluice.api.gateway import Gateway
+from sluice.api.openai import complete
+from sluice.api.request_id import HEADER as REQUEST_ID
+from sluice.api.request_id import JOB_HEADER, new_request_id
+from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
+from sluice.broker.base import BrokerUnavailable
+from sluice.core.admission import Refused
+from sluice.core.job import Endpoint
+
+log = logging.getLogger("sluice.gateway")
+
+#: The lean routes (all POST): the endpoint each one makes, and the model its body must pass.
+ROUTES: dict[str, tuple[Endpoint, type[SchedulingOptions]]] = {
+    "/v1/chat/completions": (Endpoint.CHAT, ChatRequest),
+    "/v1/completions": (Endpoint.COMPLETIONS, CompletionRequest),
+}
+
+
+def is_lean(scope: Scope) -> bool:
+    """Whether this request is one for the lean routes."""
+    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTES
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the framework, with the body already read given back first."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def send_error(send: Send, error: APIError) -> None:
+    """``error`` as its JSON answer, with its ``x-request-id`` (the job's where there is one)."""
+    response = error.response()
+    headers = response.headers
+    headers[REQUEST_ID] = headers.get(JOB_HEADER) or new_request_id()
+    await send(
+        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framework: Any) -> None:
+    """Answer one lean request, or hand it to ``framework`` (the app's own ASGI stack)."""
+    gw: Gateway = app.state.gateway
+    max_bytes = gw.settings.max_body_bytes
+    too_large = APIError(413, f"The request body exceeds {max_bytes} bytes.", "request_too_large")
+    content_type = b""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                if int(value) > max_bytes:
+                    await send_error(send, too_large)
+                    return
+        elif name == b"content-type":
+            content_type = value
+    chunks: list[bytes] = []
+    seen = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client left before its body was in: nobody to answer
+        part = message.get("body", b"")
+        seen += len(part)
+        if seen > max_bytes:
+            await send_error(send, too_large)
+            return
+        chunks.append(part)
+        if not message.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    endpoint, model = ROUTES[scope["path"]]
+    opts = _valid(raw, content_type, model)
+    if opts is None:
+        await framework(scope, _replay(raw, receive), send)
+        return
+    started = False
+
+    async def tracking_send(message: Message) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
+    try:
+        request = Request(scope, receive)
+        keyring: KeyRing = app.state.keyring
+        who = await keyring.authenticate(request)
+        answer = await complete(request, who, endpoint, opts.model_dump(exclude_none=True, mode="json"), opts)
+        await answer(scope, receive, tracking_send)
+    except APIError as error:
+        await _answer_error(send, error, started)
+    except Refused as refused:
+        await _answer_error(send, APIError.from_refused(refused), started)
+    except BrokerUnavailable as exc:
+        log.warning("broker unavailable: %s", exc)
+        unreachable = APIError(
+            503, "The queue is unreachable right now; retry shortly.", "broker_unavailable", retry_after_s=1.0
+        )
+        await _answer_error(send, unreachable, started)
+    except Exception as exc:
+        log.error(
+            "unexpected error", exc_info=exc, extra={"fields": {"method": "POST", "path": scope["path"]}}
+        )
+        await _answer_error(send, internal_error(), started)
+
+
+async def _answer_error(send: Send, error: APIError, started: bool) -> None:
+    if started:
+        return  # an answer has begun (a stream): it cannot become an error now
+    with contextlib.suppress(Exception):  # the client may be gone already
+        await send_error(send, error)
+
+
+def _valid(raw: bytes, content_type: bytes, model: type[SchedulingOptions]) -> SchedulingOptions | None:
+    """The body as ``model`` validated it, or None where the framework must answer it."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    if media != b"application/json":
+        return None
+    try:
+        data = json.loads(raw)
+    except Exception:  # not JSON, not UTF-8, nested past the recursion limit: the framework's words
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        opts: BaseModel = model.model_validate(data)
+    except (ValidationError, ValueError, RecursionError):
+        return None
+    assert isinstance(opts, SchedulingOptions)
+    return opts
