@@ -96,7 +96,7 @@ class KafkaBridge:
             while True:
                 await self._room.acquire()
                 self._room.release()
-                for tp in list(self._stale):
+                for tp in self._stale & self.consumer.assignment():  # one moved away: the new owner commits
                     await self._commit(tp)
                 records = await self.consumer.getmany(timeout_ms=500, max_records=self.max_inflight)
                 for tp, batch in records.items():
