@@ -73,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice kafka: {exc}", file=sys.stderr)
         return 2
+    classes = [c.name for c in settings.queue_classes()]
+    if args.priority is not None and args.priority not in classes:
+        # refused at start, not as an error answer to every record of the topic
+        print(
+            f"sluice kafka: --priority {args.priority!r} is not a class ({', '.join(classes)})",
+            file=sys.stderr,
+        )
+        return 2
     setup_logging(settings.log_level, settings.log_format)
     aio.run(bridge(settings, args))
     return 0
