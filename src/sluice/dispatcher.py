@@ -9,9 +9,12 @@ cancelled or lost.
 
 A claimed job is in ``running`` from the moment it is claimed, also while it waits for room in a
 token budget: its lease is renewed, its deadline watched and a cancel reaches it, so the broker
-never hands it out a second time. A job that waits holds back new claims only for the backends it
-could run on, so that it is next in when room frees; models served elsewhere are claimed as before.
-Claims are made only for models with a backend that has room.
+never hands it out a second time. Should it hand it out again all the same (its lease was lost: a
+late heartbeat, a failover that lost the claim) to this dispatcher while it still runs the job, the
+running attempt goes on under the new lease: the engine is not asked twice. A job that waits
+holds back new claims only for the backends it could run on, so that it is next in when room
+frees; models served elsewhere are claimed as before. Claims are made only for models with a
+backend that has room.
 
 A failed attempt is retried (on another backend if there is one) only while the job's deadline
 leaves time: no attempt starts after it, and no backoff or engine ejection is waited out past it.
