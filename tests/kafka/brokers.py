@@ -2,7 +2,7 @@
 memory storage or on S3 storage that outlives it.
 
 Tansu keeps no state of its own with S3 storage: topics, records, watermarks, consumer groups and
-their committed offsets are objects in a bucket, each written with a conditional PUT. A Tansu
+their committed offsets are objects in a bucket (the shared ones updated with conditional PUTs). A Tansu
 SIGKILLed and started again on the same port and bucket is the same broker, which is what a durable
 Kafka broker's restart looks like to its clients. The bucket is served by moto's S3 server (a
 process of its own on loopback, kept running while Tansu is killed).
