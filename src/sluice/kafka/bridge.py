@@ -8,7 +8,8 @@ A request is one record whose value is JSON ``{"id", "body", "endpoint"?}`` (``e
 Delivery is at least once: an offset is committed only once the answers of every record before it
 are written (acks from all in-sync replicas). A bridge that dies re-reads from the last commit; a
 record read again finds its job again (the idempotency key is the topic and the request's id), and
-an answer written twice has the same key, so the duplicates are removable by key. At most
+an answer written twice has the same key, so the duplicates are removable by key. A job the broker
+lost (a Redis restarted without its data) is admitted again, never answered as lost. At most
 ``max_inflight`` requests are admitted and unanswered at once, and a request the queue refuses is
 offered again after its Retry-After, without reading further: a full class stops consumption rather
 than buffering without bound.
