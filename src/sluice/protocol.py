@@ -289,14 +289,20 @@ class Assembler:
                     self.tokens += bool(text)
             # The choice's own fields: only what is new (a null the choice has already says nothing).
             fields = c.fields
-            rest = {k: v for k, v in raw.items() if k not in skip and (v is not None or k not in fields)}
-            if rest:
+            rest: dict[str, Any] | None = None
+            for key, value in raw.items():
+                if (value is None and key in fields) or key in skip:
+                    continue
+                if rest is None:
+                    rest = {}
+                rest[key] = value
+            if rest is not None:
                 _fold(fields, rest, False)
             relay.append(raw)
         return relay
 
     def _add_delta(self, c: _Choice, delta: Any) -> None:
-        if not isinstance(delta, Mapping):
+        if type(delta) is not dict and not isinstance(delta, Mapping):
             return
         if len(delta) == 1:
             content = delta.get("content")
