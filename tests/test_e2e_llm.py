@@ -8,10 +8,12 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from openai.types.chat import ChatCompletionMessageParam
 
 from sluice.core.job import JobState
 from sluice.local_engine.server import LocalEngine, find_llama_server, find_model
@@ -25,7 +27,9 @@ pytestmark = [
         reason="llama-server or the model is absent: run `sluice engine build` (about 4 minutes)",
     ),
 ]
-MSG = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+MSG: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me a long story about a lighthouse."}
+]
 # Completions with ignore_eos (a llama-server option) generate until max_tokens: long and predictable.
 LONG = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
 
@@ -140,14 +144,26 @@ async def test_queue_full_beyond_slots_and_bound(
     assert states == {JobState.CANCELLED}
 
 
+#: how long the job killed mid-answer may take to end: the engine's restart on a loaded machine
+#: (its own startup_timeout is 60 s), then the retry's 200 tokens from scratch; a bound, not a speed
+RESTARTED_JOB_S = 300.0
+#: attempts enough for the retries to outlast a restart that takes the engine's whole
+#: startup_timeout: each retry waits out the engine's ejection (1 s, doubling to 30 s). On the
+#: simulator killed and restarted late, 5 attempts gave up when it was down 12 s; 10 outlasted 60 s
+RESTART_ATTEMPTS = 10
+
+
+@pytest.mark.timeout(RESTARTED_JOB_S + 180)  # the engine's start, the streaming, then the bound
 async def test_engine_killed_mid_job_is_restarted_and_the_job_retried(
     engine: LocalEngine, http: httpx.AsyncClient
 ) -> None:
     import os
     import signal
 
-    async with run_gateway([engine.url], max_concurrency=engine.slots, max_attempts=5) as gw:
-        job_id = (await http.post(gw.url + "/v1/jobs", json={**LONG, "max_tokens": 200})).json()["id"]
+    async with run_gateway([engine.url], max_concurrency=engine.slots, max_attempts=RESTART_ATTEMPTS) as gw:
+        # Its deadline counts from admission, and must not come before the restarted engine answers.
+        body = {**LONG, "max_tokens": 200, "timeout": RESTARTED_JOB_S}
+        job_id = (await http.post(gw.url + "/v1/jobs", json=body)).json()["id"]
 
         async def streaming() -> bool:
             job = await gw.broker.get(job_id)
@@ -156,7 +172,15 @@ async def test_engine_killed_mid_job_is_restarted_and_the_job_retried(
         await wait_until(streaming, timeout=60)
         assert engine.pid is not None
         os.kill(engine.pid, signal.SIGKILL)
-        view = (await http.get(f"{gw.url}/v1/jobs/{job_id}", params={"wait": 60}, timeout=90)).json()
+        views: list[dict[str, Any]] = []
+
+        async def ended() -> bool:
+            r = await http.get(f"{gw.url}/v1/jobs/{job_id}", params={"wait": 20}, timeout=60)
+            views.append(r.json())
+            return views[-1]["status"] not in ("queued", "running")
+
+        await wait_until(ended, timeout=RESTARTED_JOB_S)
+        view = views[-1]
         assert view["status"] == "succeeded", view
         assert view["attempts"] >= 2 and view["usage"]["completion_tokens"] == 200
         assert engine.restarts >= 1
