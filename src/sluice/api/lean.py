@@ -38,8 +38,11 @@ from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.core.job import Endpoint
+from sluice.protocol import error_body
 
 log = logging.getLogger("sluice.gateway")
+
+_REQUEST_ID = REQUEST_ID.encode()
 
 #: The lean routes (all POST): the endpoint each one makes, and the model its body must pass.
 ROUTES: dict[str, tuple[Endpoint, type[SchedulingOptions]]] = {
@@ -68,14 +71,21 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def send_error(send: Send, error: APIError) -> None:
-    """``error`` as its JSON answer, with its ``x-request-id`` (the job's where there is one)."""
-    response = error.response()
-    headers = response.headers
-    headers[REQUEST_ID] = headers.get(JOB_HEADER) or new_request_id()
-    await send(
-        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
-    )
-    await send({"type": "http.response.body", "body": response.body})
+    """``error`` as its JSON answer (the bytes and headers ``error.response()`` makes, without
+    building the Response), with its ``x-request-id`` (the job's where there is one)."""
+    body = json.dumps(
+        error_body(error.message, error.type, error.code, error.param),
+        ensure_ascii=False,
+        allow_nan=False,
+        separators=(",", ":"),
+    ).encode()
+    named = error.headers()
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    headers.append((b"content-type", b"application/json"))
+    headers.append((_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framework: Any) -> None:

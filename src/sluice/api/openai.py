@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
-from sluice.api.gateway import client_retry, gateway, rate_headers
+from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
     ACCEPT_WAIT_S,
@@ -31,7 +31,7 @@ from sluice.api.relay import (
 )
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
-from sluice.core.job import Endpoint
+from sluice.core.job import Endpoint, Job
 from sluice.core.model_info import ModelInfo
 
 router = APIRouter(tags=["openai"])
@@ -49,32 +49,50 @@ async def complete(
     job = await gw.build_job(request, who, endpoint, body, opts)
     stream = bool(body.get("stream"))
     job.stream_tokens = stream
+    if not who.keyed or who.key_sha256 is None:
+        # No per-key connection cap to count against (open mode): no slot to hold, nor a stack.
+        return await _answer(request, who, gw, job, body, None)
     # A synchronous request holds a connection until it ends: count it before queueing anything.
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(gw.connection(who))
-        admission = await gw.admit(job, who, client_retry(request))
-        job = admission.job
-        # x-request-id is the job's id (sluice.api.request_id), set here rather than by a wrapper.
-        headers = {"x-sluice-job-id": job.id, REQUEST_ID: job.id, **rate_headers(admission)}
-        if stream:
-            options = body.get("stream_options")
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
-            held = stack.pop_all()  # the stream's generator releases the connection when it ends
-            return EventStream(
-                openai_stream(gw.broker, job, include_usage, held, alive=key_check(request, who)),
-                headers,
-                ping_s=PING_S,
-                limit_s=gw.settings.max_stream_s,
-            )
-        finished = await wait_for_client(request, gw.broker, job)
-        try:
-            response = answer(finished)
-        except APIError as exc:
-            exc.job_id = job.id
-            raise
-        response.headers.update(headers)
-        return response
+        return await _answer(request, who, gw, job, body, stack)
+
+
+async def _answer(
+    request: Request,
+    who: Caller,
+    gw: Gateway,
+    job: Job,
+    body: dict[str, Any],
+    stack: contextlib.AsyncExitStack | None,
+) -> EventStream | Response:
+    """Admit the job and answer it; ``stack`` holds the caller's connection slot (None: none),
+    handed to the stream's generator when the answer is a stream."""
+    stream = job.stream_tokens
+    admission = await gw.admit(job, who, client_retry(request))
+    job = admission.job
+    # x-request-id is the job's id (sluice.api.request_id), set here rather than by a wrapper.
+    headers = {"x-sluice-job-id": job.id, REQUEST_ID: job.id, **rate_headers(admission)}
+    if stream:
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
+        # The stream's generator releases the connection when it ends.
+        held = stack.pop_all() if stack is not None else None
+        return EventStream(
+            openai_stream(gw.broker, job, include_usage, held, alive=key_check(request, who)),
+            headers,
+            ping_s=PING_S,
+            limit_s=gw.settings.max_stream_s,
+        )
+    finished = await wait_for_client(request, gw.broker, job)
+    try:
+        response = answer(finished)
+    except APIError as exc:
+        exc.job_id = job.id
+        raise
+    response.headers.update(headers)
+    return response
 
 
 class _Answer(Response):

@@ -101,6 +101,51 @@ class ClientGone:
             callback()
 
 
+class OneWrite:
+    """The transport one request's answer is written through: the answer's head is held until
+    its body's first write, as long as that comes in the same turn of the event loop (an answer
+    sent whole does: its two ``send`` calls never wait), so that both go out in one write, one
+    trip through the kernel instead of two; a head whose body comes later (a stream) goes out at
+    the end of the turn. Everything else is the connection's transport itself.
+
+    Attributes:
+        transport: the connection's transport.
+    """
+
+    __slots__ = ("_first", "_held", "_loop", "transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, None
+        self.transport.write(held + data if held is not None else data)
+
+    def flush(self) -> None:
+        """Write what is held, if anything."""
+        held, self._held = self._held, None
+        if held is not None and not self.transport.is_closing():
+            self.transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with :class:`ConnectionLimits` (a subclass of it per set of
     limits is made by :func:`bounded_protocol`, as uvicorn takes a class)."""
@@ -216,6 +261,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.body_timeout_s, self._body_timeout)
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:
+                cycle.transport = OneWrite(self.transport, self.loop)  # type: ignore[assignment]
                 watch = ClientGone(cycle, self.loop)
                 self._gone = [w for w in self._gone if not w.cycle.response_complete]
                 self._gone.append(watch)
