@@ -5,8 +5,8 @@ simulator and llama-server over HTTP."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,12 +20,13 @@ from sluice.backends.engine_load import (
     load_from_slots,
     parse_prometheus,
 )
+from sluice.backends.http import EngineUnreachable
 from sluice.backends.openai import OpenAIBackend
 from sluice.core.concurrency import ConcurrencyLimit, EngineLoad
 from sluice.local_engine.server import LocalEngine, find_llama_server, find_model
 from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 
 VLLM_V1 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -162,54 +163,66 @@ def test_slots_new_and_old_shapes() -> None:
     assert load_from_slots([{"id": 0}]) is None
 
 
-@contextlib.asynccontextmanager
-async def _reader(handler: httpx.MockTransport) -> AsyncIterator[EngineLoadReader]:
-    async with httpx.AsyncClient(base_url="http://engine.test", transport=handler) as client:
-        yield EngineLoadReader(client)
+# The reader's choices (what it asks, when it asks again) over canned answers: a GET that answers
+# from a table by path, as EngineHTTP.get answers (status, body), or raises as it does.
+Answer = tuple[int, bytes] | EngineUnreachable
+
+
+def _reader(answers: Callable[[str], Answer], asked: list[str]) -> EngineLoadReader:
+    async def get(path: str, timeout_s: float) -> tuple[int, bytes]:
+        asked.append(path)
+        answer = answers(path)
+        if isinstance(answer, EngineUnreachable):
+            raise answer
+        return answer
+
+    return EngineLoadReader(get)
 
 
 async def test_an_engine_with_nothing_to_say_costs_its_first_read_only() -> None:
     asked: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.path)
-        return httpx.Response(404, text="not found")
-
-    async with _reader(httpx.MockTransport(handler)) as reader:
-        for _ in range(5):
-            assert await reader.read() is None
-        assert reader.kind is EngineKind.NONE
+    reader = _reader(lambda path: (404, b"not found"), asked)
+    for _ in range(5):
+        assert await reader.read() is None
+    assert reader.kind is EngineKind.NONE
     assert asked == ["/metrics", "/slots"]
 
 
 async def test_an_engine_that_cannot_be_reached_is_asked_again() -> None:
     asked: list[str] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.path)
+    def answers(path: str) -> Answer:
         if len(asked) == 1:
-            raise httpx.ConnectError("refused")
-        return httpx.Response(200, text=TGI)
+            return EngineUnreachable("ClientConnectorError", "refused")
+        return 200, TGI.encode()
 
-    async with _reader(httpx.MockTransport(handler)) as reader:
-        assert await reader.read() is None
-        assert reader.kind is None
-        assert await reader.read() == EngineLoad(16, 2, None, None)
-        assert reader.kind is EngineKind.TGI
+    reader = _reader(answers, asked)
+    assert await reader.read() is None
+    assert reader.kind is None
+    assert await reader.read() == EngineLoad(16, 2, None, None)
+    assert reader.kind is EngineKind.TGI
 
 
 async def test_slots_alone_are_read_where_metrics_are_off() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/metrics":
-            return httpx.Response(
-                501, json={"error": {"message": "This server does not support metrics endpoint."}}
-            )
-        return httpx.Response(200, json=SLOTS_NEW)
+    def answers(path: str) -> Answer:
+        if path == "/metrics":
+            return 501, b'{"error": {"message": "This server does not support metrics endpoint."}}'
+        return 200, json.dumps(SLOTS_NEW).encode()
 
-    async with _reader(httpx.MockTransport(handler)) as reader:
-        assert await reader.read() == EngineLoad(2, None, None, None, slots=3)
-        assert reader.kind is EngineKind.LLAMA_SLOTS
-        assert await reader.read() == EngineLoad(2, None, None, None, slots=3)
+    reader = _reader(answers, [])
+    assert await reader.read() == EngineLoad(2, None, None, None, slots=3)
+    assert reader.kind is EngineKind.LLAMA_SLOTS
+    assert await reader.read() == EngineLoad(2, None, None, None, slots=3)
+
+
+async def test_a_dead_engine_reports_nothing_and_the_backend_stays_usable() -> None:
+    # Over real HTTP: a port nobody listens on is a failed read (None), not an exception.
+    backend = OpenAIBackend(f"http://127.0.0.1:{free_port()}", connect_timeout_s=1.0)
+    try:
+        assert await backend.engine_load() is None
+        assert backend.engine_kind is None
+    finally:
+        await backend.aclose()
 
 
 async def test_the_simulator_reports_its_batch_and_queue() -> None:

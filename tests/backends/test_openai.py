@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import gc
+import itertools
 import json
+import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from sluice.backends.base import BackendError
 from sluice.backends.openai import OpenAIBackend
@@ -62,22 +65,34 @@ async def test_an_engine_error_is_retryable_and_the_next_request_succeeds(stream
             await backend.aclose()
 
 
-# Answers no real engine can be made to give on demand: the backend's HTTP client is replaced by
-# one on a mock transport (a private attribute, swapped for these tests alone).
+# Answers no real engine can be made to give on demand: a loopback engine whose every answer a
+# test's handler gives (the path asked and the body sent -> the response).
+Handler = Callable[[str, bytes], Response]
+
+
 @contextlib.asynccontextmanager
-async def _mocked(handler: Callable[[httpx.Request], httpx.Response]) -> AsyncIterator[OpenAIBackend]:
-    backend = OpenAIBackend("http://engine.test")
-    await backend._client.aclose()
-    backend._client = httpx.AsyncClient(base_url=backend.url, transport=httpx.MockTransport(handler))
-    try:
-        yield backend
-    finally:
-        await backend.aclose()
+async def _mocked(handler: Handler) -> AsyncIterator[OpenAIBackend]:
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def anything(request: Request) -> Response:
+        return handler(request.url.path, await request.body())
+
+    async with run_app(app) as url:
+        backend = OpenAIBackend(url)
+        try:
+            yield backend
+        finally:
+            await backend.aclose()
 
 
-def _sse(*payloads: str) -> httpx.Response:
+def _json(status: int, body: Any) -> Response:
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(*payloads: str) -> Response:
     body = "".join(f"data: {p}\n\n" for p in payloads)
-    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+    return Response(body, media_type="text/event-stream")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +105,7 @@ async def test_status_codes_are_classed_by_whether_another_attempt_can_help(
     status: int, retryable: bool, stream_tokens: bool
 ) -> None:
     body = {"error": {"message": "engine says no", "type": "x", "code": None}}
-    async with _mocked(lambda request: httpx.Response(status, json=body)) as backend:
+    async with _mocked(lambda path, sent: _json(status, body)) as backend:
         job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT, stream_tokens=stream_tokens)
         with pytest.raises(BackendError) as info:
             await assemble(backend, job)
@@ -99,7 +114,7 @@ async def test_status_codes_are_classed_by_whether_another_attempt_can_help(
 
 
 async def test_a_status_error_without_json_keeps_the_engines_text() -> None:
-    async with _mocked(lambda request: httpx.Response(503, text="upstream overloaded")) as backend:
+    async with _mocked(lambda path, sent: PlainTextResponse("upstream overloaded", 503)) as backend:
         job = engine_job("m", Endpoint.COMPLETIONS, max_tokens=SHORT)
         with pytest.raises(BackendError) as info:
             await assemble(backend, job)
@@ -108,7 +123,7 @@ async def test_a_status_error_without_json_keeps_the_engines_text() -> None:
 
 async def test_a_malformed_chunk_is_a_retryable_error() -> None:
     chunk = '{"choices": [{"index": 0, "delta": {"content": "a"}}]}'
-    async with _mocked(lambda request: _sse(chunk, "{not json", "[DONE]")) as backend:
+    async with _mocked(lambda path, sent: _sse(chunk, "{not json", "[DONE]")) as backend:
         job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT)
         with pytest.raises(BackendError) as info:
             await assemble(backend, job)
@@ -118,7 +133,7 @@ async def test_a_malformed_chunk_is_a_retryable_error() -> None:
 async def test_an_error_inside_the_stream_ends_it_with_the_engines_message() -> None:
     chunk = '{"choices": [{"index": 0, "delta": {"content": "a"}}]}'
     error = '{"error": {"message": "context shifted out", "type": "server_error"}}'
-    async with _mocked(lambda request: _sse(chunk, error, "[DONE]")) as backend:
+    async with _mocked(lambda path, sent: _sse(chunk, error, "[DONE]")) as backend:
         job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT)
         with pytest.raises(BackendError) as info:
             await assemble(backend, job)
@@ -130,12 +145,12 @@ async def test_an_error_inside_the_stream_ends_it_with_the_engines_message() -> 
 async def test_the_stream_asks_for_usage_and_the_whole_answer_drops_stream_options() -> None:
     sent: list[tuple[str, dict[str, Any]]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        sent.append((request.url.path, body))
+    def handler(path: str, raw: bytes) -> Response:
+        body = json.loads(raw)
+        sent.append((path, body))
         if body["stream"]:
             return _sse('{"choices": [], "usage": {"prompt_tokens": 1}}', "[DONE]")
-        return httpx.Response(200, json={"choices": [], "usage": {"prompt_tokens": 1}})
+        return _json(200, {"choices": [], "usage": {"prompt_tokens": 1}})
 
     async with _mocked(handler) as backend:
         streamed = engine_job("m", Endpoint.CHAT, max_tokens=SHORT)
@@ -229,3 +244,181 @@ async def test_a_client_priority_is_replaced_by_the_map() -> None:
         finally:
             await backend.aclose()
     assert bodies[0]["priority"] == 5
+
+
+# ------------------------------------------------------------------ the HTTP connection itself
+
+
+@contextlib.asynccontextmanager
+async def _engine(app: FastAPI, **kwargs: Any) -> AsyncIterator[OpenAIBackend]:
+    async with run_app(app) as url:
+        backend = OpenAIBackend(url, **kwargs)
+        try:
+            yield backend
+        finally:
+            await backend.aclose()
+
+
+CHUNK = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+
+
+def _chunk_line(text: str) -> str:
+    return "data: " + json.dumps({**CHUNK, "choices": [{"index": 0, "delta": {"content": text}}]})
+
+
+@MODES
+async def test_answers_reuse_one_kept_alive_connection(stream_tokens: bool) -> None:
+    ports: list[int] = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        assert request.client is not None
+        ports.append(request.client.port)
+        if (await request.json())["stream"]:
+            return _sse(_chunk_line("a")[6:], "[DONE]")
+        message = {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "stop"}
+        return _json(200, {**CHUNK, "object": "chat.completion", "choices": [message]})
+
+    async with _engine(app) as backend:
+        job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT, stream_tokens=stream_tokens)
+        for _ in range(3):
+            assembler, _ = await assemble(backend, job)
+            assert assembler.response()["choices"][0]["message"]["content"] == "a"
+    assert len(ports) == 3 and len(set(ports)) == 1, "one connection, kept alive between answers"
+
+
+async def test_stream_lines_cut_anywhere_with_any_line_break_are_read_whole() -> None:
+    # SSE allows \n, \r\n and \r; the network may cut the stream anywhere, inside a line or a
+    # line break; a line may be longer than aiohttp's own line limit (64 KiB).
+    long_text = "y" * 200_000
+    text = (
+        _chunk_line("a") + "\r\n\r\n" + _chunk_line("b") + "\n\n" + _chunk_line("c") + "\r\r"
+        ": a comment\n\n" + _chunk_line(long_text) + "\r\n\r\n" + "data: [DONE]\r\n\r\n"
+    )
+    cuts = [0, 3, 7, len(_chunk_line("a")) + 1, len(_chunk_line("a")) + 2, 250, 1000, 60_000, len(text)]
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        async def pieces() -> AsyncIterator[bytes]:
+            for start, end in itertools.pairwise(sorted(set(cuts))):
+                yield text[start:end].encode()
+                await asyncio.sleep(0.005)  # each piece its own write (the test holds either way)
+
+        return StreamingResponse(pieces(), media_type="text/event-stream")
+
+    async with _engine(app) as backend:
+        assembler, chunks = await assemble(backend, engine_job("m", Endpoint.CHAT, max_tokens=SHORT))
+    assert chunks == 4
+    assert assembler.response()["choices"][0]["message"]["content"] == "abc" + long_text
+
+
+@MODES
+async def test_an_engine_that_stops_answering_is_a_retryable_error_not_a_deadline(
+    stream_tokens: bool,
+) -> None:
+    # A bare TimeoutError would read as the job's own deadline in the dispatcher.
+    release = asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        await release.wait()
+        return _json(200, {"choices": []})
+
+    async with _engine(app, read_timeout_s=0.3) as backend:
+        try:
+            job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT, stream_tokens=stream_tokens)
+            with pytest.raises(BackendError) as info:
+                await assemble(backend, job)
+        finally:
+            release.set()  # before the server stops: it waits for its requests
+    assert info.value.retryable and info.value.status is None
+
+
+async def test_a_stream_cut_off_by_the_engine_is_a_retryable_error() -> None:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        async def pieces() -> AsyncIterator[bytes]:
+            yield (_chunk_line("a") + "\n\n").encode()
+            raise RuntimeError("the engine died")  # uvicorn drops the connection mid-answer
+
+        return StreamingResponse(pieces(), media_type="text/event-stream")
+
+    async with _engine(app) as backend:
+        with pytest.raises(BackendError) as info:
+            await assemble(backend, engine_job("m", Endpoint.CHAT, max_tokens=SHORT))
+    assert info.value.retryable and "the engine did not answer" in info.value.message
+
+
+async def test_the_api_key_goes_with_every_request() -> None:
+    seen: list[tuple[str, str | None]] = []
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def anything(request: Request) -> Response:
+        seen.append((request.url.path, request.headers.get("authorization")))
+        if request.url.path == "/v1/models":
+            return _json(200, {"data": [{"id": "m", "object": "model"}]})
+        if request.url.path == "/v1/chat/completions":
+            return _sse(_chunk_line("a")[6:], "[DONE]")
+        return _json(404, {"error": "no"})
+
+    async with _engine(app, api_key="sk-engine") as backend:
+        assert await backend.discover_models() == ["m"]
+        assert await backend.healthy()
+        await assemble(backend, engine_job("m", Endpoint.CHAT, max_tokens=SHORT))
+        assert await backend.engine_load() is None
+    assert {path for path, _ in seen} >= {"/v1/models", "/v1/chat/completions", "/metrics", "/slots"}
+    assert all(key == "Bearer sk-engine" for _, key in seen)
+
+
+async def test_the_connections_open_when_first_used_and_close_without_a_warning() -> None:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(200, {"data": [{"id": "m"}]})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with run_app(app) as url:
+            unused = OpenAIBackend(url)
+            await unused.aclose()  # never used: nothing to close
+            backend = OpenAIBackend(url)
+            assert await backend.healthy()
+            await backend.aclose()
+            # Used again after aclose (an engine that left and came back): it opens anew.
+            assert await backend.healthy()
+            await backend.aclose()
+            del unused, backend
+            gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+async def test_the_environments_proxy_carries_the_requests_as_it_did_with_httpx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A proxy on loopback that answers in the engine's place; the engine's name does not resolve.
+    asked: list[str] = []
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(request: Request) -> Response:
+        asked.append(f"{request.method} {request.url.path}")
+        return _json(200, {"data": [{"id": "m"}]})
+
+    async with run_app(app) as proxy_url:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        backend = OpenAIBackend("http://engine.invalid:8000/v1")
+        try:
+            assert await backend.discover_models() == ["m"]
+        finally:
+            await backend.aclose()
+    assert asked[0] == "GET /v1/models"  # and /props after it, as llama-server is asked

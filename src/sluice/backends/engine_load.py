@@ -22,20 +22,21 @@ engine; KV use is the fullest one's), as running / waiting / KV use / preemption
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import httpx
-
+from sluice.backends.http import EngineUnreachable
 from sluice.core.concurrency import EngineLoad
 
 __all__ = [
     "EngineKind",
     "EngineLoadReader",
+    "Get",
     "detect_kind",
     "load_from_metrics",
     "load_from_slots",
@@ -208,19 +209,25 @@ def load_from_slots(payload: Any) -> EngineLoad | None:
     return EngineLoad(running=busy, waiting=None, kv_usage=None, preemptions=None, slots=len(payload))
 
 
+#: A GET of a path of the engine's (no ``/v1``) within a timeout in seconds: its status and body.
+#: Raises :class:`~sluice.backends.http.EngineUnreachable` when the engine cannot be reached
+#: (:meth:`sluice.backends.http.EngineHTTP.get`).
+Get = Callable[[str, float], Awaitable[tuple[int, bytes]]]
+
+
 class EngineLoadReader:
-    """Reads one engine's load over its HTTP client, finding the engine's kind on the first read.
+    """Reads one engine's load over its HTTP connection, finding the engine's kind on the first read.
 
     Args:
-        client: the backend's client, whose base URL is the engine's (no ``/v1``).
+        get: the backend's GET (:data:`Get`).
         timeout_s: for each read: a slow report is dropped rather than waited for.
 
     Attributes:
         kind: what the engine was found to be; None until a read reached it.
     """
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout_s: float = 2.0) -> None:
-        self._client = client
+    def __init__(self, get: Get, *, timeout_s: float = 2.0) -> None:
+        self._get = get
         self._timeout_s = timeout_s
         self.kind: EngineKind | None = None
         self._slots: int | None = None
@@ -240,7 +247,7 @@ class EngineLoadReader:
                 if text is None
                 else load_from_metrics(self.kind, parse_prometheus(text), slots=self._slots)
             )
-        except (httpx.HTTPError, ValueError):
+        except (EngineUnreachable, ValueError):
             return None
 
     async def _detect(self) -> EngineLoad | None:
@@ -261,14 +268,14 @@ class EngineLoadReader:
         return load
 
     async def _text(self, path: str) -> str | None:
-        r = await self._client.get(path, timeout=self._timeout_s)
-        return r.text if r.status_code == 200 else None
+        status, raw = await self._get(path, self._timeout_s)
+        return raw.decode("utf-8", "replace") if status == 200 else None
 
     async def _json(self, path: str) -> Any:
-        r = await self._client.get(path, timeout=self._timeout_s)
-        if r.status_code != 200:
+        status, raw = await self._get(path, self._timeout_s)
+        if status != 200:
             return None
         try:
-            return r.json()
+            return json.loads(raw)
         except ValueError:
             return None

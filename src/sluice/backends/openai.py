@@ -8,10 +8,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sluice.backends.base import Backend, BackendError
 from sluice.backends.engine_load import EngineKind, EngineLoadReader
+from sluice.backends.http import TRANSPORT_ERRORS, EngineHTTP, EngineUnreachable, unreachable
 from sluice.core.concurrency import EngineLoad
 from sluice.core.job import Job
 from sluice.core.model_info import ModelInfo
@@ -19,6 +20,9 @@ from sluice.core.model_info import ModelInfo
 # Errors the engine may recover from, or that another engine may not have.
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 MAX_ERROR_BODY = 4096
+# Reading an answer's body: a RuntimeError is aiohttp's word for a read after the connection
+# closed (aclose), before the connection's own error is set: a lost connection all the same.
+_READ_ERRORS: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, RuntimeError)
 
 
 class OpenAIBackend(Backend):
@@ -35,7 +39,8 @@ class OpenAIBackend(Backend):
     ``priority_map`` (class -> number), when set, puts ``"priority": priority_map[job.priority]`` in
     every request body: vLLM's field for ``--scheduling-policy priority`` (lower runs sooner). A
     class the map does not name is sent without one. :meth:`engine_load` reads the engine's
-    ``/metrics`` or ``/slots`` (:mod:`sluice.backends.engine_load`).
+    ``/metrics`` or ``/slots`` (:mod:`sluice.backends.engine_load`). The connections are
+    :class:`~sluice.backends.http.EngineHTTP`'s, opened when first needed, closed by :meth:`aclose`.
     """
 
     def __init__(
@@ -60,14 +65,11 @@ class OpenAIBackend(Backend):
         )
         self.url = base
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=base,
-            headers=headers,
-            timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=10.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(max_concurrency, 8)),
+        self._http = EngineHTTP(
+            base, headers=headers, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s
         )
         self.priority_map: dict[str, int] | None = dict(priority_map) if priority_map is not None else None
-        self._load_reader = EngineLoadReader(self._client)
+        self._load_reader = EngineLoadReader(self._http.get)
 
     @property
     def engine_kind(self) -> EngineKind | None:
@@ -77,20 +79,32 @@ class OpenAIBackend(Backend):
     async def engine_load(self) -> EngineLoad | None:
         return await self._load_reader.read()
 
-    def _body(self, job: Job) -> dict[str, Any]:
-        """The job's body as the engine gets it: with its priority, where a map gives one."""
+    def _body(self, job: Job, *, stream: bool) -> dict[str, Any]:
+        """The job's body as the engine gets it: streamed with its usage or whole, with its
+        priority where a map gives one."""
         body = dict(job.body)
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        else:
+            body.pop("stream_options", None)
+            body["stream"] = False
         if self.priority_map is not None and job.priority in self.priority_map:
             body["priority"] = self.priority_map[job.priority]
         return body
 
     async def discover_models(self) -> list[str]:
         try:
-            r = await self._client.get("/v1/models", timeout=5.0)
-            r.raise_for_status()
-            data = r.json().get("data", [])
+            status, raw = await self._http.get("/v1/models", 5.0)
+            if not 200 <= status < 300:
+                raise ValueError(f"HTTP {status}")
+            data = json.loads(raw).get("data", [])
             listed = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
+        except EngineUnreachable as exc:
+            raise BackendError(
+                "cannot list the engine's models", retryable=True, detail=f"cannot list models: {exc.detail}"
+            ) from exc
+        except (ValueError, AttributeError, TypeError) as exc:
             raise BackendError(
                 "cannot list the engine's models", retryable=True, detail=f"cannot list models: {exc}"
             ) from exc
@@ -109,10 +123,10 @@ class OpenAIBackend(Backend):
 
     async def _props_context(self) -> int | None:
         """llama-server's context per slot, from ``/props``; None where the engine has no such page."""
-        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
-            r = await self._client.get("/props", timeout=2.0)
-            if r.status_code == 200:
-                props = r.json()
+        with contextlib.suppress(EngineUnreachable, ValueError, AttributeError, TypeError):
+            status, raw = await self._http.get("/props", 2.0)
+            if status == 200:
+                props = json.loads(raw)
                 settings = props.get("default_generation_settings")
                 found = settings.get("n_ctx") if isinstance(settings, dict) else None
                 return _positive(found) or _positive(props.get("n_ctx"))
@@ -120,47 +134,60 @@ class OpenAIBackend(Backend):
 
     async def healthy(self) -> bool:
         try:
-            r = await self._client.get("/v1/models", timeout=2.0)
-        except httpx.HTTPError:
+            status, _ = await self._http.get("/v1/models", 2.0)
+        except EngineUnreachable:
             return False
-        return r.status_code == 200
+        return status == 200
 
     async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         if not job.stream_tokens:
             yield await self._whole(job)
             return
-        body = self._body(job)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        content = _encode(self._body(job, stream=True))
+        response = await self._send(job, content)
+        # Released (back to the pool) once the answer was read to its end; closed otherwise (an
+        # abort: the generator closed or its task cancelled, an error), which ends the generation.
+        complete = False
         try:
-            content = _encode(body)
-            async with self._client.stream(
-                "POST", job.endpoint.path, content=content, headers=_JSON
-            ) as response:
-                if response.status_code != 200:
-                    raw = b""
-                    async for part in response.aiter_bytes():
-                        raw += part
-                        if len(raw) > MAX_ERROR_BODY:
-                            break
-                    raise _status_error(response.status_code, raw)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+            if response.status != 200:
+                raise _status_error(response.status, await _bounded(response))
+            pending = b""
+            read = response.content.readany
+            while True:
+                try:
+                    piece = await read()
+                except RuntimeError as exc:  # see _READ_ERRORS
+                    raise _transport_error(unreachable(exc)) from exc
+                if not piece:
+                    break
+                lines = (pending + piece).splitlines() if pending else piece.splitlines()
+                # The last line is whole only when a line break ends the piece (\r\n split across
+                # two pieces gives an empty line, which is skipped as any line but data's).
+                pending = b"" if piece.endswith((b"\n", b"\r")) else lines.pop() if lines else b""
+                for line in lines:
+                    if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
-                    if payload == "[DONE]":
+                    if payload == b"[DONE]":
+                        complete = True
                         return
-                    try:
-                        data = json.loads(payload)
-                    except ValueError as exc:
-                        raise BackendError(
-                            "the engine sent a malformed stream chunk", retryable=True
-                        ) from exc
-                    if isinstance(data, dict) and "error" in data:
-                        raise BackendError(_message(data), retryable=False)
-                    if isinstance(data, dict):
+                    data = _chunk(payload)
+                    if data is not None:
                         yield data
-        except httpx.HTTPError as exc:
+            complete = True
+        except TRANSPORT_ERRORS as exc:
+            raise _transport_error(unreachable(exc)) from exc
+        finally:
+            if complete:
+                # Whole: back to the pool (aiohttp closes it instead if any of the body is unread).
+                response.release()
+            else:
+                response.close()
+
+    async def _send(self, job: Job, content: bytes) -> aiohttp.ClientResponse:
+        try:
+            return await self._http.post(job.endpoint.path, content, _JSON)
+        except EngineUnreachable as exc:
             raise _transport_error(exc) from exc
 
     async def _whole(self, job: Job) -> dict[str, Any]:
@@ -168,42 +195,74 @@ class OpenAIBackend(Backend):
 
         Closing the connection still aborts the generation: vLLM and llama-server watch for it.
         """
-        body = {k: v for k, v in self._body(job).items() if k != "stream_options"}
-        body["stream"] = False
+        response = await self._send(job, _encode(self._body(job, stream=False)))
+        complete = False
         try:
-            response = await self._client.post(job.endpoint.path, content=_encode(body), headers=_JSON)
-        except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
-        if response.status_code != 200:
-            raise _status_error(response.status_code, response.content[:MAX_ERROR_BODY])
+            if response.status != 200:
+                raise _status_error(response.status, await _bounded(response))
+            raw = await response.read()
+            complete = True
+        except _READ_ERRORS as exc:
+            raise _transport_error(unreachable(exc)) from exc
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
         try:
-            data = response.json()
-            choices = [_as_delta(c) for c in data.get("choices") or []]
+            data = json.loads(raw)
+            # Every field the engine sent travels on (system_fingerprint, service_tier, its own):
+            # the assembler passes a whole answer through as it came, in the job's identity.
+            data["choices"] = [_as_delta(c) for c in data.get("choices") or []]
         except (ValueError, AttributeError, TypeError) as exc:
             raise BackendError("the engine sent a malformed answer", retryable=True) from exc
-        # Every field the engine sent travels on (system_fingerprint, service_tier, its own): the
-        # assembler passes a whole answer through as it came, in the job's identity.
-        return {**data, "choices": choices}
+        return data  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._http.aclose()
 
 
-def _transport_error(exc: httpx.HTTPError) -> BackendError:
-    # httpx's own text may carry the URL or the address it tried: only the operator's log gets it.
-    return BackendError(
-        f"the engine did not answer ({type(exc).__name__})",
-        retryable=True,
-        detail=f"{type(exc).__name__}: {exc}".rstrip(": "),
-    )
+def _chunk(payload: bytes) -> dict[str, Any] | None:
+    """One ``data:`` line of the engine's stream: its chunk; None for a line that is not an object;
+    the engine's error, raised."""
+    try:
+        data = json.loads(payload)
+    except ValueError as exc:
+        raise BackendError("the engine sent a malformed stream chunk", retryable=True) from exc
+    if not isinstance(data, dict):
+        return None
+    if "error" in data:
+        raise BackendError(_message(data), retryable=False)
+    return data
+
+
+async def _bounded(response: aiohttp.ClientResponse) -> bytes:
+    """The start of an error answer's body (an engine's error page may be large, or endless)."""
+    raw = b""
+    while len(raw) <= MAX_ERROR_BODY:
+        try:
+            piece = await response.content.read(MAX_ERROR_BODY + 1 - len(raw))
+        except RuntimeError as exc:  # see _READ_ERRORS; the caller maps the connection's error
+            raise aiohttp.ClientConnectionError(str(exc)) from exc
+        if not piece:
+            break
+        raw += piece
+    return raw[:MAX_ERROR_BODY]
+
+
+def _transport_error(exc: EngineUnreachable) -> BackendError:
+    # aiohttp's own text may carry the URL or the address it tried: only the operator's log gets it.
+    return BackendError(f"the engine did not answer ({exc.kind})", retryable=True, detail=exc.detail)
 
 
 def _as_delta(choice: dict[str, Any]) -> dict[str, Any]:
-    """A whole answer's choice in the shape of a stream chunk's, so one assembler handles both."""
-    out = {k: v for k, v in choice.items() if k != "message"}
+    """A whole answer's choice in the shape of a stream chunk's, so one assembler handles both
+    (in place: the decoded answer is this call's own)."""
+    if not isinstance(choice, dict):
+        raise TypeError("a choice is not an object")
     if "message" in choice:
-        out["delta"] = choice["message"]
-    return out
+        choice["delta"] = choice.pop("message")
+    return choice
 
 
 def _message(data: Any) -> str:
@@ -278,7 +337,7 @@ _JSON = {"Content-Type": "application/json"}
 
 
 def _encode(body: dict[str, Any]) -> bytes:
-    """The request body as JSON, as httpx would write it. A body that has no JSON form (a lone
+    """The request body as JSON, compact, UTF-8. A body that has no JSON form (a lone
     surrogate, NaN, nesting past the recursion limit; the gateway refuses these, so only a job
     queued by another build can hold one) fails its job as the client's error: the exception, whose
     message holds the text it choked on, goes nowhere."""
