@@ -405,6 +405,9 @@ class MemoryBroker(Broker):
                     return
             if rec.ended_stream:
                 return  # resumed after the terminal event: nothing more will come
+            if timeout is None:  # a live reader wakes once per token: no timer to set each time
+                await rec.signal.current().wait()
+                continue
             try:
                 async with asyncio.timeout(timeout):
                     await rec.signal.current().wait()
