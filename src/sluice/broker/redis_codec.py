@@ -27,6 +27,7 @@ from sluice.broker.redis_keys import (
     JOB_OWN_FIELDS,
     SLOTS_PREFIX,
     JobField,
+    drain_fill_field,
     drain_rate_field,
     drain_samples_field,
     drain_service_field,
@@ -216,7 +217,25 @@ def capacity_drain(capacity: Mapping[str, str], model: str, prior_per_slot: floa
         slots=int(capacity.get(slots_field(model), 0)),
         service=float(capacity.get(drain_service_field(model), 0.0)),
         slow=float(capacity.get(drain_slow_field(model), 0.0)),
+        **drain_fill(capacity.get(drain_fill_field(model), "")),
     )
+
+
+def drain_fill(text: str) -> dict[str, Any]:
+    """``DrainRate``'s fill fit from the capacity hash's ``g:`` field (``lua/_drain.lua``): the six
+    numbers fill, fit_u, fit_t, fit_uu, fit_ut and fills, space-separated; none when absent."""
+    parts = text.split()
+    if len(parts) != 6:
+        return {}
+    fill, fit_u, fit_t, fit_uu, fit_ut = map(float, parts[:5])
+    return {
+        "fill": fill,
+        "fit_u": fit_u,
+        "fit_t": fit_t,
+        "fit_uu": fit_uu,
+        "fit_ut": fit_ut,
+        "fills": int(parts[5]),
+    }
 
 
 # --- tenant limits ----------------------------------------------------------------------------
@@ -349,6 +368,8 @@ class AdmitRefusal:
     next_free: float | None = None
     #: how slow a job gets, per cost unit (``DrainRate.slow``)
     slow: float = 0.0
+    #: how a job slows as the batch fills: the capacity hash's ``g:`` field (:func:`drain_fill`)
+    fill: str = ""
 
     def drain(self, prior_per_slot: float) -> DrainRate:
         return DrainRate(
@@ -357,6 +378,7 @@ class AdmitRefusal:
             samples=self.samples,
             slots=self.slots,
             slow=self.slow,
+            **drain_fill(self.fill),
         )
 
 
@@ -370,7 +392,7 @@ class AdmitReply:
         {3}
         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
-            next_free, slow}
+            next_free, slow, fill}
     """
 
     #: what the script did
@@ -407,6 +429,7 @@ class AdmitReply:
         victim = _opt_int(reply[tenant_end + 5])
         next_free = _opt(reply[tenant_end + 6])
         slow = float(reply[tenant_end + 7])
+        fill = str(reply[tenant_end + 8]) if len(reply) > tenant_end + 8 else ""
         view = QueueView(
             model_jobs,
             model_tokens,
@@ -426,6 +449,7 @@ class AdmitReply:
             policy=PolicyState(above, standing, limit or 0.0, refused),
             next_free=next_free,
             slow=slow,
+            fill=fill,
         )
         return cls(outcome, tenant=TenantState.from_reply(reply[11:tenant_end]), refusal=refusal)
 

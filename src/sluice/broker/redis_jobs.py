@@ -26,7 +26,7 @@ from sluice.broker.redis_core import CANCELLED, EVICTED, RECORD_GRACE_S, STREAM_
 from sluice.broker.redis_events import decode_event
 from sluice.broker.redis_keys import JobField
 from sluice.broker.redis_shards import shard_of_job, tag_job_id
-from sluice.core import admission
+from sluice.core import admission, capacity
 from sluice.core.job import TERMINAL_STATES, Job, JobState
 from sluice.core.policy import Candidate
 from sluice.core.ratelimit import TenantLimits
@@ -89,6 +89,8 @@ class JobsMixin(RedisCore):
             repr(admission.MAX_RETRY_AFTER_S),
             repr(admission.RETRY_PATIENCE_S),
             repr(admission.RETRY_SHARE),
+            repr(capacity.FILL_RIDGE),
+            repr(capacity.MAX_FILL_SLOWDOWN),
             len(self._class_names),
             *self._class_names,
             *encode_job(job),

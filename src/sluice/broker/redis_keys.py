@@ -296,6 +296,13 @@ def drain_service_field(model: str) -> str:
     return f"d:{model}"
 
 
+def drain_fill_field(model: str) -> str:
+    """Capacity hash: how a job of ``model`` slows as the batch fills (``DrainRate.fill`` and its
+    fit), six numbers space-separated, written by finish.lua and read by admit and claim
+    (``lua/_drain.lua``, ``redis_codec.drain_fill``)."""
+    return f"g:{model}"
+
+
 def drain_slow_field(model: str) -> str:
     """Capacity hash: how slow a job of ``model`` gets, per cost unit (``DrainRate.slow``)."""
     return f"h:{model}"

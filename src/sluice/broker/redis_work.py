@@ -171,6 +171,8 @@ class WorkMixin(RedisCore):
                     *plan.fixed,
                     woken,
                     plan.unfinishable,
+                    repr(capacity.FILL_RIDGE),
+                    repr(capacity.MAX_FILL_SLOWDOWN),
                     *plan.tail,
                 ],
             )
@@ -281,7 +283,17 @@ class WorkMixin(RedisCore):
         token = self._tokens.pop((worker_id, job_id), "")
         reply = await self._call(
             "finish",
-            [k.job(job_id), k.out(job_id), k.active, k.results, k.running, k.capacity, k.blocked],
+            [
+                k.job(job_id),
+                k.out(job_id),
+                k.active,
+                k.results,
+                k.running,
+                k.capacity,
+                k.blocked,
+                k.workers,
+                k.worker_slots,
+            ],
             [
                 self._now(),
                 k.prefix,
@@ -296,6 +308,7 @@ class WorkMixin(RedisCore):
                 repr(SLOW_STEP),
                 used,
                 1 if capacity.WEIGHT_PER_SLOT else 0,  # read at each call: a switch tests may flip
+                repr(capacity.FILL_ALPHA),
                 *fields,
             ],
             shard,

@@ -24,14 +24,15 @@
 -- ARGV[28] error JSON of an evicted job (core.errors.evicted_error)
 -- ARGV[29] shortest, ARGV[30] longest Retry-After (admission.clamp_retry_after)
 -- ARGV[31] RETRY_PATIENCE_S         ARGV[32] RETRY_SHARE (admission.reserve)
--- ARGV[33] number of classes n      ARGV[34 .. 33+n] class names, highest first
--- ARGV[34+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[33] capacity.FILL_RIDGE      ARGV[34] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
+-- ARGV[35] number of classes n      ARGV[36 .. 35+n] class names, highest first
+-- ARGV[36+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
 --             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
---             next_free, slow}
+--             next_free, slow, fill}
 --                                                    refused; T is the tenant before the checks,
 --                                                    S the policy state before them
 -- where T is the key's rpm, tpm and max queued, the tenant's max concurrent and queued jobs, the
@@ -47,7 +48,8 @@
 -- state hash's field 'rv'), so that the refusals of a burst get distinct times, spread over the
 -- capacity that frees; a refusal of the tenant's own limits reserves nothing. slow is how slow a
 -- job gets, per cost unit (DrainRate.slow): the deadline check promises a job its generation at
--- that pace (DrainRate.slow_service_s).
+-- that pace (DrainRate.slow_service_s); fill is the model's fill fit (the 'g:' field, '' for none),
+-- how a job slows as the batch fills (DrainRate.slowdown), which the rate and that pace are at.
 -- Reads the earlier job's record for idempotency, the hashes and lists of the tenants in the
 -- capped set and the lists of the tenants backlogged in the job's class (their keys built from the
 -- prefix, same slot).
@@ -58,6 +60,7 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 -- @include _workers.lua
+-- @include _drain.lua
 -- @include _policy.lua
 
 local job_k, tq_k, sched_k, idem_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
@@ -77,10 +80,11 @@ for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
 local result_ttl, maxlen, evicted_error = tonumber(ARGV[26]), ARGV[27], ARGV[28]
 local retry_bounds = { tonumber(ARGV[29]), tonumber(ARGV[30]) }
 local patience, share = tonumber(ARGV[31]), tonumber(ARGV[32])
-local ncls = tonumber(ARGV[33])
+local fill_ridge, max_slowdown = tonumber(ARGV[33]), tonumber(ARGV[34])
+local ncls = tonumber(ARGV[35])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[33 + i] end
-local record_at = 34 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+for i = 1, ncls do classes[i] = ARGV[35 + i] end
+local record_at = 36 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -317,18 +321,20 @@ if victim and victim_n >= own + 2 then
   victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
 end
 
-local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e', 'h:' .. model)
+local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e', 'h:' .. model,
+  'g:' .. model)
 local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
-local slow = tonumber(d[5]) or 0
+local slow, fill = tonumber(d[5]) or 0, d[6] or ''
 if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
   workers_refresh(workers_k, wslots_k, capacity_k, now_s)
   workers_mark(workers_k, capacity_k)
   slots = tonumber(redis.call('HGET', capacity_k, 's:' .. model)) or 0
 end
 
--- DrainRate.rate and slot_rate
+-- DrainRate.rate and slot_rate, in a full batch (DrainRate.slowdown)
+local slowdown = fill_slowdown(fill, fill_ridge, max_slowdown)
 local slot_rate = drain_prior
-if samples > 0 then slot_rate = per_slot end
+if samples > 0 then slot_rate = per_slot / slowdown end
 local rate = math.max(slot_rate * math.max(slots, 1), 1e-3)
 local avg_cost = cost
 if model_jobs > 0 then avg_cost = model_tokens / model_jobs end
@@ -356,7 +362,7 @@ end
 local wait = ahead_tokens / rate -- DrainRate.wait_s
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
 local promised = service -- DrainRate.slow_service_s
-if samples > 0 then promised = math.max(cost * slow, service) end
+if samples > 0 then promised = math.max(cost * slow * slowdown, service) end
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; only the
@@ -396,6 +402,7 @@ if refused then
   out[#out + 1] = victim_cost or ''
   out[#out + 1] = next_free and num(next_free) or ''
   out[#out + 1] = num(slow)
+  out[#out + 1] = fill
   return out
 end
 

@@ -15,6 +15,7 @@
 -- ARGV[12] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
 -- ARGV[13] error JSON of a job dropped at dispatch, '{left}' (sluice.core.errors.UNFINISHABLE_LEFT)
 --          standing for the seconds it had left
+-- ARGV[14] capacity.FILL_RIDGE   ARGV[15] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
 -- then ncls class names, ncls class minimum shares, nmodels model names
 -- Returns {1, field, value, ...} the leased job's record
 --         {0}                    nothing to claim
@@ -28,6 +29,7 @@
 -- @include _job.lua
 -- @include _fairqueue.lua
 -- @include _classes.lua
+-- @include _drain.lua
 
 local active_k, deadline_k, results_k, running_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local blocked_k, capacity_k = KEYS[5], KEYS[6]
@@ -39,7 +41,8 @@ local lease_s, worker, token = tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local result_ttl, maxlen = tonumber(ARGV[6]), ARGV[7]
 local ncls, nmodels, max_expired = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local expired_error, woken, unfinishable_error = ARGV[11], ARGV[12] == '1', ARGV[13]
-local NAMES_AT = 14 -- ARGV[NAMES_AT ..]: class names, minimum shares, model names
+local fill_ridge, max_slowdown = tonumber(ARGV[14]), tonumber(ARGV[15])
+local NAMES_AT = 16 -- ARGV[NAMES_AT ..]: class names, minimum shares, model names
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
@@ -135,11 +138,15 @@ while true do
   st_flush(st)
   redis.call('ZREM', deadline_k, id)
 
-  -- DrainRate.service_s at the measured rate; before any measurement only the deadline counts.
+  -- DrainRate.service_s at the measured rate in a full batch (slot_rate); before any measurement
+  -- only the deadline counts.
   local left, service = tonumber(f.deadline) - now, nil
   if left > 0 then
-    local d = redis.call('HMGET', capacity_k, 'p:' .. models[m], 'n:' .. models[m])
-    if (tonumber(d[2]) or 0) > 0 then service = tonumber(f.cost) / math.max(tonumber(d[1]), 1e-3) end
+    local d = redis.call('HMGET', capacity_k, 'p:' .. models[m], 'n:' .. models[m], 'g:' .. models[m])
+    if (tonumber(d[2]) or 0) > 0 then
+      local slot_rate = tonumber(d[1]) / fill_slowdown(d[3], fill_ridge, max_slowdown)
+      service = tonumber(f.cost) / math.max(slot_rate, 1e-3)
+    end
   end
   if left <= 0 or (service and left < service) then
     local err = expired_error
@@ -152,9 +159,9 @@ while true do
   else
     local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
     local ls = redis.call('HINCRBY', capacity_k, 'ls', 1) -- the order leases are taken in (reap.lua)
+    local rb = redis.call('HINCRBY', running_k, models[m], 1) -- running with it at its start, itself too
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
-      'attempts', attempt, 'seq', seq, 'ls', ls })
-    redis.call('HINCRBY', running_k, models[m], 1)
+      'attempts', attempt, 'seq', seq, 'ls', ls, 'rb', rb })
     tenant_move(P, blocked_k, f.tenant, 'queued', 'running')
     redis.call('ZADD', active_k, now + lease_s, id)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')

@@ -1,0 +1,24 @@
+-- Shared by admit, claim and finish: the fill fit of sluice.core.capacity.DrainRate, kept in the
+-- capacity hash's field 'g:<model>' (redis_keys.drain_fill_field) as six numbers, space-separated:
+-- fill, fit_u, fit_t, fit_uu, fit_ut, fills.
+
+-- The six numbers of a 'g:' field ({} when absent).
+local function fill_fit(text)
+  local g = {}
+  for x in string.gmatch(text or '', '%S+') do g[#g + 1] = tonumber(x) end
+  return g
+end
+
+-- DrainRate.slowdown: how much slower a job runs in a full batch than at the fill the rate was
+-- measured at (1 when never told a fill).
+local function fill_slowdown(text, ridge, max_slowdown)
+  local g = fill_fit(text)
+  if #g < 6 or g[6] == 0 or g[3] <= 0 then return 1.0 end
+  local var = math.max(g[4] - g[2] * g[2], 0)
+  local cov = g[5] - g[2] * g[3]
+  local slope = math.max(cov, 0) / (var + ridge)
+  local at_fill = g[3] + slope * (g[1] - g[2])
+  local at_full = g[3] + slope * (1 - g[2])
+  if at_fill <= 0 then return max_slowdown end
+  return math.min(math.max(at_full / at_fill, 1), max_slowdown)
+end
