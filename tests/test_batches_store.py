@@ -59,6 +59,16 @@ async def test_files_are_kept_listed_and_deleted(store: BatchStore) -> None:
     assert await store.get_file("file-1") is None and await store.file_content("file-1") is None
 
 
+async def test_an_id_no_file_can_have_is_not_found(store: BatchStore) -> None:
+    # A client may send any id; one too long for a file name, or with a NUL or a path in it, is
+    # simply not there (the disk store must not let the file system's OSError out).
+    for bad in ["f" * 300, "é" * 150, "a\0b", "../file-1", ".hidden"]:
+        assert await store.get_file(bad) is None
+        assert await store.file_content(bad) is None
+        assert not await store.delete_file(bad)
+        assert await store.get_batch(bad) is None
+
+
 async def test_batches_and_which_are_active(store: BatchStore) -> None:
     await store.put_batch(record("batch_a", "t", 10.5))
     await store.put_batch(record("batch_b", "t", 10.7))

@@ -32,6 +32,21 @@ from sluice.filestore.base import TERMINAL_BATCH_STATUSES, BatchStore, FileMeta,
 log = logging.getLogger("sluice.batches")
 
 
+# The longest id that becomes a file name here. The store's own ids are far shorter; a longer one,
+# sent by a client, names nothing, and must not reach the file system, which would refuse a name
+# over 255 bytes with an OSError instead of "no such file".
+MAX_ID_BYTES = 200
+
+
+def _check_name(item_id: str, what: str) -> None:
+    """Raise ValueError for an id that cannot be one of this store's file names: a path separator,
+    a leading dot, a NUL, or more than MAX_ID_BYTES bytes. Callers read ValueError as not found."""
+    if "/" in item_id or "\0" in item_id or item_id.startswith("."):
+        raise ValueError(f"bad {what} id")
+    if len(item_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise ValueError(f"{what} id too long")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -120,8 +135,7 @@ class DiskStore(BatchStore):
     # --- files ---------------------------------------------------------------------------------
 
     def _file_paths(self, file_id: str) -> tuple[Path, Path]:
-        if "/" in file_id or file_id.startswith("."):
-            raise ValueError("bad file id")
+        _check_name(file_id, "file")
         return self._files / f"{file_id}.json", self._files / f"{file_id}.data"
 
     async def put_file(self, meta: FileMeta, content: bytes) -> None:
@@ -184,8 +198,7 @@ class DiskStore(BatchStore):
     # --- batches -------------------------------------------------------------------------------
 
     def _batch_path(self, batch_id: str, suffix: str) -> Path:
-        if "/" in batch_id or batch_id.startswith("."):
-            raise ValueError("bad batch id")
+        _check_name(batch_id, "batch")
         return self._batches / f"{batch_id}.{suffix}"
 
     async def put_batch(self, batch: dict[str, Any]) -> None:
