@@ -389,16 +389,29 @@ def run(
 
 def capacity(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
     """Answers per second of the engine kept saturated (a backlog that never runs dry, no deadlines)."""
+    return saturated(engine, seconds=seconds, seed=seed)[0]
+
+
+def service_p99(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
+    """The 99th percentile of one job's service time in the engine kept saturated: the floor of
+    the ok p99 of any scheduler that keeps its batch full (where it is over 5 s, an ok p99 of
+    5 s at full goodput cannot be had)."""
+    return saturated(engine, seconds=seconds, seed=seed)[1]
+
+
+def saturated(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> tuple[float, float]:
+    """The engine kept saturated: its answers per second, and the p99 of a job's service time."""
     sizes = random.Random(f"sizes-capacity-{seed}")
-    running: list[list[int]] = []  # [prompt, answer, tokens, admitted step, in batch]
-    waiting: deque[list[int]] = deque()
+    running: list[list[float]] = []  # [prompt, answer, tokens, admitted step, in batch, started]
+    waiting: deque[list[float]] = deque()
     t, done, steps = 0.0, 0, 0
+    services: list[float] = []
     while t < seconds:
         while len(running) < engine.slots:
-            job = [engine.prompt(sizes), engine.answer(sizes), 0, 0, 0]
+            job: list[float] = [engine.prompt(sizes), engine.answer(sizes), 0, 0, 0, t]
             running.append(job)
             waiting.append(job)
-        prefill = 0
+        prefill = 0.0
         while waiting:
             j = waiting[0]
             used = sum(r[0] + r[2] for r in running if r[4])
@@ -415,6 +428,7 @@ def capacity(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
             if r[2] >= r[1]:
                 running.remove(r)
                 done += 1
+                services.append(t - r[5])
         if engine.kv_tokens is not None:
             while True:
                 batch = [r for r in running if r[4]]
@@ -423,7 +437,8 @@ def capacity(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
                 newest = max(batch, key=lambda r: r[3])
                 newest[4] = 0
                 waiting.appendleft(newest)
-    return done / t
+    services.sort()
+    return done / t, services[min(len(services) - 1, int(0.99 * len(services)))] if services else math.nan
 
 
 def loads(cap: float, duration: float = 60.0) -> dict[str, Profile]:
@@ -501,10 +516,18 @@ def main() -> None:
             policies.append(_AdaptiveLifo(make_policy(name, **own)))
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     engines = {s: draw_engine(s) if args.engine == "family" else ENGINES[args.engine] for s in seeds}
-    caps = {s: capacity(e) for s, e in engines.items()}
+    floors = {s: saturated(e) for s, e in engines.items()}
+    caps = {s: f[0] for s, f in floors.items()}
+    possible = [s for s in seeds if floors[s][1] <= 5.0]  # where an ok p99 of 5 s can be had at all
+    beyond = ", ".join(f"{s} ({floors[s][1]:.1f} s)" for s in seeds if s not in possible) or "none"
+    print(
+        "Engines where one job's service in a full batch has a p99 over 5 s (no ok p99 ≤ 5 s at "
+        f"full goodput): {beyond}."
+    )
     print(f"Seeds {seeds.start}..{seeds.stop - 1}; medians over the runs (p99: of each run's p99).\n")
     print(
-        "| policy | load | goodput (% of capacity) | ok p99 | ok p99 ≤ 5 s | wasted | broken promises "
+        "| policy | load | goodput (% of capacity; target 98 % steady, 73 % spike) | ok p99 | ok p99 ≤ 5 s "
+        "| wasted | broken promises "
         "| retries ok | told not to retry |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -520,13 +543,20 @@ def main() -> None:
                     )
                 )
             pct = [100 * (r.goodput_steady if load == "steady" else r.goodput) / c for c, r in results]
+            waste = [100 * r.wasted_share for _, r in results]
+            fast = sum(
+                1 for s, (_, r) in zip(seeds, results, strict=True) if s in possible and r.ok_p99 <= 5.0
+            )
+            met = sum(1 for p in pct if p >= (98.0 if load == "steady" else 73.0))
             retries = sum(r.retries for _, r in results)
             retry_ok = 100 * sum(r.retries_ok for _, r in results) / retries if retries else math.nan
             print(
-                f"| {policy.describe()} | {load} | {_spread(pct, '{:.0f} %')} (worst {min(pct):.0f} %) "
+                f"| {policy.describe()} | {load} | {_spread(pct, '{:.0f} %')} (worst {min(pct):.0f} %; "
+                f"{met} of {len(pct)} at target) "
                 f"| {_spread([r.ok_p99 for _, r in results], '{:.1f} s')} "
                 f"| {sum(1 for _, r in results if r.ok_p99 <= 5.0)} of {len(results)} "
-                f"| {_spread([100 * r.wasted_share for _, r in results], '{:.1f} %')} "
+                f"({fast} of {len(possible)} where it can be) "
+                f"| {_spread(waste, '{:.1f} %')} (worst {max(waste):.1f} %) "
                 f"| {sum(r.broken for _, r in results)} of {sum(r.admitted for _, r in results)} "
                 f"| {retry_ok:.0f} % of {retries} | {sum(r.told_not_to for _, r in results)} |"
             )
