@@ -15,6 +15,7 @@ from sluice.broker import create_broker
 from sluice.broker.base import BrokerSettings, BrokerUnavailable
 from sluice.broker.redis import RedisBroker
 from sluice.broker.redis_pipe import unavailable
+from sluice.broker.redis_shards import SHARDS, shard_of_job, shard_of_model, tag_job_id
 from sluice.broker.redis_topology import (
     DEFAULT_WAIT_TIMEOUT_MS,
     Durability,
@@ -24,7 +25,7 @@ from sluice.broker.redis_topology import (
     parse_broker_url,
 )
 from sluice.config import ConfigError, Settings
-from sluice.core.job import JobState
+from sluice.core.job import JobState, new_job_id
 from sluice.roles.flags import REDIS_SCHEMES, shared_settings
 from sluice.roles.gateway import configure_parser
 from tests.broker.brokers import make_settings
@@ -66,6 +67,11 @@ def test_cluster_url() -> None:
     assert t.kind is Kind.CLUSTER and t.nodes == (("n1", 7000), ("n2", 7001), ("n3", 6379))
     assert (t.username, t.password, t.db) == ("user", "pw", 0)
     assert parse_broker_url("redis+cluster://n1:7000/0").kind is Kind.CLUSTER
+    # A cluster spreads a queue's models over its masters unless told not to; nothing else does.
+    assert t.spread and not parse_broker_url("redis+cluster://n1:7000?spread=none").spread
+    assert parse_broker_url("redis+cluster://n1:7000?spread=models").spread
+    assert not parse_broker_url("redis://h:6379").spread
+    assert not parse_broker_url("redis+sentinel://s1:26379/m").spread
 
 
 @pytest.mark.parametrize(
@@ -80,6 +86,7 @@ def test_cluster_url() -> None:
         ("redis+sentinel://s1:99999/m", "bad port"),
         ("redis+cluster://n1:7000/2", "only database 0"),
         ("redis+cluster://n1:7000?db=1", "unknown option"),
+        ("redis+cluster://n1:7000?spread=tenants", "spread= takes models or none"),
         ("rediss+sentinel://s1/m", "not supported"),
         ("redis+shard://n1", "unknown Redis URL scheme"),
     ],
@@ -186,3 +193,16 @@ async def test_too_few_replicas_is_a_fast_refusal(redis_url: str) -> None:
             await broker.cancel(job.id)
         cancelled = await broker.get(job.id)
         assert cancelled is not None and cancelled.state is JobState.CANCELLED
+
+
+def test_a_job_id_names_its_shard() -> None:
+    """A spread queue's job ids carry their shard, so a lookup by id needs nothing else; ids that
+    name none (one Redis, a made-up id) are looked for in the home shard."""
+    for shard in (0, 7, 0x2A, SHARDS - 1):
+        job_id = tag_job_id(new_job_id(), shard)
+        assert job_id.startswith("job_") and shard_of_job(job_id) == shard
+        assert shard_of_job(tag_job_id(job_id, shard)) == shard
+    assert shard_of_job(new_job_id()) is None  # base64url has no "."
+    for made_up in ("job_zz.x", "job_+f.x", "job_ f.x", "job_", "x", "job_2a"):
+        assert shard_of_job(made_up) is None
+    assert {shard_of_model(f"m{i}") for i in range(2000)} == set(range(SHARDS))

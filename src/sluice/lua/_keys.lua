@@ -1,7 +1,7 @@
 -- Shared by every script (included first). Key builders mirrored from sluice/broker/redis_keys.py,
 -- for the keys a script only learns from data (the tenant it pops, the job it finds expired); they
--- all start with the queue's hash-tagged prefix, so they live in the same cluster slot as the
--- declared KEYS.
+-- all start with the hash-tagged prefix of the shard the script was called on (redis_shards.py),
+-- so they live in the same cluster slot as the declared KEYS.
 -- tests/broker/test_redis.py checks that these builders and redis_keys.py agree.
 
 local ESCAPES, PARTS = { ['%'] = '%25', [':'] = '%3A' }, {}
