@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench import overhead
+from sluice.bench import overhead, overhead_load, overhead_profile, overhead_report
 from sluice.sim.server import serve_in_background
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -30,7 +30,7 @@ def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixtu
     expected = set(targets)
     expected |= {f"{t} streamed {n}" for t in targets for n in (8, 16)}
     expected |= {f"{t} flooded" for t in targets if t != "passthrough"}
-    expected |= {"httpx client alone", "aiohttp client alone"}
+    expected |= {f"{library} client alone" for library in overhead_load.CLIENTS}
     if HAVE_REDIS:
         expected |= {"1 gateway on Redis", "2 gateways on Redis", "sluice on Redis flooded"}
     assert set(rows) == expected
@@ -63,8 +63,8 @@ def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixtu
         extra = long["cpu_ms_per_request"]["gateway"] - short["cpu_ms_per_request"]["gateway"]
         assert result["per_token_us"][target] == pytest.approx(extra / 8 * 1000)
     printed = capsys.readouterr().out
-    groups = [g for g in overhead.GROUPS if HAVE_REDIS or g != "scaling"]
-    assert all(overhead.TITLES[group] in printed for group in groups)
+    groups = [g for g in overhead_report.GROUPS if HAVE_REDIS or g != "scaling"]
+    assert all(overhead_report.TITLES[group] in printed for group in groups)
 
 
 def test_the_load_generator_reads_the_simulators_answers() -> None:
@@ -74,17 +74,21 @@ def test_the_load_generator_reads_the_simulators_answers() -> None:
         async with serve_in_background() as url:
             port = int(url.rsplit(":", 1)[1])
             _, client = await asyncio.get_running_loop().create_connection(
-                overhead._Client, "127.0.0.1", port
+                overhead_load._Client, "127.0.0.1", port
             )
             try:
                 for stream in (False, True, False, True):
-                    request = overhead.request_bytes(url, overhead.Load(1, 5, stream=stream))
+                    request = overhead_load.request_bytes(url, overhead_load.Load(1, 5, stream=stream))
                     reply = await client.exchange(request)
                     assert (reply.status, reply.tokens, reply.close) == (200, 5, False)
                     assert reply.first_token is not None
-                reply = await client.exchange(overhead.request_bytes(url, overhead.Load(1, 0, stream=False)))
+                reply = await client.exchange(
+                    overhead_load.request_bytes(url, overhead_load.Load(1, 0, stream=False))
+                )
                 assert (reply.status, reply.tokens, reply.first_token) == (400, 0, None)
-                reply = await client.exchange(overhead.request_bytes(url, overhead.Load(1, 3, stream=True)))
+                reply = await client.exchange(
+                    overhead_load.request_bytes(url, overhead_load.Load(1, 3, stream=True))
+                )
                 assert (reply.status, reply.tokens) == (200, 3)
             finally:
                 client.close()
@@ -116,7 +120,7 @@ def test_the_load_generator_parses_answers_cut_anywhere() -> None:
     async def main() -> None:
         for raw, expected in ((chunked, (200, 2, False)), (sized, (429, 3, True))):
             for cut in range(len(raw) + 1):
-                client = overhead._Client()
+                client = overhead_load._Client()
                 client.connection_made(_Transport())  # type: ignore[arg-type]
                 reply = client.exchange(b"")
                 client.data_received(raw[:cut])
@@ -131,8 +135,18 @@ def test_the_load_generator_parses_answers_cut_anywhere() -> None:
 def test_top_frames_share_samples(tmp_path: Path) -> None:
     stacks = tmp_path / "raw.txt"
     stacks.write_text("main;serve;parse 6\nmain;serve;send 3\nmain;idle 1\nmain;serve;serve;parse 2\n")
-    frames = {frame: (total, own) for frame, total, own in overhead.top_frames(stacks)}
+    frames = {frame: (total, own) for frame, total, own in overhead_profile.top_frames(stacks)}
     assert frames["parse"] == (pytest.approx(8 / 12), pytest.approx(8 / 12))
     assert frames["serve"] == (pytest.approx(11 / 12), 0.0)  # a recurring frame counts once per sample
     assert frames["main"] == (1.0, 0.0)
     assert next(iter(frames)) == "parse"
+
+
+def test_the_engine_client_share_counts_every_stack_it_is_in(tmp_path: Path) -> None:
+    stacks = tmp_path / "raw.txt"
+    stacks.write_text(
+        "run (uvloop/__init__.py:1);stream (sluice/backends/openai.py:9);post (aiohttp/client.py:3) 5\n"
+        "run (uvloop/__init__.py:1);data_received (aiohttp/client_proto.py:7) 3\n"
+        "run (uvloop/__init__.py:1);handle (sluice/api/openai.py:2) 12\n"
+    )
+    assert overhead_profile.engine_client_share(stacks) == pytest.approx(8 / 20)
