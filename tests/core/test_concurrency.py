@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from sluice.core.concurrency import ConcurrencyLimit, EngineLoad, LimitPhase, StreamSample
+from sluice.core.concurrency import LOOKAHEAD, ConcurrencyLimit, EngineLoad, LimitPhase, StreamSample
 
 
 class Clock:
@@ -127,14 +128,54 @@ def test_the_limit_does_not_grow_while_it_does_not_bind() -> None:
     assert limiter.limit == 4
 
 
-def test_a_storm_of_preemptions_cuts_the_limit_to_what_runs() -> None:
+def test_a_storm_of_preemptions_cuts_the_limit_to_what_runs_and_its_lookahead() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=20)
     limiter.on_engine_load(_load(20, preemptions=3))
     clock.advance(2)
     limiter.on_engine_load(_load(16, kv=0.99, preemptions=13))
-    assert limiter.limit == 16
+    # The cache holds 16 now (what ran a poll ago does not count): 16 and 15 % waiting.
+    assert limiter.limit == 16 + math.ceil(LOOKAHEAD * 16)
     assert limiter.snapshot()["reason"] == "preemption"
+
+
+def test_a_kv_bound_engine_is_not_cut_to_a_passing_dip() -> None:
+    """A full cache with a queue, while a mix of long answers holds fewer sequences for a poll
+    or two: the limit stays at the most that ran lately (and its lookahead), not at the dip."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=64)
+    for running in (40, 40, 30, 30):
+        clock.advance(1)
+        limiter.on_engine_load(_load(running, waiting=10, kv=0.99))
+    assert limiter.limit == 40 + math.ceil(LOOKAHEAD * 40)
+    assert limiter.snapshot()["known_capacity"] is None  # the figure moves: no slow probing past it
+
+
+def test_an_engine_still_admitting_is_not_queueing() -> None:
+    """One request waits on two polls in a row, but the engine runs more each time: it takes
+    what it is sent (a request sent between two steps waits for the next), so no cut."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=64)
+    for running in (30, 36, 42, 48):
+        clock.advance(1)
+        limiter.on_engine_load(_load(running, waiting=1))
+    assert limiter.limit == 64
+
+
+def test_slow_start_doubles_as_soon_as_the_limit_started_without_waiting() -> None:
+    """The ACK clock: a whole limit's worth sent and its last stream's first token came at once,
+    so slow start doubles without waiting for an interval; it stays bounded by what was seen."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=4, interval_s=1.0)
+    limiter.on_first_token(1, 0.03)  # the baseline
+    for _ in range(3):
+        clock.advance(0.05)
+        n = limiter.limit
+        for i in range(1, n + 1):
+            limiter.on_dispatch(i)
+        limiter.on_first_token(n, 0.03)
+    assert limiter.limit == 32  # 4, 8, 16, 32 within 0.15 s
+    assert limiter.phase is LimitPhase.STARTING
 
 
 def test_a_few_preemptions_are_a_full_cache_not_too_many() -> None:

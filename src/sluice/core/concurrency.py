@@ -12,13 +12,17 @@ Signals, strongest first:
    llama-server ``requests_deferred``). A request sent between two engine steps waits until the
    next one, so a waiting request is a queue only on two polls in a row while the engine runs as
    many as it has run lately (or its KV cache is nearly full), or when many wait at once (slow
-   start overshooting). Then the limit drops to the engine's ``running`` count, remembered as its
+   start overshooting), unless the engine runs more than on the last poll (it is still admitting
+   what it is sent). Then the limit drops to the engine's ``running`` count, remembered as its
    known capacity; probing past it is slow (one more, ``reprobe_s`` after the last change), so
-   the waiting queue stays within a request or two. Where the KV cache is what bounds the engine,
-   a lookahead of :data:`LOOKAHEAD` of the batch may wait (llm-d's lookahead buffer): the engine
-   admits them as sequences end, and the cache stays full. A few preemptions are a full cache;
-   a storm (:data:`PREEMPTION_STORM` of the batch between two polls) cuts to ``running``. An
-   engine that says how many it can run at all (llama-server's slots) is never sent more.
+   the waiting queue stays within a request or two. Where the KV cache is what bounds the engine
+   (:data:`KV_HOLD` full), how many it holds moves with the answers' lengths: the limit follows
+   the most it ran in the last :data:`KV_RECENT_S` seconds plus a lookahead of :data:`LOOKAHEAD`
+   waiting (llm-d's lookahead buffer: the engine admits them as sequences end, and the cache
+   stays full), with no known capacity (growth is held back while the full cache has a queue).
+   A few preemptions are a full cache; a storm (:data:`PREEMPTION_STORM` of the batch between
+   two polls) says it holds fewer now: what runs, plus the lookahead. An engine that says how
+   many it can run at all (llama-server's slots) is never sent more.
 2. **Time per output token** against its objective, where one is set: above it, the limit drops
    by the gradient ``objective / tpot`` (bounded to halve at most, as in Netflix's Gradient2), or
    straight to the in-flight count where the fitted line ``tpot = a + b * inflight`` meets the
@@ -33,9 +37,12 @@ Signals, strongest first:
 4. **Overload answers** (429/503): a multiplicative decrease.
 
 Without trouble, and only when the limit binds (a request was sent with the limit in flight, or
-the engine runs that many), the limit grows: doubling every ``interval_s`` until the first sign of
-trouble (slow start, as TCP does: a 64-slot engine is found in seconds; blind, at most twice what
-has been seen to start without waiting), then additively. With no
+the engine runs that many), the limit grows: doubling until the first sign of trouble (slow
+start, as TCP does: a 64-slot engine is found in seconds; blind, at most twice what has been seen
+to start without waiting), then additively. Slow start doubles every :data:`SLOW_START_PACE` of
+``interval_s`` where an overshoot shows at once (the engine reports its queue, or first tokens
+are reported as they come), and at once when the first token of a stream sent at the limit came
+without waiting (TCP's ACK clock). With no
 objective the growth is throughput-seeking: it stops where the fitted line says one more sequence
 barely adds tokens per second across the batch (elasticity ``b*n / (a + b*n)`` above
 :data:`PLATEAU_ELASTICITY`: doubling the batch would add under ~7 % throughput).
@@ -69,7 +76,7 @@ __all__ = [
 #: batch being slower (d ln tpot / d ln n). At 0.9, doubling the batch would add ~7 % tokens/s.
 PLATEAU_ELASTICITY = 0.9
 #: KV-cache use at which the limit stops growing, and a waiting request is the cache being full.
-KV_HOLD = 0.92
+KV_HOLD = 0.8
 #: Starting limit when neither ``initial`` nor a fixed limit is given.
 DEFAULT_INITIAL = 4
 #: Requests a KV-bound engine may hold waiting, as a share of its batch: it admits them as the
@@ -80,6 +87,13 @@ PREEMPTION_STORM = 0.25
 #: The share of recent polls that found a request waiting (smoothed, 0.3 a poll) from which the
 #: engine's queue is real: two polls in a row.
 WAITING_PERSISTS = 0.5
+#: How far back a KV-bound engine's most running counts for its limit (seconds): long enough that
+#: a passing mix of long answers does not cut it, short enough to follow a cache that shrank.
+KV_RECENT_S = 10.0
+#: The share of a window's first tokens that waited in the engine that is queueing (blind).
+TTFT_QUEUED_SHARE = 0.25
+#: Slow start's least time between two doublings, as a share of ``interval_s``.
+SLOW_START_PACE = 0.5
 #: Multiplicative decrease on a congestion signal that does not say by how much.
 BACKOFF = 0.8
 #: What the limit aims the mean TPOT at, below the objective: answers' TPOTs spread around their
@@ -180,7 +194,7 @@ class ConcurrencyLimit:
         clock: Callable[[], float] = time.monotonic,
         interval_s: float = 1.0,
         memory_s: float = 60.0,
-        reprobe_s: float = 15.0,
+        reprobe_s: float = 5.0,
     ) -> None:
         if floor < 1:
             raise ValueError("floor must be at least 1")
@@ -336,6 +350,7 @@ class ConcurrencyLimit:
             self._set(self._engine_slots, "engine slots", now)
             return
         running = load.running or 0
+        grew = bool(self._recent_running) and running > self._recent_running[-1][1]
         self._recent_running.append((now, running))
         while self._recent_running and now - self._recent_running[0][0] > self._memory_s / 2:
             self._recent_running.popleft()
@@ -345,7 +360,9 @@ class ConcurrencyLimit:
         # free until the step). A queue persists while the engine runs all it can (as many as it
         # ever ran, or as many as its KV cache holds), or is large at once (slow start overshooting).
         waiting = load.waiting or 0
-        full = running >= most or (load.kv_usage is not None and load.kv_usage >= KV_HOLD)
+        # An engine still admitting (it runs more than on the last poll) is taking what it is
+        # sent: what waits there arrived between two steps, not a queue of its own.
+        full = (running >= most and not grew) or (load.kv_usage is not None and load.kv_usage >= KV_HOLD)
         queued = waiting > 0 and (
             (self._waiting_avg >= WAITING_PERSISTS and full) or waiting >= max(3, 0.25 * running)
         )
@@ -353,12 +370,22 @@ class ConcurrencyLimit:
         # Preemptions are the KV cache used to the full, which a KV-bound engine should be; only
         # a storm of them (a quarter of the batch between two polls) is too much.
         storm = preempted and delta_preempted > max(1.0, PREEMPTION_STORM * running)
+        if (queued or storm) and kv_bound and running > 0:
+            # The KV cache bounds the engine, and how many sequences it holds moves with their
+            # lengths (running dips while preempted ones wait to be readmitted): the limit follows
+            # the most it ran lately, plus a lookahead of waiting ones (llm-d's lookahead buffer)
+            # that it admits the moment the cache frees. No known capacity: the figure moves,
+            # and a full cache with a queue already holds growth back.
+            # A storm of preemptions says the cache holds fewer now (a tenant took memory): what
+            # ran just before counts; a queue alone may be a passing mix of long answers.
+            held = running if storm else max(r for t, r in self._recent_running if now - t <= KV_RECENT_S)
+            target = float(held + math.ceil(LOOKAHEAD * held))
+            self._decrease(target, "engine queue" if queued else "preemption", now)
+            return
         if queued or storm:
-            # The engine runs what it can; more waits in it. Where its KV cache bounds it, a few
-            # waiting (llm-d's lookahead buffer) keep the cache full as sequences end and grow.
-            lookahead = math.ceil(LOOKAHEAD * running) if kv_bound and not storm else 0
-            self._known_capacity = running + lookahead if running > 0 else self._known_capacity
-            target = float(running + lookahead) if running > 0 else self._value * BACKOFF
+            # The engine runs what it can; more waits in it.
+            self._known_capacity = running if running > 0 else self._known_capacity
+            target = float(running) if running > 0 else self._value * BACKOFF
             self._decrease(target, "engine queue" if queued else "preemption", now, bounded=not queued)
             return
         self._maybe_increase(now)
@@ -385,7 +412,23 @@ class ConcurrencyLimit:
             self._set(target, reason, now)
 
     def _maybe_increase(self, now: float) -> None:
-        if now - self._last_change < self._interval_s or now - self._last_congestion < 2 * self._interval_s:
+        # Slow start doubles faster than the steady state moves: each interval at a small limit
+        # is a share of the batch left idle while the arrivals pile up.
+        # Only where an overshoot shows at once (the engine's queue, or first tokens as they come).
+        fast = self.phase is LimitPhase.STARTING and (self._engine_reports_waiting or self._first_tokens)
+        pace = self._interval_s * (SLOW_START_PACE if fast else 1.0)
+        if (
+            self.phase is LimitPhase.STARTING
+            and self._first_tokens
+            and self._verified >= self.limit
+            and self._window_queued == 0
+        ):
+            # The first token of a stream sent at the limit came without waiting, and none has
+            # waited since the window began: the ACK clock of TCP's slow start; the engine has
+            # shown the whole limit's worth, whatever the clock says. (A TTFT read from a
+            # finished stream comes a whole answer late: no clock.)
+            pace = 0.0
+        if now - self._last_change < pace or now - self._last_congestion < 2 * self._interval_s:
             return
         current = self.limit
         if self.ceiling is not None and current >= self.ceiling:
@@ -472,7 +515,7 @@ class ConcurrencyLimit:
         self._window_started = now
         if self._engine_reports_waiting or samples == 0:
             return
-        if queued >= 2 and queued >= 0.25 * samples and lowest is not None:
+        if queued >= 2 and queued >= TTFT_QUEUED_SHARE * samples and lowest is not None:
             # A stream that started with ``lowest`` in flight waited in the engine: it runs fewer.
             self._known_capacity = max(self.floor, lowest - 1)
             guess = lowest - 1.0 if lowest - 1.0 < self._value else self._value * BACKOFF
