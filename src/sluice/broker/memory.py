@@ -77,6 +77,9 @@ class _Record:
     #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
     #: tenant); None when it came with no limits
     bucket: str | None = None
+    #: the model's running jobs just after this one started, itself included (the drain rate
+    #: learns from it how a job slows as the batch fills; Redis keeps it in the job's ``rb``)
+    running_at_start: int = 0
 
     @property
     def count(self) -> int:
@@ -560,6 +563,7 @@ class MemoryBroker(Broker):
             return None
         now = self.now()
         self._move(job, JobState.RUNNING)
+        self._records[job.id].running_at_start = self._running[job.model]
         job.started_at = now
         job.attempts += 1
         self._leases[job.id] = _Lease(worker_id, now + self.settings.lease_s)
@@ -637,13 +641,15 @@ class MemoryBroker(Broker):
             job.attempts = attempts
         if backend is not None:
             job.backend = backend
+        # The jobs that ran beside it, itself included: the mean of when it started and now.
+        beside = (rec.running_at_start + self._running.get(job.model, 0)) / 2
         self._settle(rec, state, error)
         if usage is not None and isinstance(usage.get("total_tokens"), int):
             limiter = self._charged_limiter(rec)
             if limiter is not None:
                 limiter.settle(job.cost, usage["total_tokens"], self.now())
         if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
-            self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at)
+            self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at, beside)
         return job
 
     async def dead_letters(self) -> dict[str, float]:
