@@ -21,7 +21,7 @@ from sluice.config import Settings
 from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.core.model_info import ModelInfo
-from sluice.core.request import RequestedJob, RequestRejected, plan_job
+from sluice.core.request import RequestedJob, RequestLimits, RequestRejected, plan_job
 from sluice.core.retry_after import RetryPromises
 from sluice.metrics import Metrics
 from sluice.startup import EngineStartup
@@ -67,6 +67,9 @@ class Gateway:
     _renewer: asyncio.Task[None] | None = None
     #: slots being given back (kept so that a release outlives the request that ended)
     _releases: set[asyncio.Task[None]] = field(default_factory=set)
+    #: ``settings.request_limits()``, made once: it is on every request's path, and the settings
+    #: do not change while the gateway runs
+    _limits: RequestLimits | None = None
 
     @contextlib.asynccontextmanager
     async def connection(self, caller: Caller) -> AsyncIterator[None]:
@@ -246,7 +249,9 @@ class Gateway:
         now = time.time()
         info = (await self.model_info()).get(model)
         try:
-            plan = plan_job(asked, s.request_limits(), caller.limits, now, info)
+            if self._limits is None:
+                self._limits = s.request_limits()
+            plan = plan_job(asked, self._limits, caller.limits, now, info)
         except RequestRejected as rejected:
             raise APIError(rejected.status, rejected.message, rejected.code, param=rejected.param) from None
         # The limits go to the engine as the client sent them (vLLM reads max_completion_tokens
