@@ -28,7 +28,7 @@ POLICIES: dict[str, QueuePolicy] = {
     "fifo": FifoPolicy(max_queued=5),
     "deadline": DeadlinePolicy(),
     # Scaled down to the run: jobs of ~0.1 to 0.6 s on 3 slots.
-    "codel": CoDelPolicy(target_s=0.2, interval_s=0.8, early_s=0.3, burst_rise=1.0, half_life_s=1.5),
+    "codel": CoDelPolicy(target_s=0.2, interval_s=0.8, early_s=0.3, burst_rise=1.5, half_life_s=1.5),
 }
 
 

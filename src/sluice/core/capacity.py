@@ -43,9 +43,9 @@ FILL_RIDGE = 0.002
 #: The most a full batch is taken to slow a job down against the fill it was measured at.
 MAX_FILL_SLOWDOWN = 4.0
 #: Whether the brokers' drain rates weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`).
-#: False until the Redis twin (lua/finish.lua) does the same (requested of its owner), so that the
+#: Both brokers read it (lua/finish.lua is told it at each call), so that the
 #: two brokers decide alike; ``sluice.bench.policy_model`` measures with it on.
-WEIGHT_PER_SLOT = False
+WEIGHT_PER_SLOT = True
 
 
 @dataclass
