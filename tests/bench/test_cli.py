@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from sluice.bench import cli as bench
+from sluice.bench import measure
 from sluice.bench.load import PROMPT, Record, is_retrier, parse_prometheus
 from sluice.bench.report import PLOTS_NEED, load_result
 from sluice.cli import build_parser
@@ -35,9 +36,9 @@ def test_counter_sums_the_samples_with_the_labels_asked_for() -> None:
         'sluice_admissions_total{outcome="refused",code="queue_full"} 5.0\n'
         "plain 1.5\n"
     )
-    assert bench._counter(values, "sluice_admissions_total", outcome="admitted") == 9.0
-    assert bench._counter(values, "sluice_admissions_total", outcome="expired") is None
-    assert bench._counter(values, "plain") == 1.5
+    assert measure.counter(values, "sluice_admissions_total", outcome="admitted") == 9.0
+    assert measure.counter(values, "sluice_admissions_total", outcome="expired") is None
+    assert measure.counter(values, "plain") == 1.5
 
 
 # -- end to end ----------------------------------------------------------------------------------
@@ -351,6 +352,14 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path: Path, ex
 # -- without the bench extra (tqdm, matplotlib) ----------------------------------------------------
 
 
+def test_the_fleet_bench_does_not_import_the_bench_command_line() -> None:
+    """No import cycle: the fleet bench uses the shared spawn and measure modules, and the bench
+    command line imports the fleet bench, not the other way round."""
+    code = "import sys, sluice.bench.fleet; print('sluice.bench.cli' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
 def test_importing_the_bench_loads_neither_matplotlib_nor_tqdm() -> None:
     code = (
         "import sys, sluice.bench.cli, sluice.bench.report; "
@@ -364,14 +373,14 @@ def test_progress_is_one_plain_line_without_tqdm(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` raises ImportError
-    assert bench._progress(12, "1/2 steady", disabled=False) is None
+    assert measure.progress(12, "1/2 steady", disabled=False) is None
     assert capsys.readouterr().err == "1/2 steady: 12 requests\n"
-    assert bench._progress(12, "off", disabled=True) is None
+    assert measure.progress(12, "off", disabled=True) is None
     assert capsys.readouterr().err == ""
 
 
 def test_progress_is_a_bar_with_tqdm(capsys: pytest.CaptureFixture[str]) -> None:
-    bar = bench._progress(3, "steady", disabled=False)
+    bar = measure.progress(3, "steady", disabled=False)
     assert bar is not None
     bar.update(3)
     bar.close()

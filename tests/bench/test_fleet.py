@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sluice.bench import fleet
+from sluice.bench import fleet, fleet_watch
 from sluice.bench.load import PROMPT, parse_prometheus
 from sluice.cli import build_parser
 from sluice.config import load_settings
@@ -80,7 +80,7 @@ def test_the_adaptive_arm_is_one_pool_with_no_limit_set(tmp_path: Path) -> None:
 
 
 def test_an_engine_is_read_whichever_engine_it_is() -> None:
-    sim = fleet._engine_values(
+    sim = fleet_watch._engine_values(
         parse_prometheus(
             'vllm:num_requests_running{model_name="sim"} 3\nvllm:num_requests_waiting{model_name="sim"} 1\n'
             'vllm:request_success_total{model_name="sim",finished_reason="length"} 7\n'
@@ -91,14 +91,14 @@ def test_an_engine_is_read_whichever_engine_it_is() -> None:
     assert sim == {"running": 3, "waiting": 1, "finished": 7, "generated": 900, "wasted": 5}
     # llama-server counts neither finished requests nor wasted tokens: those are absent, not NaN
     # (a result file is strict JSON).
-    llama = fleet._engine_values(
+    llama = fleet_watch._engine_values(
         parse_prometheus(
             "llamacpp:requests_processing 2\nllamacpp:requests_deferred 4\n"
             "llamacpp:tokens_predicted_total 50\n"
         )
     )
     assert llama == {"running": 2, "waiting": 4, "generated": 50}
-    assert fleet._engine_values({"vllm:num_requests_running": float("nan")}) == {}
+    assert fleet_watch._engine_values({"vllm:num_requests_running": float("nan")}) == {}
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:

@@ -17,33 +17,35 @@ targets (the engine alone, or a gateway with that ``--queue-policy``), and write
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import os
 import shlex
-import socket
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
 from sluice import aio
-from sluice.bench.load import MODES, PROMPT, Client, MetricsSampler, Profile, Record, arrivals, run_load
+from sluice.bench.load import MODES, PROMPT, MetricsSampler, Profile
+from sluice.bench.measure import measure, plots_or_say_why, settle
 from sluice.bench.report import (
-    PLOTS_NEED,
-    RESULT_VERSION,
     load_result,
     markdown,
     plot_compare,
     plot_run,
-    plots_available,
     resummarize,
-    summarize,
     write_result,
+)
+from sluice.bench.spawn import (
+    Targets,
+    choose_port,
+    free_port,
+    log_file,
+    port_number,
+    spawn_sim,
+    spawn_sluice,
+    stop,
 )
 
 __all__ = ["POLICY_ENTRIES", "choose_port", "configure_parser", "free_port", "measure", "port_number", "run"]
@@ -51,8 +53,6 @@ __all__ = ["POLICY_ENTRIES", "choose_port", "configure_parser", "free_port", "me
 # What --policies may name: the engine alone, or a gateway with that --queue-policy in front of it.
 POLICY_ENTRIES = ("direct", "cap", "fifo", "deadline", "codel")
 
-# Once every client has its outcome, give the targets this long to abort and forget what is left.
-SETTLE_S = 5.0
 # A generator that sends this late is no longer offering the load it claims to.
 MAX_SEND_LAG_S = 0.05
 
@@ -186,131 +186,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# -- spawned servers -----------------------------------------------------------------------------
-
-
-@dataclass
-class Targets:
-    """Where the load goes and what to read alongside it."""
-
-    target: str
-    mode: str
-    engine_metrics: str | None = None
-    gateway_metrics: str | None = None
-    capacity: float | None = None
-    capacity_source: str | None = None
-    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a child process to bind)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_number(text: str) -> int:
-    """A port number from the command line, 1 to 65535 (argparse ``type``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, not {value}")
-    return value
-
-
-def choose_port(requested: int | None) -> int:
-    """``requested`` if nothing listens on it on 127.0.0.1, else ValueError; a free one if None.
-
-    Checked before a child is started on it: a server already there would answer the readiness
-    probe in the child's place, and the run would measure the wrong server. SO_REUSEADDR, as the
-    servers bind, so that the connections a previous run's server left in TIME_WAIT do not count.
-    """
-    if requested is None:
-        return free_port()
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", requested))
-        except OSError as exc:
-            raise ValueError(f"port {requested} on 127.0.0.1 is taken ({exc.strerror or exc})") from None
-    return requested
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is not None:
-        return
-    proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), 10)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-
-
-async def _spawn_listener(
-    argv: list[str], log: IO[bytes], what: str
-) -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``python ARGV``, a server that binds its own port and prints ``listening on URL`` first."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=log
-    )
-    assert proc.stdout is not None
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    except TimeoutError:
-        line = ""
-    if "listening on " not in line:
-        await _stop(proc)
-        raise RuntimeError(f"the {what} did not start (see {log.name})")
-    return proc, line.split("listening on ")[1].split()[0]
-
-
-async def _spawn_sim(
-    preset_name: str, log: IO[bytes], port: int | None = None, extra: list[str] | None = None
-) -> tuple[asyncio.subprocess.Process, str]:
-    """``sluice sim --preset PRESET`` with ``extra`` flags (they override the preset's); its URL."""
-    # Without a chosen port the simulator binds port 0 itself: no window for another to take it.
-    listen = "0" if port is None else str(choose_port(port))
-    argv = ["-m", "sluice.cli", "sim", "--preset", preset_name, "--port", listen, *(extra or [])]
-    return await _spawn_listener(argv, log, "simulator")
-
-
-async def _spawn_sluice(
-    backend: str, concurrency: int, extra: list[str], log: IO[bytes], port: int | None = None
-) -> tuple[asyncio.subprocess.Process, str]:
-    args = ["--backend", backend, "--max-concurrency", str(concurrency), *extra]
-    return await _spawn_gateway(args, log, port)
-
-
-async def _spawn_gateway(
-    serve_args: list[str], log: IO[bytes], port: int | None = None
-) -> tuple[asyncio.subprocess.Process, str]:
-    """``sluice serve SERVE_ARGS`` on ``port`` (a free one if None), once ``/readyz`` answers 200."""
-    port = choose_port(port)
-    # Flags given later win: the caller's may override the log level.
-    args = ["--port", str(port), "--log-level", "warning", *serve_args]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sluice.cli", "serve", *args, stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(timeout=2.0) as http:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.returncode is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(f"{url}/readyz")).status_code == 200:
-                    return proc, url
-            await asyncio.sleep(0.1)
-    await _stop(proc)
-    raise RuntimeError(f"the gateway did not become ready (see {log.name})")
-
-
-def _log_file(path: Path) -> IO[bytes]:
-    # Children write their logs straight into the file, so the bench never has to drain a pipe.
-    return open(path, "wb")
-
-
 def _check_args(args: argparse.Namespace) -> list[str]:
     """Reject a command line that cannot run before anything is spawned; return the --policies entries."""
     entries = [e.strip() for e in (args.policies or "").split(",") if e.strip()]
@@ -376,8 +251,8 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
                     found.capacity = capacity_rps(params, args.max_tokens, estimate_chat_tokens([PROMPT]))
                     found.capacity_source = f"simulator formula (preset {args.spawn_sim})"
                 slots = args.slots or params.max_num_seqs
-                sim_log = logs.enter_context(_log_file(out / f"sim{suffix}.log"))
-                proc, engine_url = await _spawn_sim(args.spawn_sim, sim_log, args.sim_port)
+                sim_log = logs.enter_context(log_file(out / f"sim{suffix}.log"))
+                proc, engine_url = await spawn_sim(args.spawn_sim, sim_log, args.sim_port)
                 found.processes.append(proc)
                 found.engine_metrics = f"{engine_url}/metrics"
             else:
@@ -386,10 +261,10 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
                 slots = args.slots  # _check_args made sure a gateway in front of --target has it
             found.target = engine_url
             if gateway:
-                gw_log = logs.enter_context(_log_file(out / f"sluice{suffix}.log"))
+                gw_log = logs.enter_context(log_file(out / f"sluice{suffix}.log"))
                 # Flags given later win, so the entry's policy overrides one in --sluice-args.
                 extra = shlex.split(args.sluice_args) + (["--queue-policy", policy] if policy else [])
-                proc, gw_url = await _spawn_sluice(engine_url, slots, extra, gw_log, args.sluice_port)
+                proc, gw_url = await spawn_sluice(engine_url, slots, extra, gw_log, args.sluice_port)
                 found.processes.append(proc)
                 found.target, found.gateway_metrics = gw_url, f"{gw_url}/metrics"
             elif mode != "direct":
@@ -397,203 +272,7 @@ async def targets(args: argparse.Namespace, out: Path, policy: str | None = None
             yield found
         finally:
             for proc in reversed(found.processes):
-                await _stop(proc)
-
-
-# -- the run -------------------------------------------------------------------------------------
-
-
-def _counter(values: dict[str, float], name: str, **labels: str) -> float | None:
-    """Sum of the samples of ``name`` whose labels include ``labels``; None if there is none."""
-    if not labels:
-        return values.get(name)
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    hits = [v for k, v in values.items() if k.startswith(name + "{") and all(w in k for w in want)]
-    return sum(hits) if hits else None
-
-
-def _delta(after: float | None, before: float | None) -> int | None:
-    return None if after is None or before is None else round(after - before)
-
-
-async def _discover_model(http: httpx.AsyncClient, url: str) -> str | None:
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        response = await http.get(f"{url}/v1/models", timeout=5.0)
-        return str(response.json()["data"][0]["id"])
-    return None
-
-
-async def _idle_rtt(http: httpx.AsyncClient, url: str, n: int = 20) -> float | None:
-    """Median round trip of a trivial request before the load starts: the floor under every time
-    the clients measure (this HTTP client, the loopback, the target's framework)."""
-    times: list[float] = []
-    for _ in range(n):
-        started = time.perf_counter()
-        try:
-            await http.get(f"{url}/v1/models", timeout=5.0)
-        except httpx.HTTPError:
-            return None
-        times.append(time.perf_counter() - started)
-    return sorted(times)[n // 2]
-
-
-async def _settle(sampler: MetricsSampler) -> int | None:
-    """Requests still queued or running at the targets after a grace period; None if unknown."""
-    from sluice.bench.load import QUEUE_GAUGES
-
-    deadline = time.monotonic() + SETTLE_S
-    left: int | None = None
-    while True:
-        values = await sampler.scrape()
-        present = [values[k] for k in QUEUE_GAUGES if k in values]
-        left = round(sum(present)) if present else None
-        if not left or time.monotonic() > deadline:
-            return left
-        await asyncio.sleep(0.2)
-
-
-async def measure(
-    args: argparse.Namespace,
-    found: Targets,
-    profile: Profile,
-    *,
-    label: str | None = None,
-    policy: str | None = None,
-    step: str = "",
-    on_start: Callable[[float], None] | None = None,
-) -> dict[str, Any]:
-    """Drive one run against ``found`` and return its result (config, summary, records, samples).
-
-    ``policy`` is the --policies entry this run is (recorded in its config); ``step`` prefixes the
-    progress bar's description, e.g. "2/5 "; ``on_start`` is called with the run's origin (its
-    ``time.perf_counter()`` at second 0 of the arrivals) as the load starts.
-    """
-    schedule = arrivals(profile, args.seed)
-    timeout = args.client_timeout if args.client_timeout and args.client_timeout > 0 else None
-    label = label or args.label or f"{found.mode}-{profile.kind}"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-        model = args.model or await _discover_model(http, found.target)
-        metric_urls = [u for u in (found.gateway_metrics, found.engine_metrics) if u]
-        sampler = MetricsSampler(http, list(dict.fromkeys(metric_urls)))
-        before = await sampler.scrape()
-        rtt = await _idle_rtt(http, found.target)
-        client = Client(
-            http,
-            found.target,
-            mode=found.mode,
-            model=model,
-            max_tokens=args.max_tokens,
-            client_timeout=timeout,
-            stream=args.stream,
-            users=max(args.users, 1),
-            retriers=args.retriers,
-            seed=args.seed,
-        )
-        bar = _progress(len(schedule), step + label, disabled=args.no_progress)
-        tally: dict[str, int] = {}
-
-        def done(record: Record) -> None:
-            tally[record.outcome or "?"] = tally.get(record.outcome or "?", 0) + 1
-            if bar is not None:
-                bar.set_postfix(tally, refresh=False)
-                bar.update(1)
-
-        load_before = os.getloadavg()[0]
-        client.origin = sampler.origin = time.perf_counter()
-        if on_start is not None:
-            on_start(client.origin)
-        sampling = asyncio.create_task(sampler.run_forever())
-        try:
-            records = await run_load(client, schedule, done)
-        finally:
-            sampling.cancel()
-            await asyncio.gather(sampling, return_exceptions=True)
-            if bar is not None:
-                bar.close()
-        stuck = await _settle(sampler) if metric_urls else None
-        after = await sampler.scrape()
-
-    counters: dict[str, Any] = {
-        "engine_generated_tokens": _delta(
-            after.get("vllm:generation_tokens_total"), before.get("vllm:generation_tokens_total")
-        ),
-        "engine_wasted_tokens": _delta(
-            after.get("sim:wasted_generation_tokens_total"), before.get("sim:wasted_generation_tokens_total")
-        ),
-        "server_admitted": _delta(
-            _counter(after, "sluice_admissions_total", outcome="admitted"),
-            _counter(before, "sluice_admissions_total", outcome="admitted") or 0.0,
-        ),
-        "server_broken_promises": _delta(
-            after.get("sluice_broken_promises_total"), before.get("sluice_broken_promises_total") or 0.0
-        ),
-        "stuck": stuck,
-    }
-    summary = summarize(
-        records,
-        duration=profile.duration,
-        capacity=found.capacity,
-        counters=counters,
-        capacity_source=found.capacity_source,
-        profile=profile,
-        client_timeout=timeout,
-    )
-    summary["idle_rtt_s"] = rtt
-    argv = sys.argv[1:]
-    config = {
-        "mode": found.mode,
-        "target": "spawned" if found.processes else found.target,
-        "spawn_sim": args.spawn_sim,
-        "spawn_sluice": found.gateway_metrics is not None and bool(found.processes),
-        "sluice_args": args.sluice_args,
-        "policy": policy,
-        "model": model,
-        "profile": {
-            "kind": profile.kind,
-            "rate": profile.rate,
-            "duration": profile.duration,
-            "peak": profile.peak,
-            "spike_at": profile.spike_at,
-            "spike_for": profile.spike_for,
-            "to": profile.to,
-        },
-        "profile_text": profile.describe(),
-        "duration": profile.duration,
-        "seed": args.seed,
-        "client_timeout": timeout,
-        "max_tokens": args.max_tokens,
-        "stream": args.stream,
-        "users": args.users,
-        "retriers": args.retriers,
-        "capacity_rps": found.capacity,
-        "capacity_source": found.capacity_source,
-        "command": "sluice " + shlex.join(argv) if argv[:1] == ["bench"] else None,
-        # Everything shares the machine's cores: a busy machine slows the simulator and the gateway.
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "cpus": os.cpu_count(),
-    }
-    return {
-        "version": RESULT_VERSION,
-        "label": label,
-        "config": config,
-        "summary": summary,
-        "arrivals": schedule,
-        "samples": sampler.samples,
-        "records": [r.to_json() for r in records],
-    }
-
-
-def _progress(total: int, label: str, *, disabled: bool) -> Any:
-    """A tqdm bar on stderr; without tqdm (the ``bench`` extra), one plain line and no bar."""
-    if disabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(f"{label}: {total} requests", file=sys.stderr, flush=True)
-        return None
-    return tqdm(total=total, desc=label, unit="req", mininterval=0.5, file=sys.stderr)
+                await stop(proc)
 
 
 def _profile(args: argparse.Namespace) -> Profile:
@@ -645,7 +324,7 @@ async def _engine_idle(args: argparse.Namespace) -> None:
     """
     url = args.engine_metrics or args.target.rstrip("/").removesuffix("/v1") + "/metrics"
     async with httpx.AsyncClient(timeout=None) as http:
-        await _settle(MetricsSampler(http, [url]))
+        await settle(MetricsSampler(http, [url]))
 
 
 async def _policies(args: argparse.Namespace, entries: list[str], profile: Profile) -> int:
@@ -697,20 +376,12 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plots_or_say_why(args: argparse.Namespace) -> None:
-    """Turn plots off, with one line saying why, when matplotlib (the ``bench`` extra) is missing;
-    checked before the run, so that a long run still writes its JSON and markdown."""
-    if not args.no_plot and not plots_available():
-        print(f"sluice bench: {PLOTS_NEED}", file=sys.stderr)
-        args.no_plot = True
-
-
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "fleet":
         from sluice.bench import fleet
 
         return fleet.run(args)
-    _plots_or_say_why(args)
+    plots_or_say_why(args)
     if getattr(args, "bench_command", None) == "compare":
         return _compare(args)
     try:

@@ -25,21 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
-import math
 import sys
-import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
-from sluice.bench import cli as bench_cli
-from sluice.bench.load import PROMPT, Profile, parse_prometheus
-from sluice.bench.report import goodput, plot_compare, records_of, write_result
+from sluice.bench.fleet_report import arm_row, fleet_table, plot_engines, plot_fleet, plot_limits
+from sluice.bench.fleet_watch import FleetWatcher, Member
+from sluice.bench.load import PROMPT, Profile
+from sluice.bench.measure import SETTLE_S, measure, plots_or_say_why
+from sluice.bench.report import plot_compare, write_result
+from sluice.bench.spawn import Targets, log_file, spawn_gateway, spawn_listener, spawn_sim, stop
 
 __all__ = [
     "ARMS",
@@ -73,8 +73,6 @@ _SIM_FLAGS = {
     "prefill-ms-per-token": ("prefill_s_per_token", 0.001),
     "kv-cache-tokens": ("kv_cache_tokens", 1.0),
 }
-# The engines' metrics are read this often: a queue that lasts less than this may go unseen.
-SAMPLE_S = 0.5
 # llama-server's slots when --with-llama starts it (as `sluice serve` starts it by default).
 LLAMA_SLOTS = 4
 
@@ -239,23 +237,6 @@ def sluice_config(arm: Arm, urls: dict[str, str], model: str) -> str:
 # -- the fleet -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Member:
-    """A running engine of the fleet: its spec, URL, and process (None for llama-server, which
-    :class:`~sluice.local_engine.server.LocalEngine` supervises)."""
-
-    spec: EngineSpec
-    url: str
-    proc: asyncio.subprocess.Process | None = None
-    engine: Any = None
-
-    @property
-    def pid(self) -> int | None:
-        if self.proc is not None:
-            return self.proc.pid if self.proc.returncode is None else None
-        return self.engine.pid if self.engine is not None else None
-
-
 @contextlib.asynccontextmanager
 async def spawn_fleet(
     engines: Sequence[EngineSpec], out: Path, model: str, tag: str
@@ -268,15 +249,15 @@ async def spawn_fleet(
                 if spec.llama:
                     members.append(await _start_llama(spec, out / f"{tag}-{spec.name}.log"))
                     continue
-                log = logs.enter_context(bench_cli._log_file(out / f"{tag}-{spec.name}.log"))
+                log = logs.enter_context(log_file(out / f"{tag}-{spec.name}.log"))
                 extra = [*spec.sim_args(), "--model", model]
-                proc, url = await bench_cli._spawn_sim(spec.preset, log, None, extra)
+                proc, url = await spawn_sim(spec.preset, log, None, extra)
                 members.append(Member(spec, url, proc))
             yield members
         finally:
             for member in reversed(members):
                 if member.proc is not None:
-                    await bench_cli._stop(member.proc)
+                    await stop(member.proc)
                 elif member.engine is not None:
                     await member.engine.__aexit__(None, None, None)
 
@@ -290,178 +271,28 @@ async def _start_llama(spec: EngineSpec, log: Path) -> Member:
 
 
 @contextlib.asynccontextmanager
-async def front(
-    arm: Arm, members: Sequence[Member], out: Path, model: str
-) -> AsyncIterator[bench_cli.Targets]:
+async def front(arm: Arm, members: Sequence[Member], out: Path, model: str) -> AsyncIterator[Targets]:
     """The gateway of ``arm`` in front of the fleet: ``sluice serve`` or the peer router."""
-    with bench_cli._log_file(out / f"{arm.label}-front.log") as log:
+    with log_file(out / f"{arm.label}-front.log") as log:
         if arm.sluice:
             config = out / f"{arm.label}.toml"
             config.write_text(sluice_config(arm, {m.spec.name: m.url for m in members}, model))
-            proc, url = await bench_cli._spawn_gateway(["--config", str(config)], log)
-            found = bench_cli.Targets(url, "sync", gateway_metrics=f"{url}/metrics", processes=[proc])
+            proc, url = await spawn_gateway(["--config", str(config)], log)
+            found = Targets(url, "sync", gateway_metrics=f"{url}/metrics", processes=[proc])
         else:
             argv = ["-m", "sluice.bench.peer_router", "--strategy", arm.kind]
             for m in members:
                 argv += ["--engine", f"{m.spec.name}={m.url}:{arm.limits[m.spec.name]}"]
             proc, url = await _spawn_router(argv, log)
-            found = bench_cli.Targets(url, "direct", processes=[proc])
+            found = Targets(url, "direct", processes=[proc])
         try:
             yield found
         finally:
-            await bench_cli._stop(proc)
+            await stop(proc)
 
 
 async def _spawn_router(argv: list[str], log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
-    return await bench_cli._spawn_listener(argv, log, "peer router")
-
-
-# -- the engines' side of a run ------------------------------------------------------------------
-
-
-def _engine_values(values: dict[str, float]) -> dict[str, float]:
-    """What the bench reads of one engine's metrics, whichever engine it is (sim, vLLM, llama-server);
-    a figure the engine does not report is absent (llama-server counts no finished requests and no
-    wasted tokens)."""
-    names = {
-        "running": ("vllm:num_requests_running", "llamacpp:requests_processing"),
-        "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
-        "finished": ("vllm:request_success_total",),
-        "generated": ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total"),
-        "wasted": ("sim:wasted_generation_tokens_total",),
-    }
-    out: dict[str, float] = {}
-    for key, candidates in names.items():
-        found = next((values[n] for n in candidates if n in values), None)
-        if found is not None and math.isfinite(found):
-            out[key] = found
-    return out
-
-
-@dataclass
-class FleetWatcher:
-    """Samples every engine's ``/metrics`` during a run, and SIGKILLs one at ``kill_at`` if asked.
-
-    ``samples`` holds, per sample, ``t`` (seconds from the run's origin) and per engine name the
-    values of :func:`_engine_values` (absent once the engine stops answering); ``first`` and
-    ``last`` each engine's values before the load and at its last answer; ``killed_at`` when the
-    kill was sent (None: no kill). With ``gateway_metrics`` (a Sluice arm), each sample also has
-    ``slots``: the gateway's ``sluice_slots``, the sum of its engines' in-flight limits (learned or
-    fixed) at that moment.
-    """
-
-    http: httpx.AsyncClient
-    members: Sequence[Member]
-    kill: str | None = None
-    kill_at: float | None = None
-    gateway_metrics: str | None = None
-    origin: float = 0.0
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    first: dict[str, dict[str, float]] = field(default_factory=dict)
-    last: dict[str, dict[str, float]] = field(default_factory=dict)
-    killed_at: float | None = None
-    _task: asyncio.Task[None] | None = None
-
-    async def scrape(self) -> dict[str, dict[str, float]]:
-        async def one(member: Member) -> tuple[str, dict[str, float] | None]:
-            with contextlib.suppress(httpx.HTTPError):
-                response = await self.http.get(f"{member.url}/metrics", timeout=2.0)
-                if response.status_code == 200:
-                    return member.spec.name, _engine_values(parse_prometheus(response.text))
-            return member.spec.name, None
-
-        got = await asyncio.gather(*(one(m) for m in self.members))
-        values = {name: v for name, v in got if v is not None}
-        self.last.update(values)
-        return values
-
-    async def prime(self) -> None:
-        self.first = await self.scrape()
-
-    def start(self, origin: float) -> None:
-        self.origin = origin
-        self._task = asyncio.create_task(self._run(), name="fleet-watcher")
-
-    async def _run(self) -> None:
-        while True:
-            started = time.perf_counter()
-            due = self.kill_at is not None and started - self.origin >= self.kill_at
-            if self.kill and due and self.killed_at is None:
-                self._kill()
-            values: dict[str, Any] = dict(await self.scrape())
-            if self.gateway_metrics is not None:
-                with contextlib.suppress(httpx.HTTPError):
-                    response = await self.http.get(self.gateway_metrics, timeout=2.0)
-                    slots = parse_prometheus(response.text).get("sluice_slots")
-                    if slots is not None:
-                        values["slots"] = slots
-            self.samples.append({"t": started - self.origin, **values})
-            await asyncio.sleep(max(0.0, SAMPLE_S - (time.perf_counter() - started)))
-
-    def _kill(self) -> None:
-        member = next(m for m in self.members if m.spec.name == self.kill)
-        if member.proc is not None and member.proc.returncode is None:
-            member.proc.kill()  # SIGKILL: no goodbye, its connections just break
-        elif member.engine is not None and member.engine.pid is not None:
-            import os
-            import signal
-
-            os.kill(member.engine.pid, signal.SIGKILL)
-        self.killed_at = time.perf_counter() - self.origin
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def settle(self, grace_s: float) -> int | None:
-        """Requests still running or waiting at the live engines after up to ``grace_s``."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            values = await self.scrape()
-            left = sum(v.get("running", 0.0) + v.get("waiting", 0.0) for v in values.values())
-            if not left or time.monotonic() > deadline:
-                return round(left)
-            await asyncio.sleep(0.2)
-
-    def report(self) -> dict[str, Any]:
-        """Per engine: what it finished and generated during the run, its share, its largest queue."""
-        engines: dict[str, dict[str, Any]] = {}
-        for m in self.members:
-            name = m.spec.name
-            before, after = self.first.get(name, {}), self.last.get(name, {})
-
-            def delta(
-                key: str, before: dict[str, float] = before, after: dict[str, float] = after
-            ) -> float | None:
-                a, b = after.get(key), before.get(key)
-                return None if a is None or b is None else a - b
-
-            waits = [s[name]["waiting"] for s in self.samples if name in s and "waiting" in s[name]]
-            runs = [s[name]["running"] for s in self.samples if name in s and "running" in s[name]]
-            engines[name] = {
-                "describe": m.spec.describe(),
-                "batch": m.spec.batch,
-                "finished": delta("finished"),
-                "generated_tokens": delta("generated"),
-                "wasted_tokens": delta("wasted"),
-                "max_waiting": max(waits, default=None),
-                "max_running": max(runs, default=None),
-                "killed": name == self.kill and self.killed_at is not None,
-            }
-        generated = sum(e["generated_tokens"] or 0 for e in engines.values())
-        for e in engines.values():
-            e["share"] = (e["generated_tokens"] or 0) / generated if generated else None
-        wasted = [e["wasted_tokens"] for e in engines.values()]
-        return {
-            "engines": engines,
-            "generated_tokens": generated,
-            "wasted_tokens": None if None in wasted else sum(w or 0 for w in wasted),
-            "max_waiting": max((e["max_waiting"] or 0 for e in engines.values()), default=None),
-            "killed": self.kill if self.killed_at is not None else None,
-            "killed_at_s": self.killed_at,
-            "samples": self.samples,
-        }
+    return await spawn_listener(argv, log, "peer router")
 
 
 # -- one arm, then all of them -------------------------------------------------------------------
@@ -481,12 +312,12 @@ async def run_arm(
         watcher = FleetWatcher(http, members, args.kill, kill_at, found.gateway_metrics)
         await watcher.prime()
         try:
-            result = await bench_cli.measure(
+            result = await measure(
                 args, found, profile, label=arm.label, policy=arm.kind, step=step, on_start=watcher.start
             )
         finally:
             await watcher.stop()
-        stuck = await watcher.settle(bench_cli.SETTLE_S)
+        stuck = await watcher.settle(SETTLE_S)
     fleet = watcher.report()
     fleet["stuck_at_engines"] = stuck
     fleet["arm"] = {"kind": arm.kind, "limits": arm.limits, "scale": arm.scale}
@@ -504,232 +335,6 @@ async def run_arm(
     result["fleet"] = fleet
     result["config"]["fleet"] = [{"name": e.name, "describe": e.describe()} for e in engines]
     return result
-
-
-def _status_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
-    def count(pred: Any) -> int:
-        return sum(1 for r in records if pred(r))
-
-    return {
-        "429": count(lambda r: r["status"] == 429),
-        "503": count(lambda r: r["status"] == 503),
-        "504": count(lambda r: r["status"] == 504),
-        "gave_up": count(lambda r: r["code"] == "client_gave_up"),
-        "errors": count(lambda r: r["outcome"] == "error"),
-    }
-
-
-def arm_row(result: dict[str, Any]) -> dict[str, Any]:
-    """One arm's line of the comparison, from its result (see :func:`run_arm`)."""
-    s, fleet = result["summary"], result["fleet"]
-    duration = float(result["config"]["duration"])
-    lat = s["latency_ok_s"]
-    killed = fleet.get("killed")
-    kill: dict[str, Any] | None = None
-    if killed is not None:
-        t = fleet["killed_at_s"]
-        inflight = [
-            r
-            for r in result["records"]
-            if r["sent_s"] is not None and r["sent_s"] <= t and (r["ended_s"] or 0) > t
-        ]
-        kill = {"engine": killed, "at_s": t, "in_flight": len(inflight), "outcomes": {}}
-        for r in inflight:
-            kill["outcomes"][r["outcome"]] = kill["outcomes"].get(r["outcome"], 0) + 1
-    return {
-        "label": result["label"],
-        "kind": fleet["arm"]["kind"],
-        "limits": fleet["arm"]["limits"],
-        "offered": s["offered"],
-        "goodput_rps": s["goodput_rps"],
-        # The second half of the arrivals: once a learned limit has had time to converge.
-        "goodput_late_rps": goodput(records_of(result), duration / 2, duration),
-        "capacity_rps": fleet["capacity_rps"],
-        "ok_p50_s": lat["p50"],
-        "ok_p99_s": lat["p99"],
-        "wasted_share": s["wasted_share"],
-        "outcomes": s["outcomes"],
-        "statuses": _status_counts(result["records"]),
-        "lost": s["lost"],
-        "stuck": s["stuck"],
-        "engines": {
-            name: {k: e[k] for k in ("share", "finished", "max_waiting", "max_running", "killed")}
-            for name, e in fleet["engines"].items()
-        },
-        "max_waiting": fleet["max_waiting"],
-        "kill": kill,
-        # Whether the machine kept up: how late requests left, and its load while the arm ran.
-        "send_lag_p99_s": s["send_lag_s"]["p99"],
-        "load_avg_1m": result["config"].get("load_avg_1m"),
-    }
-
-
-def fleet_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The comparison as markdown: one line per arm, the best fixed arm in bold."""
-    fixed = [r for r in rows if r["kind"] == "fixed"]
-    # "Best" only means something in a sweep of two or more fixed limits.
-    best = max(fixed, key=lambda r: r["goodput_rps"])["label"] if len(fixed) > 1 else None
-    names = list(rows[0]["engines"]) if rows else []
-
-    def num(v: float | None, fmt: str) -> str:
-        return "-" if v is None else fmt.format(v)
-
-    head = (
-        "| arm | limits | goodput | 2nd half | ok p50 / p99 | waste | 429 | 504 | gave up | errors | lost "
-        + "| share "
-        + " / ".join(names)
-        + " | max engine queue | send lag p99 | load |"
-    )
-    lines = [head, "|---" * 15 + "|"]
-    for r in rows:
-        label = f"**{r['label']}** (best fixed)" if r["label"] == best else r["label"]
-        limits = "learned" if r["kind"] == "adaptive" else " / ".join(str(r["limits"][n]) for n in names)
-        rate = f"{r['goodput_rps']:.2f} req/s"
-        if r["capacity_rps"]:
-            rate += f" ({100 * r['goodput_rps'] / r['capacity_rps']:.0f} %)"
-        share = " / ".join(
-            num(e["share"] and 100 * e["share"], "{:.0f} %") + (" †" if e["killed"] else "")
-            for e in r["engines"].values()
-        )
-        worst = max(r["engines"].items(), key=lambda kv: kv[1]["max_waiting"] or 0)
-        queue = f"{worst[1]['max_waiting']:g} ({worst[0]})" if worst[1]["max_waiting"] is not None else "-"
-        late = f"{r['goodput_late_rps']:.2f} req/s"
-        st = r["statuses"]
-        load = "→".join(f"{v:g}" for v in r.get("load_avg_1m") or []) or "-"
-        lines.append(
-            f"| {label} | {limits} | {rate} | {late} "
-            f"| {num(r['ok_p50_s'], '{:.2f}')} / {num(r['ok_p99_s'], '{:.2f}')} s"
-            f" | {num(r['wasted_share'] and 100 * r['wasted_share'], '{:.1f} %')} | {st['429']} | {st['504']}"
-            f" | {st['gave_up']} | {st['errors']} | {r['lost']} | {share} | {queue}"
-            f" | {num(r.get('send_lag_p99_s') and 1000 * r['send_lag_p99_s'], '{:.0f} ms')} | {load} |"
-        )
-    killed = [r for r in rows if r["kill"]]
-    if killed:
-        lines += ["", "Engine killed mid-run (†: its share is what it did before it died):", ""]
-        for r in killed:
-            k = r["kill"]
-            outcomes = ", ".join(f"{v} {o}" for o, v in sorted(k["outcomes"].items())) or "none"
-            lines.append(
-                f"- **{r['label']}**: {k['engine']} SIGKILLed at {k['at_s']:.1f} s; of the {k['in_flight']} "
-                f"requests in flight then (on every engine): {outcomes}"
-            )
-    return "\n".join(lines) + "\n"
-
-
-# -- plots ---------------------------------------------------------------------------------------
-
-
-def plot_fleet(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Goodput, latency, each engine's share and the engines' largest queue, per arm."""
-    from sluice.bench.report import _pyplot
-
-    plt = _pyplot()
-    labels = [r["label"] for r in rows]
-    names = list(rows[0]["engines"])
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    x = range(len(rows))
-    ax = axes[0][0]
-    ax.bar(x, [r["goodput_rps"] for r in rows], color="tab:green")
-    cap = rows[0]["capacity_rps"]
-    if cap:
-        ax.axhline(cap, color="black", linestyle=":", label=f"fleet capacity {cap:.2f}/s")
-        ax.legend(loc="lower right", fontsize="small")
-    ax.set_ylabel("goodput (req/s)")
-    ax = axes[0][1]
-    width = 0.4
-    ax.bar([i - width / 2 for i in x], [r["ok_p50_s"] or 0 for r in rows], width, label="p50")
-    ax.bar([i + width / 2 for i in x], [r["ok_p99_s"] or 0 for r in rows], width, label="p99")
-    ax.set_ylabel("latency of successes (s)")
-    ax.legend(fontsize="small")
-    ax = axes[1][0]
-    bottom = [0.0] * len(rows)
-    for name in names:
-        shares = [100 * (r["engines"][name]["share"] or 0) for r in rows]
-        ax.bar(x, shares, bottom=bottom, label=name)
-        bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
-    ax.set_ylabel("share of the tokens generated (%)")
-    ax.legend(fontsize="small", loc="lower right")
-    ax = axes[1][1]
-    for i, name in enumerate(names):
-        ax.bar(
-            [j + (i - len(names) / 2 + 0.5) * 0.8 / len(names) for j in x],
-            [r["engines"][name]["max_waiting"] or 0 for r in rows],
-            0.8 / len(names),
-            label=name,
-        )
-    ax.set_ylabel("engine's largest waiting queue")
-    ax.legend(fontsize="small")
-    for row in axes:
-        for a in row:
-            a.set_xticks(list(x))
-            a.set_xticklabels(labels, rotation=20, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def plot_engines(results: Sequence[dict[str, Any]], path: Path) -> None:
-    """Per arm: each engine's answers per second and its waiting queue over time (a kill marked)."""
-    from sluice.bench.report import _pyplot
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(results), 2, figsize=(12, 2.6 * len(results)), squeeze=False, sharex=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for row, result in zip(axes, results, strict=True):
-        fleet = result["fleet"]
-        samples = fleet["samples"]
-        for i, name in enumerate(fleet["engines"]):
-            pts = [(s["t"], s[name]) for s in samples if name in s]
-            color = colors[i % len(colors)]
-            rate = [
-                (t1, max(0.0, (b["finished"] - a["finished"]) / (t1 - t0)))
-                for (t0, a), (t1, b) in itertools.pairwise(pts)
-                if t1 > t0 and "finished" in a and "finished" in b
-            ]
-            smooth = [
-                (t, sum(v for _, v in rate[max(0, j - 7) : j + 1]) / len(rate[max(0, j - 7) : j + 1]))
-                for j, (t, _) in enumerate(rate)
-            ]
-            if smooth:
-                row[0].plot(*zip(*smooth, strict=True), color=color, label=name)
-            waits = [(t, v["waiting"]) for t, v in pts if "waiting" in v]
-            if waits:
-                row[1].plot(*zip(*waits, strict=True), color=color, label=name)
-        for ax in row:
-            if fleet.get("killed_at_s") is not None:
-                ax.axvline(
-                    fleet["killed_at_s"], color="black", linestyle=":", label=f"{fleet['killed']} killed"
-                )
-            ax.legend(fontsize="x-small", loc="upper right")
-        row[0].set_ylabel(f"{result['label']}\nanswers/s (2 s mean)")
-        row[1].set_ylabel("engine's waiting queue")
-    axes[-1][0].set_xlabel("time since start (s)")
-    axes[-1][1].set_xlabel("time since start (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def plot_limits(results: Sequence[dict[str, Any]], path: Path) -> None:
-    """The Sluice arms' in-flight limit, summed over the fleet, over time, against the batch sizes."""
-    from sluice.bench.report import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4))
-    batches = None
-    for result in results:
-        points = [(s["t"], s["slots"]) for s in result["fleet"]["samples"] if "slots" in s]
-        if points:
-            ax.plot(*zip(*points, strict=True), label=result["label"])
-        batches = sum(e["batch"] for e in result["fleet"]["engines"].values())
-    if batches:
-        ax.axhline(batches, color="black", linestyle=":", label=f"sum of the batch sizes ({batches})")
-    ax.set_ylabel("Sluice's in-flight limit,\nsummed over the engines")
-    ax.set_xlabel("time since start (s)")
-    ax.legend(fontsize="small", loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -851,7 +456,7 @@ async def _main(args: argparse.Namespace) -> tuple[Profile, list[dict[str, Any]]
     capacity = sum(e.capacity(args.max_tokens) for e in engines)
     profile = _profile(args, capacity)
     arms = plan_arms(engines, kinds, scales, args.peer_scale)
-    # What bench_cli.measure reads of the arguments besides these.
+    # What measure reads of the arguments besides these.
     args.label, args.users, args.spawn_sim, args.sluice_args = None, 1, None, ""
     print(
         f"fleet: {', '.join(f'{e.name} ({e.describe()})' for e in engines)}; capacity {capacity:.2f} "
@@ -904,7 +509,7 @@ def run(args: argparse.Namespace) -> int:
     """``sluice bench fleet``: every arm in turn, then the comparison."""
     from sluice import aio
 
-    bench_cli._plots_or_say_why(args)
+    plots_or_say_why(args)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         profile, results = aio.run(_main(args))
