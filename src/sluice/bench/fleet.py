@@ -450,7 +450,7 @@ async def _main(args: argparse.Namespace) -> tuple[Profile, list[dict[str, Any]]
     engines = _engines(args)
     kinds, scales = _check(args, engines)
     if args.with_llama and args.model == "sim":
-        from sluice.local_engine.build import MODEL_ALIAS
+        from sluice.local_engine.cache import MODEL_ALIAS
 
         args.model = MODEL_ALIAS
     capacity = sum(e.capacity(args.max_tokens) for e in engines)
