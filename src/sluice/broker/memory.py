@@ -37,7 +37,7 @@ from sluice.core.errors import (
 )
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo, merge
-from sluice.core.policy import Candidate, PolicyState
+from sluice.core.policy import Candidate, PolicyState, decide
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
 from sluice.core.scheduler import Backlog, ClassScheduler, Entry
 from sluice.views import job_view
@@ -309,18 +309,16 @@ class MemoryBroker(Broker):
         drain = self._drain_rate(job.model)
         q = self._queue(job.model)
         try:
-            admission.check_tenant(limiter, cost=job.cost, queued=tenant.queued, now=now, drain=drain)
             view, victim = self._view(q, job)
             queue = self.settings.limits_for(job.model)
             candidate = Candidate(job.cost, job.priority, now, job.deadline, view, queue, drain)
             state = self._policy_state.get(job.model)
             if state is None:
                 state = self._policy_state[job.model] = PolicyState()
-            try:
-                ok = self.settings.policy.admit(candidate, state)
-            except admission.Refused as refused:
-                book = self._reservations.setdefault(job.model, admission.Reservations())
-                raise admission.reserve(refused, cost=job.cost, now=now, drain=drain, book=book) from None
+            book = self._reservations.setdefault(job.model, admission.Reservations())
+            ok = decide(
+                self.settings.policy, candidate, state, limiter=limiter, queued=tenant.queued, book=book
+            )
         except admission.Refused:
             if tenant.idle:
                 del self._tenants[job.tenant]  # a refused first request leaves nothing behind
