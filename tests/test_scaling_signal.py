@@ -24,7 +24,7 @@ COST = 200
 
 
 def worker_report(
-    clock: FakeClock, engines: list[tuple[str, int]], model: str = "m", pools: list[str] | None = None
+    clock: FakeClock, engines: list[tuple[str, int]], model: str = "m", pools: list[str | None] | None = None
 ) -> dict[str, object]:
     """A worker's report as sluice.reports publishes it (its engines' rows)."""
     rows = [
