@@ -86,6 +86,8 @@ class Dispatcher:
         routing: ``predicted`` (soonest predicted completion, engines weighted by speed) or
             ``least_loaded`` (the largest free fraction of the limit).
         prefix_affinity: jobs sharing a prompt prefix go to its home engine while load allows.
+        router: the router, built from the settings (its affinity, load factor and memory); one
+            with ``prefix_affinity`` and the router's defaults when None.
         load_poll_s: how often busy engines are asked for their load (idle ones every heartbeat).
         dns_refresh_s: how often the fleet's ``dns://`` names are resolved again.
         clock: wall-clock seconds, the same clock the broker uses for deadlines.
@@ -102,6 +104,7 @@ class Dispatcher:
         retry_backoff_s: float = 0.1,
         routing: Routing = "predicted",
         prefix_affinity: bool = True,
+        router: Router | None = None,
         load_poll_s: float = 0.5,
         dns_refresh_s: float = 5.0,
         metrics: Metrics | None = None,
@@ -121,7 +124,7 @@ class Dispatcher:
         self.heartbeat_s = heartbeat_s or max(min(broker.settings.lease_s / 3, 5.0), 0.05)
         self.retry_backoff_s = retry_backoff_s
         self.routing = routing
-        self.router = Router(affinity=prefix_affinity)
+        self.router = router or Router(affinity=prefix_affinity)
         self.load_poll_s = load_poll_s
         self.dns_refresh_s = dns_refresh_s
         self.metrics = metrics

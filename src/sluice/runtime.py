@@ -190,6 +190,7 @@ def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = N
         fleet=build_fleet(settings),
         routing=settings.routing,
         prefix_affinity=settings.prefix_affinity,
+        router=settings.router(),
         dns_refresh_s=settings.dns_refresh_s,
         metrics=metrics if metrics is not None else Metrics(),
     )
