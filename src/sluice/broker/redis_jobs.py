@@ -28,7 +28,7 @@ from sluice.broker.redis_keys import JobField
 from sluice.broker.redis_shards import shard_of_job, tag_job_id
 from sluice.core import admission, capacity
 from sluice.core.job import TERMINAL_STATES, Job, JobState
-from sluice.core.policy import Candidate
+from sluice.core.policy import Candidate, decide
 from sluice.core.ratelimit import TenantLimits
 from sluice.views import job_view
 
@@ -115,13 +115,16 @@ class JobsMixin(RedisCore):
         refusal = reply.refusal
         drain = refusal.drain(self.settings.drain_prior_per_slot)
         limiter = reply.tenant.limiter(job.tenant)
-        admission.check_tenant(limiter, cost=job.cost, queued=reply.tenant.queued, now=now, drain=drain)
         candidate = Candidate(job.cost, job.priority, now, job.deadline, refusal.view, queue, drain)
-        try:
-            self.settings.policy.admit(candidate, refusal.policy)
-        except admission.Refused as refused:
-            book = admission.Reservations(refusal.next_free)
-            raise admission.reserve(refused, cost=job.cost, now=now, drain=drain, book=book) from None
+        book = admission.Reservations(refusal.next_free)
+        decide(
+            self.settings.policy,
+            candidate,
+            refusal.policy,
+            limiter=limiter,
+            queued=reply.tenant.queued,
+            book=book,
+        )
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
 
     async def _list_job(self, job: Job, now: float) -> None:

@@ -365,30 +365,37 @@ local promised = service -- DrainRate.slow_service_s
 if samples > 0 then promised = math.max(cost * slow * slowdown, service) end
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
--- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; only the
--- queue's refusals (the bounds and the policy's) reserve (admission.reserve).
-local refused = wait_r > 0 or wait_t > 0 or (mq and queued_by_tenant >= mq)
+-- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; every
+-- refusal that says to retry reserves (policy.decide, admission.reserve).
+local refused = false
 local next_free = st_num(st, 'rv', nil)
-if not refused then
-  local retry_after, retry = nil, true
-  if excess > 0 and not evict then
-    retry_after = clamp_retry_after(excess / rate, retry_bounds)
+local retry_after, retry = nil, true
+local tenant_wait = math.max(wait_r, wait_t) -- TenantLimiter.check: the longer wait decides
+if tenant_wait > 0 then -- admission.check_tenant
+  if tenant_wait == math.huge then
+    retry_after, retry = retry_bounds[2], false -- more than the key's tokens per minute: no retry
   else
-    retry_after, retry = policy_refuses(st, policy_kind, policy, now, now_s, {
-      running = running, model_jobs = model_jobs, model_tokens = model_tokens, slots = slots,
-      wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
-      promised = promised,
-      budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
-      R = retry_bounds,
-    })
+    retry_after = clamp_retry_after(tenant_wait, retry_bounds)
   end
-  if retry_after then
-    refused = true
-    if retry then
-      local at = now + retry_after
-      if next_free and next_free > at then at = next_free end
-      if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (rate * share))) end
-    end
+elseif mq and queued_by_tenant >= mq then
+  retry_after = clamp_retry_after(cost / rate, retry_bounds) -- drain.wait_s(cost)
+elseif excess > 0 and not evict then
+  retry_after = clamp_retry_after(excess / rate, retry_bounds)
+else
+  retry_after, retry = policy_refuses(st, policy_kind, policy, now, now_s, {
+    running = running, model_jobs = model_jobs, model_tokens = model_tokens, slots = slots,
+    wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
+    promised = promised,
+    budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
+    R = retry_bounds,
+  })
+end
+if retry_after then
+  refused = true
+  if retry then
+    local at = now + retry_after
+    if next_free and next_free > at then at = next_free end
+    if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (rate * share))) end
   end
 end
 if refused then
