@@ -242,3 +242,17 @@ def test_no_time_within_the_clients_patience_says_do_not_retry() -> None:
     assert book.next_free == 10.0 + RETRY_PATIENCE_S + 1  # nothing reserved
     hopeless = _refused(5.0, should_retry=False)
     assert reserve(hopeless, cost=100, now=10.0, drain=drain, book=Reservations()) is hopeless
+
+
+def test_a_reserved_refusal_keeps_its_rate_limit_status() -> None:
+    from sluice.core.ratelimit import TenantLimiter, TenantLimits
+
+    limiter = TenantLimiter(TenantLimits(tenant="t", rpm=1))
+    limiter.take(10, 0.0)
+    status = limiter.status(0.0)
+    refused = Refused(429, "rate_limit_exceeded", "Rate limit reached.", 60.0, rate=status)
+    drain = measured()
+    kept = reserve(refused, cost=10, now=0.0, drain=drain, book=Reservations())
+    assert kept.reserved and kept.rate is status
+    far = reserve(refused, cost=10, now=0.0, drain=drain, book=Reservations(next_free=1000.0))
+    assert not far.should_retry and far.rate is status

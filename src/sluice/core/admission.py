@@ -164,10 +164,23 @@ def reserve(
     # Before the first measurement the times are a guess: a client is not sent away on one.
     if wait > RETRY_PATIENCE_S and drain.measured:
         return Refused(
-            refused.status, refused.code, refused.message, clamp_retry_after(wait), should_retry=False
+            refused.status,
+            refused.code,
+            refused.message,
+            clamp_retry_after(wait),
+            should_retry=False,
+            rate=refused.rate,
         )
     book.next_free = at + cost / (drain.rate * share)
-    return Refused(refused.status, refused.code, refused.message, clamp_retry_after(wait), reserved=True)
+    # A tenant's refusal keeps its rate-limit status (the x-ratelimit-* headers).
+    return Refused(
+        refused.status,
+        refused.code,
+        refused.message,
+        clamp_retry_after(wait),
+        rate=refused.rate,
+        reserved=True,
+    )
 
 
 def clamp_retry_after(seconds: float) -> float:
