@@ -219,7 +219,7 @@ async def test_at_a_bound_the_heaviest_backlog_gives_way(broker: Broker, clock: 
 async def test_refusals_in_a_burst_reserve_distinct_times(broker: Broker, clock: FakeClock) -> None:
     """Retry-After is a reservation: refusals at the same instant get distinct times, one job's cost
     at RETRY_SHARE of the drain rate apart (the prior 50 a second here), the first when room frees;
-    a refusal of the tenant's own limits reserves nothing."""
+    a refusal of the tenant's own limits reserves its time from the same book."""
     for _ in range(3):
         await broker.admit(make_job(clock, model="small"))
     times = []
@@ -233,9 +233,10 @@ async def test_refusals_in_a_burst_reserve_distinct_times(broker: Broker, clock:
     with pytest.raises(Refused) as own:  # the key's own bound on its tenant's queue
         await broker.admit(make_job(clock, model="small"), TenantLimits("t", max_queued=1))
     assert own.value.code == "too_many_queued"
+    assert own.value.reserved and own.value.retry_after_s == pytest.approx(0.6 + 4 * step)
     with pytest.raises(Refused) as next_one:
         await broker.admit(make_job(clock, model="small"))
-    assert next_one.value.retry_after_s == pytest.approx(0.6 + 4 * step)
+    assert next_one.value.retry_after_s == pytest.approx(0.6 + 5 * step)
 
 
 async def test_idempotency(broker: Broker, clock: FakeClock) -> None:
