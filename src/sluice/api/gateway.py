@@ -22,7 +22,6 @@ from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.core.model_info import ModelInfo
 from sluice.core.request import RequestedJob, RequestLimits, RequestRejected, plan_job
-from sluice.core.retry_after import RetryPromises
 from sluice.metrics import Metrics
 from sluice.startup import EngineStartup
 from sluice.webhooks import CallbackRefused, check_callback_url
@@ -61,8 +60,6 @@ class Gateway:
     connections: dict[str, set[str]] = field(default_factory=dict)
     _served: tuple[float, dict[str, int]] = (0.0, {})
     _info: tuple[float, dict[str, ModelInfo]] = (0.0, {})
-    #: the Retry-After told to refused requests, so that a repeat hears what is left of it
-    promises: RetryPromises = field(default_factory=RetryPromises)
     #: renews the leases of ``connections``; runs only while there are some
     _renewer: asyncio.Task[None] | None = None
     #: slots being given back (kept so that a release outlives the request that ended)
@@ -302,19 +299,9 @@ class Gateway:
         try:
             admission = await self.broker.admit(job, caller.limits)
         except Refused as refused:
-            # A rate limit's wait is its bucket's refill, exact at any time; the queue's estimates
-            # are not (sluice.core.retry_after), and a repeat hears what is left of the first.
-            # A reservation (admission.reserve) is a time of its own, already counted against the
-            # times handed out before it: it is told as it is, or a burst's would collapse into one.
-            if (
-                refused.should_retry is not False
-                and refused.code != "rate_limit_exceeded"
-                and not refused.reserved
-            ):
-                kind = (refused.code, job.model, job.priority, job.tenant)
-                refused.retry_after_s = self.promises.retry_after(
-                    kind, refused.retry_after_s, time.monotonic()
-                )
+            # The refusal's Retry-After is told as the broker gave it: a rate limit's is its
+            # bucket's refill, every other is a reservation from the model's book (core/policy.py's
+            # decide), already counted against the times handed out before it.
             self.metrics.admissions.labels("refused", refused.code).inc()
             self.metrics.retry_after.labels(refused.code).observe(refused.retry_after_s)
             if retry:
