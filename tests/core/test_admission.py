@@ -123,6 +123,44 @@ def test_hopeless_deadline_says_do_not_retry() -> None:
     assert not info.value.should_retry and info.value.retry_after_s > 0
 
 
+def slowed(slowdown_seen: float) -> DrainRate:
+    """A measured drain rate whose fill line says a full batch runs jobs ``slowdown_seen`` times
+    slower than the light load every job so far finished at."""
+    drain = measured()
+    for u, t in [(0.1, 0.01), (0.2, 0.01 * slowdown_seen)] * 200:
+        drain.observe_fill(u, t)
+    return drain
+
+
+def test_a_job_with_nothing_ahead_is_promised_the_pace_measured_not_a_full_batch() -> None:
+    # A fill line can say a full batch is far slower than anything seen. Were a lone job promised
+    # that pace, a job that fits at the measured pace would be refused as never fitting, every
+    # job alike: nothing would be admitted, nothing would finish, and the line would never be
+    # corrected. With nothing queued ahead the job starts at once and is promised what was measured.
+    drain = slowed(8.0)
+    assert drain.slowdown > 2
+    alone = drain.slow_service_s(100, behind_queue=False)
+    assert drain.slow_service_s(100) > 2 * alone
+    budget = 1.5 * alone
+    admitted = check(
+        cost=100, priority="normal", now=0, deadline=budget, view=view(), limits=QueueLimits(), drain=drain
+    )
+    assert admitted.position == 0
+    # Behind a queue it is the full batch's pace, and the refusal says when to come back, not to
+    # give up: the job fits once the queue has drained.
+    with pytest.raises(Refused) as info:
+        check(
+            cost=100,
+            priority="normal",
+            now=0,
+            deadline=budget,
+            view=view(1, 10),
+            limits=QueueLimits(),
+            drain=drain,
+        )
+    assert info.value.code == "deadline_unmeetable" and info.value.should_retry
+
+
 def test_no_deadline_refusal_before_any_measurement() -> None:
     ok = check(
         cost=100,

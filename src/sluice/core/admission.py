@@ -235,17 +235,20 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
     have been, not the mean), so that a job admitted is one that finishes in time."""
     rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
-    service = drain.slow_service_s(cost)
+    service = drain.slow_service_s(cost, behind_queue=view.ahead_tokens > 0)
     budget = deadline - now
     # Before the first measurement the rate is a guess: only the bounds protect the queue then.
     if drain.measured and wait + service > budget:
-        if service > budget:
+        # Never to fit is judged at the pace of a job with nothing ahead of it: one that would fit
+        # once the queue has drained is told to retry, not to give up.
+        alone = drain.slow_service_s(cost, behind_queue=False)
+        if alone > budget:
             raise Refused(
                 503,
                 "deadline_unmeetable",
-                f"The request needs about {service:.1f} s of generation but its deadline is in "
+                f"The request needs about {alone:.1f} s of generation but its deadline is in "
                 f"{max(budget, 0):.1f} s; raise the timeout or lower max_tokens.",
-                clamp_retry_after(service),
+                clamp_retry_after(alone),
                 should_retry=False,
             )
         fits_ahead = (budget - service) * rate

@@ -174,12 +174,19 @@ class DrainRate:
         """Expected time one job of this cost occupies a slot in a full batch."""
         return cost / max(self.slot_rate, 1e-3)
 
-    def slow_service_s(self, cost: int) -> float:
+    def slow_service_s(self, cost: int, *, behind_queue: bool = True) -> float:
         """The time a job of this cost is promised: at the :data:`SLOW_QUANTILE` of the time per
-        cost unit seen, in a full batch, never less than :meth:`service_s` (before any
-        measurement, that)."""
-        mean = self.service_s(cost)
-        return max(cost * self.slow * self.slowdown, mean) if self.samples else mean
+        cost unit seen, never less than the mean (before any measurement, :meth:`service_s`).
+
+        Behind a queue (``behind_queue``) the batch is full, and the job is promised its time at
+        the full batch's pace (:attr:`slowdown`). With nothing queued ahead it starts at once, in a
+        batch not yet full, and is promised its time at the pace measured: were the slowdown
+        applied there too, a slowdown estimated too high would refuse every job as never fitting,
+        and with nothing admitted nothing would finish to correct it."""
+        if not self.samples:
+            return self.service_s(cost)
+        slowdown = self.slowdown if behind_queue else 1.0
+        return max(cost * self.slow * slowdown, cost * slowdown / max(self.per_slot, 1e-3))
 
     def wait_s(self, tokens_ahead: int) -> float:
         return tokens_ahead / self.rate

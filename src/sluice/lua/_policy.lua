@@ -60,7 +60,8 @@ end
 -- The policy's own decision after the hard bounds: nil to take the job, else the refusal's
 -- Retry-After and whether to retry. Updates codel's state in st. q: wait_model, the wait at the
 -- queue's tail; wait, the job's own; wait_one, one job's drain time; service, its own generation;
--- promised, that generation at the pace admission promises (DrainRate.slow_service_s); budget,
+-- promised, that generation at the pace admission promises (DrainRate.slow_service_s); alone, at
+-- the pace of a job with nothing ahead (what never fitting is judged by); budget,
 -- the time to its deadline; measured, whether the drain rate is; rate, the drain rate;
 -- ahead_tokens; running, model_jobs, model_tokens and slots (cap and fifo); R the Retry-After bounds.
 local function policy_refuses(st, kind, p, now, now_s, q)
@@ -87,7 +88,7 @@ local function policy_refuses(st, kind, p, now, now_s, q)
   end
   -- admission.check_deadline: DeadlinePolicy, and CoDelPolicy's last check
   if q.measured and q.wait + q.promised > q.budget then
-    if q.promised > q.budget then return clamp_retry_after(q.promised, R), false end
+    if q.alone > q.budget then return clamp_retry_after(q.alone, R), false end
     local fits_ahead = (q.budget - q.promised) * q.rate
     return clamp_retry_after((q.ahead_tokens - fits_ahead) / q.rate, R), true
   end

@@ -361,8 +361,14 @@ end
 
 local wait = ahead_tokens / rate -- DrainRate.wait_s
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
-local promised = service -- DrainRate.slow_service_s
-if samples > 0 then promised = math.max(cost * slow * slowdown, service) end
+-- DrainRate.slow_service_s: behind a queue at the full batch's pace, alone (nothing queued ahead)
+-- at the pace measured, which is also what "never fits" is judged by
+local promised, alone = service, service
+if samples > 0 then
+  alone = math.max(cost * slow, cost / math.max(per_slot, 1e-3))
+  promised = alone
+  if ahead_tokens > 0 then promised = math.max(cost * slow * slowdown, cost * slowdown / math.max(per_slot, 1e-3)) end
+end
 local running = 0 -- only cap counts the running jobs
 if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; every
@@ -385,7 +391,7 @@ else
   retry_after, retry = policy_refuses(st, policy_kind, policy, now, now_s, {
     running = running, model_jobs = model_jobs, model_tokens = model_tokens, slots = slots,
     wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
-    promised = promised,
+    promised = promised, alone = alone,
     budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
     R = retry_bounds,
   })
