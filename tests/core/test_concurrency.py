@@ -187,6 +187,18 @@ def test_a_few_preemptions_are_a_full_cache_not_too_many() -> None:
     assert limiter.limit == 20
 
 
+def test_a_full_caches_ordinary_preemptions_do_not_cut_the_limit() -> None:
+    """A KV-bound engine preempts a good share of its batch a poll while its cache is full
+    (40 % here): that is the cache used to the full, not a smaller cache."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=30)
+    limiter.on_engine_load(_load(25, kv=0.98, preemptions=0))
+    clock.advance(2)
+    limiter.on_engine_load(_load(25, kv=0.99, preemptions=10))
+    assert limiter.limit == 30
+    assert limiter.snapshot()["reason"] != "preemption"
+
+
 def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=64)

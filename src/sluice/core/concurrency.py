@@ -82,8 +82,11 @@ DEFAULT_INITIAL = 4
 #: Requests a KV-bound engine may hold waiting, as a share of its batch: it admits them as the
 #: cache frees, without waiting for Sluice to send the next.
 LOOKAHEAD = 0.15
-#: Preemptions between two polls, as a share of the batch, that are too many (a recompute each).
-PREEMPTION_STORM = 0.25
+#: Preemptions between two polls, as a share of the batch, that are too many (a recompute each):
+#: the cache shrank. A full cache with its lookahead preempts up to ~45 % of its batch a 1-s poll
+#: as a matter of course (median 17 %), halving it 120-170 % (limit_model, b64kv, seeds 1-5); a
+#: bar at 25 % fired on the ordinary churn, and the limit swung with it.
+PREEMPTION_STORM = 0.6
 #: The share of recent polls that found a request waiting (smoothed, 0.3 a poll) from which the
 #: engine's queue is real: two polls in a row.
 WAITING_PERSISTS = 0.5
