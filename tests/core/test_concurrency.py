@@ -199,6 +199,27 @@ def test_a_full_caches_ordinary_preemptions_do_not_cut_the_limit() -> None:
     assert limiter.snapshot()["reason"] != "preemption"
 
 
+def test_a_probe_the_engine_did_not_run_does_not_forget_its_capacity() -> None:
+    """Probes past the known capacity met no queue on the polls, but the engine never ran more
+    than that capacity: it has not grown, so growth past it stays one probe at a time."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=10, reprobe_s=5.0)
+    for _ in range(2):
+        clock.advance(1)
+        limiter.on_engine_load(_load(8, waiting=5))
+    assert limiter.limit == 8
+    for expected in (9, 10):
+        clock.advance(6)
+        limiter.on_dispatch(limiter.limit)
+        limiter.on_engine_load(_load(8))
+        assert limiter.limit == expected
+    clock.advance(1.5)
+    limiter.on_dispatch(limiter.limit)
+    limiter.on_engine_load(_load(8))
+    assert limiter.limit == 10  # no additive jump: the figure still holds
+    assert limiter.snapshot()["known_capacity"] == 8
+
+
 def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=64)

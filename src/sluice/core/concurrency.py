@@ -231,6 +231,8 @@ class ConcurrencyLimit:
         self._peak_inflight = 0
         self._peak_sample_inflight = 0
         self._samples_since_change = 0
+        # The most the engine said it ran since the limit last changed (None: it never says).
+        self._peak_running: int | None = None
         # Engine load, as last polled.
         self._load: EngineLoad | None = None
         self._engine_reports_waiting = False
@@ -331,6 +333,7 @@ class ConcurrencyLimit:
         self._load = load
         if load.running is not None:
             self._peak_inflight = max(self._peak_inflight, load.running)
+            self._peak_running = max(self._peak_running or 0, load.running)
         if load.waiting is not None:
             self._engine_reports_waiting = True
             self._waiting_avg += 0.3 * (min(load.waiting, 1) - self._waiting_avg)
@@ -463,8 +466,13 @@ class ConcurrencyLimit:
                 return
             target = current + 1.0
             # A probe past the known capacity that met no trouble: the engine grew (a tenant
-            # left, shorter contexts); forget the old figure so growth speeds up again.
-            self._known_capacity = None if self._reason == "probe" else self._known_capacity
+            # left, shorter contexts); forget the old figure so growth speeds up again. Where the
+            # engine says what it runs, only if it ran more than the figure: one waiting behind
+            # a full batch is missed as a queue while a sequence ends, and forgetting then lets
+            # additive growth pile a queue up before the next poll catches it.
+            ran_more = self._peak_running is None or self._peak_running > self._known_capacity
+            if self._reason == "probe" and ran_more:
+                self._known_capacity = None
             reason = "probe"
         elif self.phase is LimitPhase.STARTING:
             target = current * 2.0
@@ -535,6 +543,8 @@ class ConcurrencyLimit:
         self._peak_inflight = 0
         self._peak_sample_inflight = 0
         self._samples_since_change = 0
+        if self._peak_running is not None:
+            self._peak_running = 0
 
     def _clamp(self, n: float) -> int:
         value = max(self.floor, int(n))
