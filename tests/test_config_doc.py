@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from sluice import config_doc
 from sluice.cli import build_parser
 from sluice.config import Settings
-from sluice.roles.serve import LOCAL_ENGINE_BURST_RISE
+from sluice.core.policy import CoDelPolicy
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -105,6 +105,6 @@ def test_every_flag_of_a_role_is_in_the_tables(role: str) -> None:
         assert f"`{option}`" in page
 
 
-def test_the_local_engine_burst_rise_in_the_prose_is_the_code_s() -> None:
+def test_the_burst_rise_in_the_prose_is_the_code_s() -> None:
     values = re.findall(r"queue_burst_rise = ([0-9.]+)", DOC.read_text(encoding="utf-8"))
-    assert values and all(float(v) == LOCAL_ENGINE_BURST_RISE for v in values)
+    assert values and float(values[-1]) == CoDelPolicy().burst_rise

@@ -421,8 +421,7 @@ class Settings(_Strict):
         default=_CODEL.burst_rise,
         ge=0,
         description="codel: seconds of delay gained per second above the target that mark a burst, not "
-        "an overload; `sluice serve` in front of the local engine it starts uses a lower value unless "
-        'this is set (see "Queue policy")',
+        'an overload (see "Queue policy")',
     )
     queue_half_life_s: float = Field(
         default=_CODEL.half_life_s,

@@ -192,7 +192,8 @@ def test_make_policy_names_the_choices() -> None:
 def test_codel_target_is_at_least_one_jobs_drain_time() -> None:
     """On a slow engine (one slot, a job per second) a 0.5 s target would let a standing queue run
     dry between two completions: the target becomes one job's drain time, 1 s."""
-    p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0), PolicyState()
+    # burst_rise 2: a rise of 1 s in 0.6 s is slow (the test is of the target, not of the rise).
+    p, s = CoDelPolicy(target_s=0.5, half_life_s=10.0, burst_rise=2.0), PolicyState()
     slow = drain(per_slot=100.0, slots=1)
     p.admit(candidate(0.0, jobs=1, d=slow), s)  # 1 s of delay: at the target, not above it
     assert s.above_since is None

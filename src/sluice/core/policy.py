@@ -204,7 +204,8 @@ class CoDelPolicy(QueuePolicy):
         early_s: after this long above the target, a queue that rose slower than ``burst_rise`` is
             standing already. A mild overload is caught while its queue is shallow.
         burst_rise: seconds of queueing delay gained per second above the target that mark a
-            burst (2: arrivals at three times what the engine drains).
+            burst (1: arrivals at twice what the engine drains; a standing 1.8x overload rises
+            0.8 s a second, and is caught after ``early_s``).
         half_life_s: how fast the delay limit of a standing queue decays to the target; also how
             long the limit must have turned nobody away before the queue counts as good again.
     """
@@ -212,7 +213,7 @@ class CoDelPolicy(QueuePolicy):
     target_s: float = 0.5
     interval_s: float = 2.5
     early_s: float = 0.5
-    burst_rise: float = 2.0
+    burst_rise: float = 1.0
     half_life_s: float = 30.0
     name: ClassVar[str] = "codel"
     kind: ClassVar[int] = 4

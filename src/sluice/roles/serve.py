@@ -64,23 +64,10 @@ async def local_engine(settings: Settings, startup: EngineStartup) -> AsyncItera
         yield with_local_engine(settings, engine.url, engine.model, engine.slots)
 
 
-# codel's burst_rise in front of the local engine, unless configured. llama-server on a CPU slows each
-# sequence down ~2.7x as its batch fills, so the drain rate learnt at light load is optimistic and a
-# burst from light load seems to rise half as steeply as it does (docs/configuration.md, Queue policy).
-LOCAL_ENGINE_BURST_RISE = 1.0
-
-
-def local_engine_defaults(settings: Settings) -> Settings:
-    """Queue defaults that suit the local engine, where the settings do not choose."""
-    if "queue_burst_rise" in settings.model_fields_set:
-        return settings
-    return settings.model_copy(update={"queue_burst_rise": LOCAL_ENGINE_BURST_RISE})
-
-
 def with_local_engine(settings: Settings, url: str, model: str, slots: int) -> Settings:
-    """The settings with the local engine as their one backend, and queue defaults that suit it."""
+    """The settings with the local engine as their one backend."""
     backend = BackendConfig(url=url, name="local", models=[model], max_concurrency=slots)
-    return local_engine_defaults(settings).model_copy(update={"backends": [backend]})
+    return settings.model_copy(update={"backends": [backend]})
 
 
 #: how often the queue of the embedded broker is read while the drain waits for it to empty
@@ -136,7 +123,6 @@ async def serve(
     if settings.has_engines:
         await drained(runtime.build_app(settings, dispatch=True), sock, settings, "serve")
         return 0
-    settings = local_engine_defaults(settings)
     startup = EngineStartup()
     failure: list[str] = []
     server: list[uvicorn.Server] = []
