@@ -25,7 +25,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from sluice.core.job import Endpoint, Job
-from sluice.protocol import Assembler, chunk, error_body, response_id
+from sluice.protocol import Assembler, TokenChunks, chunk, chunk_fields, error_body, response_id
 from tests.helpers import FakeClock, make_job
 from tests.servers import Gateway, run_app, run_gateway
 
@@ -997,3 +997,32 @@ async def test_a_stream_relays_each_chunks_own_fields_as_the_engine_sent_them(
         assert mine.get("timings") == theirs.get("timings")
         assert mine["id"].startswith("chatcmpl-") and mine["id"] != theirs["id"]
     assert relayed[-1]["choices"] == [] and relayed[-1]["usage"] == _STREAM[-1]["usage"]
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"choices": [{"index": 0, "delta": {"content": 'hé \u2028 "x"'}, "finish_reason": None}]},
+        {
+            "id": "engine-id",
+            "object": "x",
+            "created": 1,
+            "model": "engine-model",
+            "system_fingerprint": "fp_1",
+            "choices": [{"index": 0, "text": "a", "finish_reason": "stop", "logprobs": None}],
+            "service_tier": "default",
+            "obfuscation": "pad",
+            "usage": {"total_tokens": 3},
+        },
+        {"choices": None, "extra": [1.5, None, True]},
+        {},
+    ],
+)
+def test_token_chunks_encode_the_characters_a_whole_chunk_does(
+    endpoint: Endpoint, data: dict[str, Any]
+) -> None:
+    """The relay's per-job encoder writes what json.dumps of the chunk wrote, character for character."""
+    job = dataclasses.replace(make_job(model='m "quoted" é'), endpoint=endpoint)
+    expected = json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))
+    assert TokenChunks(job).encode(data) == expected

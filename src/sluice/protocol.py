@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,25 @@ def chunk(
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+class TokenChunks:
+    """The JSON text of a job's streamed token chunks, the same characters as
+    ``json.dumps(chunk(job, data["choices"], fields=chunk_fields(data)))`` for each engine chunk
+    ``data``: the identity (id, object, created, model) is the same for every chunk of a job, so it
+    is encoded once, and each chunk encodes only what follows it (a long answer's every token paid
+    for the identity, ``response_id`` and a dict of its own before)."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, job: Job) -> None:
+        # json.dumps' default separators: ", " between items, as the whole chunk's encoding has.
+        self._head = json.dumps(chunk(job, []))[: -len(', "choices": []}')] + ", "
+
+    def encode(self, data: Mapping[str, Any]) -> str:
+        rest = {k: v for k, v in data.items() if k not in _OWN}
+        rest["choices"] = data.get("choices") or []
+        return self._head + json.dumps(rest)[1:]
 
 
 def chunk_fields(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from sluice.api import auth
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
-from sluice.protocol import chunk, chunk_fields, error_body
+from sluice.protocol import TokenChunks, chunk, chunk_fields, error_body
 
 T = TypeVar("T")
 
@@ -272,12 +272,12 @@ async def openai_stream(
     """
     sent_tokens = False
     finished = False
+    tokens = TokenChunks(job)
     try:
         async for event in revocable(broker.events(job.id), alive):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
-                data = event.data
-                yield json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))
+                yield tokens.encode(event.data)
             elif event.type is EventType.RETRY and sent_tokens:
                 # Tokens already sent cannot be taken back: end this stream with an error.
                 finished = True
