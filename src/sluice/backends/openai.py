@@ -226,7 +226,13 @@ def _chunk(payload: bytes) -> dict[str, Any] | None:
     """One ``data:`` line of the engine's stream: its chunk; None for a line that is not an object;
     the engine's error, raised."""
     try:
-        data = json.loads(payload)
+        # Decoded here rather than by json.loads, which would first guess the bytes' encoding (a
+        # share of every token); anything but plain UTF-8 (a BOM, UTF-16) still goes its way.
+        try:
+            text = payload.decode()
+        except UnicodeDecodeError:
+            text = None
+        data = json.loads(payload if text is None or text.startswith("\ufeff") else text)
     except ValueError as exc:
         raise BackendError("the engine sent a malformed stream chunk", retryable=True) from exc
     if not isinstance(data, dict):
