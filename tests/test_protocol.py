@@ -25,7 +25,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from sluice.core.job import Endpoint, Job
-from sluice.protocol import Assembler, TokenChunks, chunk, chunk_fields, error_body, response_id
+from sluice.protocol import Assembler, TokenChunks, chunk, chunk_fields, error_body, loads, response_id
 from tests.helpers import FakeClock, make_job
 from tests.servers import Gateway, run_app, run_gateway
 
@@ -1026,3 +1026,31 @@ def test_token_chunks_encode_the_characters_a_whole_chunk_does(
     job = dataclasses.replace(make_job(model='m "quoted" é'), endpoint=endpoint)
     expected = json.dumps(chunk(job, data.get("choices") or [], fields=chunk_fields(data)))
     assert TokenChunks(job).encode(data) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": "h\xc3\xa9"}',
+        '\ufeff{"a": 1}'.encode(),
+        '{"a": "é"}'.encode("utf-16"),
+        '{"a": "é"}'.encode("utf-16-le"),
+        '{"a": 1}'.encode("utf-32"),
+        b"[1]",
+        b"1",
+        b"",
+        b"\xff{}",
+        b'{"a": "\xed\xa0\x80"}',
+        b"{nope",
+        b'"\x00"',
+    ],
+)
+def test_loads_gives_what_json_loads_gives(raw: bytes) -> None:
+    """The decoder of bodies and engine chunks answers json.loads' value, or its kind of error."""
+    try:
+        expected: Any = json.loads(raw)
+    except ValueError as exc:
+        with pytest.raises(type(exc)):
+            loads(raw)
+    else:
+        assert loads(raw) == expected

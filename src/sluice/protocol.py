@@ -10,6 +10,21 @@ from typing import Any
 from sluice.core.job import Endpoint, Job
 
 
+def loads(raw: bytes) -> Any:
+    """``json.loads(raw)``, the same value or error, without its guess of the bytes' encoding (a
+    Python share of every decode): plain UTF-8 is decoded as text first; what may be another
+    encoding (a BOM, a NUL in the first four bytes: UTF-16, UTF-32) goes json.loads' own way."""
+    if b"\x00" not in raw[:4]:
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            pass
+        else:
+            if not text.startswith("\ufeff"):
+                return json.loads(text)
+    return json.loads(raw)
+
+
 def error_body(message: str, type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

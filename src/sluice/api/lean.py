@@ -38,7 +38,7 @@ from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.core.job import Endpoint
-from sluice.protocol import error_body
+from sluice.protocol import error_body, loads
 
 log = logging.getLogger("sluice.gateway")
 
@@ -165,7 +165,7 @@ def _valid(raw: bytes, content_type: bytes, model: type[SchedulingOptions]) -> S
     if media != b"application/json":
         return None
     try:
-        data = json.loads(raw)
+        data = loads(raw)  # as json.loads, without its guess of the encoding
     except Exception:  # not JSON, not UTF-8, nested past the recursion limit: the framework's words
         return None
     if not isinstance(data, dict):

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from sluice import protocol
 from sluice.backends.base import Backend, BackendError
 from sluice.backends.engine_load import EngineKind, EngineLoadReader
 from sluice.backends.http import TRANSPORT_ERRORS, EngineHTTP, EngineUnreachable, unreachable
@@ -210,7 +211,7 @@ class OpenAIBackend(Backend):
             else:
                 response.close()
         try:
-            data = json.loads(raw)
+            data = protocol.loads(raw)
             # Every field the engine sent travels on (system_fingerprint, service_tier, its own):
             # the assembler passes a whole answer through as it came, in the job's identity.
             data["choices"] = [_as_delta(c) for c in data.get("choices") or []]
@@ -226,13 +227,7 @@ def _chunk(payload: bytes) -> dict[str, Any] | None:
     """One ``data:`` line of the engine's stream: its chunk; None for a line that is not an object;
     the engine's error, raised."""
     try:
-        # Decoded here rather than by json.loads, which would first guess the bytes' encoding (a
-        # share of every token); anything but plain UTF-8 (a BOM, UTF-16) still goes its way.
-        try:
-            text = payload.decode()
-        except UnicodeDecodeError:
-            text = None
-        data = json.loads(payload if text is None or text.startswith("\ufeff") else text)
+        data = protocol.loads(payload)  # as json.loads, without its guess of the encoding
     except ValueError as exc:
         raise BackendError("the engine sent a malformed stream chunk", retryable=True) from exc
     if not isinstance(data, dict):
