@@ -95,6 +95,8 @@ WAITING_PERSISTS = 0.5
 KV_RECENT_S = 10.0
 #: The share of a window's first tokens that waited in the engine that is queueing (blind).
 TTFT_QUEUED_SHARE = 0.25
+#: A TTFT-inferred cut to above this share of the limit is a nudge: at most one per ``reprobe_s``.
+TTFT_NUDGE = 0.8
 #: Slow start's least time between two doublings, as a share of ``interval_s``.
 SLOW_START_PACE = 0.5
 #: Multiplicative decrease on a congestion signal that does not say by how much.
@@ -249,8 +251,11 @@ class ConcurrencyLimit:
         self._window_queued = 0
         self._window_started = now
         self._min_queued_inflight: int | None = None
+        self._last_ttft_cut = -math.inf
+        self._last_probe = -math.inf
         self._first_tokens = False  # on_first_token is called: TTFTs come from it
         self._verified = 0  # the most in flight at which a stream started without waiting
+        self._verified_since_change = 0  # the same, since the limit last changed
 
     # -- what the dispatcher reads -------------------------------------------------------------
 
@@ -464,16 +469,27 @@ class ConcurrencyLimit:
         if self._known_capacity is not None and current >= self._known_capacity:
             if now - max(self._last_congestion, self._last_change) < self._reprobe_s:
                 return
+            blind = self._peak_running is None
+            if current > self._known_capacity and blind and self._verified_since_change < current:
+                # Blind, a probe past the capacity goes on only once a stream sent at it started
+                # without waiting: a slow engine's few streams may show no queue either way.
+                return
             target = current + 1.0
             # A probe past the known capacity that met no trouble: the engine grew (a tenant
             # left, shorter contexts); forget the old figure so growth speeds up again. Where the
             # engine says what it runs, only if it ran more than the figure: one waiting behind
             # a full batch is missed as a queue while a sequence ends, and forgetting then lets
-            # additive growth pile a queue up before the next poll catches it.
-            ran_more = self._peak_running is None or self._peak_running > self._known_capacity
+            # additive growth pile a queue up before the next poll catches it. Blind, only if a
+            # stream sent with the probed count in flight started without waiting: a slow engine
+            # may finish too few streams in ``reprobe_s`` for a queue to show.
+            if self._peak_running is not None:
+                ran_more = self._peak_running > self._known_capacity
+            else:
+                ran_more = self._verified_since_change >= current
             if self._reason == "probe" and ran_more:
                 self._known_capacity = None
             reason = "probe"
+            self._last_probe = now
         elif self.phase is LimitPhase.STARTING:
             target = current * 2.0
             if not self._engine_reports_waiting:
@@ -531,6 +547,17 @@ class ConcurrencyLimit:
             self._known_capacity = max(self.floor, lowest - 1)
             guess = lowest - 1.0 if lowest - 1.0 < self._value else self._value * BACKOFF
             target = max(self._value * 0.5, guess)
+            nudge = target >= self._value * TTFT_NUDGE
+            probing = now - self._last_probe < 2 * self._reprobe_s
+            if nudge and probing and now - self._last_ttft_cut < self._reprobe_s:
+                # A nudge of a request or two, soon after the last, while probes go on between
+                # the cuts: the engine's capacity moving with its sequences' lengths (a KV-bound
+                # engine), which probes follow up only one each ``reprobe_s``; cut as slowly, or
+                # the limit ratchets down. (Cuts in a row, with no probe between, are the engine
+                # holding fewer: they go at the interval's pace.)
+                self._last_congestion = now
+                return
+            self._last_ttft_cut = now
             self._decrease(target, "ttft queueing", now)
 
     def _set(self, value: float, reason: str, now: float) -> None:
@@ -545,6 +572,7 @@ class ConcurrencyLimit:
         self._samples_since_change = 0
         if self._peak_running is not None:
             self._peak_running = 0
+        self._verified_since_change = 0
 
     def _clamp(self, n: float) -> int:
         value = max(self.floor, int(n))
@@ -600,6 +628,7 @@ class ConcurrencyLimit:
         queued = ttft > base + max(4 * step, 0.5 * base)
         if not queued:
             self._verified = max(self._verified, inflight)
+            self._verified_since_change = max(self._verified_since_change, inflight)
         # A stream that started with more in flight than the limit now allows tells of an older,
         # higher limit, which has already been judged: it must not cut the limit again.
         current = inflight <= self.limit
