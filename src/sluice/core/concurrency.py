@@ -485,7 +485,8 @@ class ConcurrencyLimit:
             if self._peak_running is not None:
                 ran_more = self._peak_running > self._known_capacity
             else:
-                ran_more = self._verified_since_change >= current
+                # Two past it: one stream that started at once may have met a sequence ending.
+                ran_more = self._verified_since_change >= current >= self._known_capacity + 2
             if self._reason == "probe" and ran_more:
                 self._known_capacity = None
             reason = "probe"
