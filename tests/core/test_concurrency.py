@@ -220,6 +220,33 @@ def test_a_probe_the_engine_did_not_run_does_not_forget_its_capacity() -> None:
     assert limiter.snapshot()["known_capacity"] == 8
 
 
+def test_blind_a_probe_past_the_capacity_goes_on_only_once_a_stream_at_it_started_at_once() -> None:
+    """Blind (TTFT only), a slow engine's few streams may show no queue either way: one probe
+    past the TTFT-inferred capacity, then none until a stream sent at it started without waiting."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=8, reprobe_s=5.0)
+    for _ in range(5):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(1, ttft=0.04))
+    for _ in range(12):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(8, ttft=1.0))  # waited in the engine
+    assert limiter.limit == 7 and limiter.snapshot()["known_capacity"] == 7
+
+    def quiet(seconds: float, started_at: int = 1) -> None:
+        for _ in range(int(seconds / 0.25)):
+            clock.advance(0.25)
+            limiter.on_dispatch(limiter.limit)
+            limiter.on_sample(_sample(started_at, ttft=0.04))
+
+    quiet(6)
+    assert limiter.limit == 8 and limiter.snapshot()["reason"] == "probe"
+    quiet(12)
+    assert limiter.limit == 8  # nothing started at 8 without waiting: no further probe
+    quiet(6, started_at=8)
+    assert limiter.limit == 9
+
+
 def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=64)
