@@ -379,7 +379,7 @@ class ConcurrencyLimit:
         )
         kv_bound = load.kv_usage is not None and load.kv_usage >= KV_HOLD
         # Preemptions are the KV cache used to the full, which a KV-bound engine should be; only
-        # a storm of them (a quarter of the batch between two polls) is too much.
+        # a storm of them (PREEMPTION_STORM of the batch between two polls) is too much.
         storm = preempted and delta_preempted > max(1.0, PREEMPTION_STORM * running)
         if (queued or storm) and kv_bound and running > 0:
             # The KV cache bounds the engine, and how many sequences it holds moves with their
