@@ -86,6 +86,29 @@ async def test_events_replay_and_resume(broker: Broker, clock: FakeClock) -> Non
     assert await drain_events(broker, job.id, after=6) == []
 
 
+async def test_a_reader_that_is_slow_to_take_each_event_still_gets_all_of_them(
+    broker: Broker, clock: FakeClock
+) -> None:
+    """Events published while a live reader is suspended between two of them (its consumer busy
+    with the last one), the terminal one among them, are read before it waits again: the
+    stream of a job that ended meanwhile still ends with its terminal event, not cut short."""
+    job = make_job(clock)
+    await broker.admit(job)
+    await broker.claim(W, ["m"], timeout=1.0)
+    await broker.publish(job.id, EventType.TOKEN, {"i": 0})
+    seen: list[Any] = []
+    async for event in broker.events(job.id, timeout=2.0):
+        seen.append(event)
+        if event.type is EventType.TOKEN and event.data.get("i") == 0:
+            # While the reader holds this event, the rest of the job happens.
+            for i in range(1, 3):
+                await broker.publish(job.id, EventType.TOKEN, {"i": i})
+            await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
+    assert [e.type for e in seen][-1] is EventType.DONE
+    assert [e.data.get("i") for e in seen if e.type is EventType.TOKEN] == [0, 1, 2]
+    assert [e.id for e in seen] == list(range(1, len(seen) + 1))
+
+
 async def test_events_read_long_after_the_end_are_those_read_live(
     broker: Broker, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -399,11 +399,14 @@ class MemoryBroker(Broker):
             return
         sent = max(after, 0)
         while True:
-            for type, data in rec.since(sent) if sent < rec.count else ():
-                sent += 1
-                yield Event(sent, type, data)
-                if type in TERMINAL_EVENTS:
-                    return
+            # Events published while this reader was suspended at a yield are read before it
+            # waits again: the signal they notified has passed, and the last may be the terminal one.
+            while sent < rec.count:
+                for type, data in rec.since(sent):
+                    sent += 1
+                    yield Event(sent, type, data)
+                    if type in TERMINAL_EVENTS:
+                        return
             if rec.ended_stream:
                 return  # resumed after the terminal event: nothing more will come
             if timeout is None:  # a live reader wakes once per token: no timer to set each time
