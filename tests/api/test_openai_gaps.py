@@ -470,4 +470,6 @@ async def test_a_repeated_refusal_is_never_told_a_time_sooner_than_the_first(htt
         # The moments the two were told to come back at, on this clock (a 50 ms margin for the
         # time between the gateway's decision and the answer's arrival here).
         assert told_again + left / 1000 >= told_first + waited / 1000 - 0.05
+        # And it is a time of its own: the book gave the first's away, so the repeat's is later.
+        assert told_again + left / 1000 > told_first + waited / 1000 + 0.05
         engine.gate.set()
