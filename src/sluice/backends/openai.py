@@ -179,11 +179,7 @@ class OpenAIBackend(Backend):
         except TRANSPORT_ERRORS as exc:
             raise _transport_error(unreachable(exc)) from exc
         finally:
-            if complete:
-                # Whole: back to the pool (aiohttp closes it instead if any of the body is unread).
-                response.release()
-            else:
-                response.close()
+            _end(response, complete)
 
     async def _send(self, job: Job, content: bytes) -> aiohttp.ClientResponse:
         try:
@@ -206,10 +202,7 @@ class OpenAIBackend(Backend):
         except _READ_ERRORS as exc:
             raise _transport_error(unreachable(exc)) from exc
         finally:
-            if complete:
-                response.release()
-            else:
-                response.close()
+            _end(response, complete)
         try:
             data = protocol.loads(raw)
             # Every field the engine sent travels on (system_fingerprint, service_tier, its own):
@@ -335,6 +328,16 @@ def _model_info(entry: dict[str, Any], known: ModelInfo | None, now: int) -> Mod
 
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def _end(response: aiohttp.ClientResponse, complete: bool) -> None:
+    """An answer read to its end goes back to the pool (aiohttp closes it instead if any of its
+    body is unread); any other end (an abort, an error) closes the connection, which is what makes
+    the engine stop generating."""
+    if complete:
+        response.release()
+    else:
+        response.close()
 
 
 def _encode(body: dict[str, Any]) -> bytes:
