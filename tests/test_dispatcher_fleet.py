@@ -175,6 +175,11 @@ async def run_jobs(broker: MemoryBroker, n: int) -> list[str]:
     return out
 
 
+async def served(broker: MemoryBroker, model: str, slots: int) -> bool:
+    """Whether the broker's registry says ``model`` is served with ``slots`` in all."""
+    return (await broker.served_models()).get(model) == slots
+
+
 async def test_dns_members_join_and_leave_as_the_records_change() -> None:
     # Two engines on one port at two loopback addresses: what a headless Service's pods look like.
     port = free_port()
@@ -196,11 +201,12 @@ async def test_dns_members_join_and_leave_as_the_records_change() -> None:
         zone.records["engines"] = ["127.0.0.1", "127.0.0.2"]
         await wait_until(lambda: {e.name for e in fleet.engines} == {one, two})
         await wait_until(lambda: all(e.backend.models for e in fleet.engines))
-        assert (await broker.served_models())["m"] == 8  # both limits registered
+        # Both limits registered: the dispatcher publishes them on its next pass, not at once.
+        await wait_until(lambda: served(broker, "m", 8))
         zone.records["engines"] = ["127.0.0.2"]
         await wait_until(lambda: {e.name for e in fleet.engines} == {two})
         assert set(await run_jobs(broker, 8)) == {two}
-        assert (await broker.served_models())["m"] == 4
+        await wait_until(lambda: served(broker, "m", 4))
     finally:
         await dispatcher.stop()
         await broker.close()
