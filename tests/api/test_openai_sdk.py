@@ -17,8 +17,10 @@ async def gw(sim_url: str) -> AsyncIterator[Gateway]:
 
 
 @pytest.fixture
-def client(gw: Gateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="test-key", max_retries=0)
+async def client(gw: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    # Closed after the test: its pooled connections would otherwise outlive the gateway.
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="test-key", max_retries=0) as sdk:
+        yield sdk
 
 
 async def test_chat_non_streaming(client: openai.AsyncOpenAI) -> None:
