@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sluice.api.relay import SSE_HEADERS, EventStream, sse_frame
+from sluice.api.relay import SSE_HEADERS, EventStream, sse_event, sse_frame
 
 
 class Client:
@@ -42,6 +42,48 @@ SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "head
 def test_a_payload_with_newlines_is_one_event_of_several_data_lines() -> None:
     assert sse_frame('{"a":1}') == b'data: {"a":1}\n\n'
     assert sse_frame("one\ntwo") == b"data: one\ndata: two\n\n"
+
+
+def test_an_event_with_its_id_and_name_is_framed_as_sse_starlette_framed_it() -> None:
+    # The bytes sse-starlette's ServerSentEvent(data, event=..., id=..., sep="\n").encode() wrote.
+    assert sse_event('{"a":1}', event="token", id="3") == b'id: 3\nevent: token\ndata: {"a":1}\n\n'
+    assert sse_event("x", event="history") == b"event: history\ndata: x\n\n"
+    # Line breaks cannot stand in the id or the name: dropped; the data's make more data lines.
+    assert sse_event("a\nb\r\nc\rd", event="e\nv", id="1\r2") == (
+        b"id: 12\nevent: ev\ndata: a\ndata: b\ndata: c\ndata: d\n\n"
+    )
+    assert sse_event("", event="e", id="0") == b"id: 0\nevent: e\ndata: \n\n"
+
+
+async def test_a_framed_event_is_sent_as_it_is_and_an_own_header_stands_for_the_sse_one() -> None:
+    client = Client()
+
+    async def payloads() -> AsyncIterator[bytes]:
+        yield sse_event("{}", event="snapshot", id="1")
+
+    headers = {"Cache-Control": "no-store, private", "X-Content-Type-Options": "nosniff"}
+    await asyncio.wait_for(EventStream(payloads(), headers, ping_s=0)(SCOPE, client.receive, client.send), 5)
+    sent = client.sent[0]["headers"]
+    assert [v for k, v in sent if k == b"cache-control"] == [b"no-store, private"]  # once, the route's
+    assert (b"x-content-type-options", b"nosniff") in sent
+    assert set(SSE_HEADERS) - {h for h in SSE_HEADERS if h[0] == b"cache-control"} <= set(sent)
+    assert client.bodies() == [b"id: 1\nevent: snapshot\ndata: {}\n\n", b""]
+
+
+async def test_a_head_request_gets_the_headers_alone_and_the_payloads_never_start() -> None:
+    client = Client()
+    started = False
+
+    async def payloads() -> AsyncIterator[str]:
+        nonlocal started
+        started = True
+        yield "never"
+
+    head = {**SCOPE, "method": "HEAD"}
+    await asyncio.wait_for(EventStream(payloads(), ping_s=0.01)(head, client.receive, client.send), 5)
+    assert client.sent[0]["status"] == 200 and set(SSE_HEADERS) <= set(client.sent[0]["headers"])
+    assert client.bodies() == [b""] and client.sent[-1]["more_body"] is False
+    assert not started
 
 
 async def test_frames_pings_while_waiting_then_the_end() -> None:

@@ -30,11 +30,11 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import KeyRing, bearer, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
+from sluice.api.relay import EventStream, EventStreamResponse, sse_event
 from sluice.dashboard_feed import DashboardFeed, FleetCollector
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
@@ -231,19 +231,19 @@ async def feed(request: Request) -> Response:
         )
     max_s = gateway(request).settings.max_stream_s
 
-    async def stream() -> AsyncIterator[dict[str, str]]:
+    async def stream() -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         end = loop.time() + max_s
         recheck = loop.time() + RECHECK_S
         seq = 0
         state.dashboard_feeds += 1
         try:
-            yield {"event": "history", "data": _json({"points": dash.history.points()})}
+            yield sse_event(_json({"points": dash.history.points()}), event="history")
             while (left := end - loop.time()) > 0:
                 got = await dash.next_after(seq, timeout=min(left, RECHECK_S))
                 if got is not None:
                     seq, latest = got
-                    yield {"id": str(seq), "event": "snapshot", "data": _json(latest)}
+                    yield sse_event(_json(latest), event="snapshot", id=str(seq))
                 if loop.time() >= recheck:
                     if not await access.check(request):
                         return  # the key was revoked: the reconnect gets the 401
@@ -251,7 +251,7 @@ async def feed(request: Request) -> Response:
         finally:
             state.dashboard_feeds -= 1
 
-    return EventSourceResponse(stream(), ping=PING_S, sep="\n", headers=HEADERS)
+    return EventStreamResponse(EventStream(stream(), HEADERS, ping_s=PING_S))
 
 
 def install(app: FastAPI) -> None:

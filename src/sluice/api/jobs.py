@@ -11,13 +11,21 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, KEYED, errors, events
-from sluice.api.relay import KeyRevoked, bounded, key_check, revocable, while_connected
+from sluice.api.relay import (
+    EventStream,
+    EventStreamResponse,
+    KeyRevoked,
+    bounded,
+    key_check,
+    revocable,
+    sse_event,
+    while_connected,
+)
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.views import job_view
@@ -154,29 +162,29 @@ def _after(request: Request) -> int:
 
 @router.get(
     "/v1/jobs/{job_id}/events",
-    response_class=EventSourceResponse,
+    response_class=EventStreamResponse,
     responses={
         **errors(*KEYED, 400, 404, 429),
         **events("The job's events (queued, started, token, retry, done, error), each with its id."),
     },
 )
-async def job_events(request: Request, job_id: str, who: Who) -> EventSourceResponse:
+async def job_events(request: Request, job_id: str, who: Who) -> EventStreamResponse:
     gw = gateway(request)
     await own_job(gw, who, job_id)
     after = _after(request)
     held = await gw.hold(who)
     events = revocable(gw.broker.events(job_id, after=after), key_check(request, who))
 
-    async def stream() -> AsyncIterator[dict[str, Any]]:
+    async def stream() -> AsyncIterator[bytes]:
         try:
             async for event in bounded(events, gw.settings.max_stream_s):
-                yield {"id": str(event.id), "event": event.type.value, "data": json.dumps(event.data)}
+                yield sse_event(json.dumps(event.data), event=event.type.value, id=str(event.id))
         except KeyRevoked:
             return  # a reconnect (EventSource does it by itself) gets the 401
         finally:
             await held.aclose()
 
-    return EventSourceResponse(stream(), ping=PING_S, sep="\n")
+    return EventStreamResponse(EventStream(stream(), ping_s=PING_S))
 
 
 @router.delete("/v1/jobs/{job_id}", responses=errors(*KEYED, 404, 405, 409))

@@ -23,6 +23,7 @@ from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
     ACCEPT_WAIT_S,
     EventStream,
+    EventStreamResponse,
     answer,
     engine_accepted,
     key_check,
@@ -95,22 +96,9 @@ async def _answer(
     return response
 
 
-class _Answer(Response):
-    """A Response that is an :class:`EventStream` (FastAPI's routes return Responses)."""
-
-    def __init__(self, stream: EventStream) -> None:
-        self.stream = stream
-        self.background = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.stream(scope, receive, send)
-        if self.background is not None:
-            await self.background()
-
-
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: SchedulingOptions) -> Response:
     answered = await complete(request, who, endpoint, body.model_dump(exclude_none=True, mode="json"), body)
-    return _Answer(answered) if isinstance(answered, EventStream) else answered
+    return EventStreamResponse(answered) if isinstance(answered, EventStream) else answered
 
 
 @router.post(

@@ -7,12 +7,13 @@ import contextlib
 import functools
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import HTTPConnection
 from starlette.types import Message, Receive, Scope, Send
 
@@ -331,27 +332,47 @@ def sse_frame(data: str) -> bytes:
     return "".join(f"data: {line}\n" for line in lines).encode() + b"\n"
 
 
+#: What may not stand inside an ``id:`` or ``event:`` line (sse-starlette removed it, as here).
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def sse_event(data: str, *, event: str | None = None, id: str | None = None) -> bytes:
+    """One whole event with its ``id:`` and ``event:`` lines (each without line breaks), then its
+    ``data:`` lines, the bytes sse-starlette wrote for ``{"id": id, "event": event, "data": data}``
+    with ``sep="\n"``: what :class:`EventStream` sends as it is when a payload is bytes."""
+    head = ""
+    if id is not None:
+        head = "id: " + _LINE_BREAK.sub("", id) + "\n"
+    if event is not None:
+        head += "event: " + _LINE_BREAK.sub("", event) + "\n"
+    return head.encode() + sse_frame(data)
+
+
 def ping_frame() -> bytes:
     """The keep-alive comment, as sse-starlette wrote it."""
     return f": ping - {datetime.now(UTC)}\n\n".encode()
 
 
 class EventStream:
-    """An SSE answer written straight to the ASGI ``send``: each payload one ``data:`` frame, a
-    keep-alive comment every ``ping_s``, one deadline for the whole stream (``limit_s``, after which
-    it ends as if the payloads had) rather than a timer per event; and if the client leaves, the
-    payloads are closed (their ``finally`` cancels the job) and nothing more is sent.
+    """An SSE answer written straight to the ASGI ``send``: each payload one event, a keep-alive
+    comment every ``ping_s``, one deadline for the whole stream (``limit_s``, after which it ends as
+    if the payloads had) rather than a timer per event; and if the client leaves, the payloads are
+    closed (their ``finally`` cancels the job) and nothing more is sent. A ``HEAD`` request gets the
+    headers alone, and the payloads are not started.
 
     Args:
-        payloads: each event's data, in order; closed however the stream ends.
-        headers: the answer's own headers (before the SSE ones).
+        payloads: in order, each event's data (a ``str``: one ``data:`` event, :func:`sse_frame`),
+            or a whole event already framed (``bytes``: :func:`sse_event`); closed however the
+            stream ends.
+        headers: the answer's own headers (before the SSE ones; one of them that names an SSE
+            header, ``Cache-Control`` say, stands instead of it).
         ping_s: seconds between keep-alive comments; 0: none.
         limit_s: the longest the stream may last; None: unbounded.
     """
 
     def __init__(
         self,
-        payloads: AsyncIterator[str],
+        payloads: AsyncIterator[str | bytes],
         headers: dict[str, str] | None = None,
         *,
         ping_s: float = 15.0,
@@ -364,7 +385,16 @@ class EventStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": [*head, *SSE_HEADERS]})
+        if head:
+            named = {name for name, _ in head}
+            head.extend(h for h in SSE_HEADERS if h[0] not in named)
+        else:
+            head = list(SSE_HEADERS)
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        if scope.get("method") == "HEAD":
+            await self.payloads.aclose()  # type: ignore[attr-defined]
+            await send(_END)
+            return
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -387,7 +417,8 @@ class EventStream:
         try:
             async with asyncio.timeout(self.limit_s):
                 async for data in self.payloads:
-                    await send({"type": "http.response.body", "body": sse_frame(data), "more_body": True})
+                    frame = data if isinstance(data, bytes) else sse_frame(data)
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
         except TimeoutError:
             pass  # the stream's time is up: it ends as a finished one does, the job cancelled
         except asyncio.CancelledError:
@@ -402,6 +433,24 @@ class EventStream:
             await self.payloads.aclose()  # type: ignore[attr-defined]
         if not left:
             await send(_END)
+
+
+class EventStreamResponse(Response):
+    """An :class:`EventStream` as the Response a FastAPI route returns; as a route's
+    ``response_class`` it documents the route's answer as ``text/event-stream``."""
+
+    media_type = "text/event-stream"
+
+    # ``status_code`` is read by FastAPI (the default of this parameter) for the route's schema.
+    def __init__(self, stream: EventStream, status_code: int = 200) -> None:
+        self.stream = stream
+        self.status_code = status_code
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.stream(scope, receive, send)
+        if self.background is not None:
+            await self.background()
 
 
 async def _call_when_gone(receive: Receive, gone: Callable[[], None]) -> None:

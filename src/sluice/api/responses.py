@@ -21,7 +21,6 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
-from sse_starlette import EventSourceResponse
 
 from sluice.api import relay
 from sluice.api.auth import Caller, Who
@@ -29,6 +28,8 @@ from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
+    EventStream,
+    EventStreamResponse,
     KeyCheck,
     KeyRevoked,
     bounded,
@@ -37,6 +38,7 @@ from sluice.api.relay import (
     failure,
     key_check,
     revocable,
+    sse_event,
     wait_for_client,
 )
 from sluice.api.schemas import PositiveTimeout
@@ -149,8 +151,8 @@ async def _history(gw: Gateway, who: Caller, previous: str | None) -> list[dict[
     return follow_up(job)
 
 
-def _sse(event: dict[str, Any]) -> dict[str, str]:
-    return {"event": event["type"], "id": str(event["sequence_number"]), "data": json.dumps(event)}
+def _sse(event: dict[str, Any]) -> bytes:
+    return sse_event(json.dumps(event), event=event["type"], id=str(event["sequence_number"]))
 
 
 async def _stream(
@@ -160,7 +162,7 @@ async def _stream(
     cancel_on_exit: bool,
     held: contextlib.AsyncExitStack,
     alive: KeyCheck | None = None,
-) -> AsyncIterator[dict[str, str]]:
+) -> AsyncIterator[bytes]:
     """The response's events with ``sequence_number`` > ``after``, made from the job's event log
     from its start (so that a replay numbers them as the first stream did). ``cancel_on_exit``:
     the client waits on this response, and leaving before its end cancels it. ``held`` (the
@@ -246,11 +248,12 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
             except APIError as refused:
                 raise _as_sent(refused) from None
             held = stack.pop_all()
-            return EventSourceResponse(
-                _stream(gw, job, -1, not background, held, key_check(request, who)),
-                ping=PING_S,
-                sep="\n",
-                headers=headers,
+            return EventStreamResponse(
+                EventStream(
+                    _stream(gw, job, -1, not background, held, key_check(request, who)),
+                    headers,
+                    ping_s=PING_S,
+                )
             )
         if background:
             return JSONResponse(response_object(job), headers=headers)
@@ -287,11 +290,10 @@ async def get_response(
         return JSONResponse(response_object(job), headers=_headers(job))
     after = max(starting_after, _last_event_id(request))
     held = await gw.hold(who)
-    return EventSourceResponse(
-        _stream(gw, job, after, False, held, key_check(request, who)),
-        ping=PING_S,
-        sep="\n",
-        headers=_headers(job),
+    return EventStreamResponse(
+        EventStream(
+            _stream(gw, job, after, False, held, key_check(request, who)), _headers(job), ping_s=PING_S
+        )
     )
 
 
