@@ -102,38 +102,63 @@ class ClientGone:
 
 
 class OneWrite:
-    """The transport one request's answer is written through: the answer's head is held until
-    its body's first write, as long as that comes in the same turn of the event loop (an answer
-    sent whole does: its two ``send`` calls never wait), so that both go out in one write, one
-    trip through the kernel instead of two; a head whose body comes later (a stream) goes out at
-    the end of the turn. Everything else is the connection's transport itself.
+    """The transport one request's answer is written through, with fewer writes, each one trip
+    through the kernel, and nothing written later than it would have been:
+
+    - the answer's head is held until its body's first write, as long as that comes in the same
+      turn of the event loop (an answer sent whole does: its two ``send`` calls never wait), so
+      that both go out in one write; a head whose body comes later (a stream) goes out at the end
+      of the turn;
+    - a write goes out at once when it is the first of its turn; what else is written in the same
+      turn (a stream's tokens that came together, its end after its last token) is gathered and
+      written in one go at the end of the turn. A stream's first token, and any token alone in
+      its turn, is therefore not delayed at all; one that came with others waits only for the
+      rest of the turn (the others' ``send``), which it would have spent in that many writes.
+
+    Everything else is the connection's transport itself.
 
     Attributes:
         transport: the connection's transport.
     """
 
-    __slots__ = ("_first", "_held", "_loop", "transport")
+    __slots__ = ("_first", "_gathered", "_head", "_loop", "transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self.transport = transport
         self._loop = loop
-        self._held: bytes | None = None
+        #: the head, held until the body's first write or the end of its turn
+        self._head: bytes | None = None
+        #: what this turn wrote after its first write, for its end; None: no write this turn yet
+        self._gathered: list[bytes] | None = None
         self._first = True
 
     def write(self, data: bytes) -> None:
+        gathered = self._gathered
+        if gathered is not None:  # not the turn's first write: it joins the turn's end
+            head, self._head = self._head, None
+            if head is not None:  # the body right after its head: both at once
+                self.transport.write(head + data)
+            else:
+                gathered.append(data)
+            return
+        self._gathered = []
+        self._loop.call_soon(self.flush)
         if self._first:
             self._first = False
-            self._held = data
-            self._loop.call_soon(self.flush)
+            self._head = data
             return
-        held, self._held = self._held, None
-        self.transport.write(held + data if held is not None else data)
+        self.transport.write(data)
 
     def flush(self) -> None:
-        """Write what is held, if anything."""
-        held, self._held = self._held, None
-        if held is not None and not self.transport.is_closing():
-            self.transport.write(held)
+        """Write what is held or gathered, if anything; the next write is a turn's first again."""
+        head, self._head = self._head, None
+        gathered, self._gathered = self._gathered, None
+        if gathered:
+            data = b"".join(gathered) if head is None else head + b"".join(gathered)
+        else:
+            data = head or b""
+        if data and not self.transport.is_closing():
+            self.transport.write(data)
 
     def close(self) -> None:
         self.flush()
