@@ -67,6 +67,9 @@ class Gateway:
     #: ``settings.request_limits()``, made once: it is on every request's path, and the settings
     #: do not change while the gateway runs
     _limits: RequestLimits | None = None
+    #: the metrics' children this gateway counts admissions in, by refusal code (see admit)
+    _refused: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    _admitted: Any = None
 
     @contextlib.asynccontextmanager
     async def connection(self, caller: Caller) -> AsyncIterator[None]:
@@ -302,8 +305,9 @@ class Gateway:
             # The refusal's Retry-After is told as the broker gave it: a rate limit's is its
             # bucket's refill, every other is a reservation from the model's book (core/policy.py's
             # decide), already counted against the times handed out before it.
-            self.metrics.admissions.labels("refused", refused.code).inc()
-            self.metrics.retry_after.labels(refused.code).observe(refused.retry_after_s)
+            refusals, retry_after = self._refusal_metrics(refused.code)
+            refusals.inc()
+            retry_after.observe(refused.retry_after_s)
             if retry:
                 self.metrics.client_retries.labels("refused").inc()
             log.info(
@@ -321,10 +325,24 @@ class Gateway:
                 },
             )
             raise APIError.from_refused(refused) from None
-        self.metrics.admissions.labels("duplicate" if admission.duplicate else "admitted", "").inc()
+        admitted = self._admitted
+        if admitted is None:
+            admitted = self._admitted = self.metrics.admissions.labels("admitted", "")
+        (self.metrics.admissions.labels("duplicate", "") if admission.duplicate else admitted).inc()
         if retry:
             self.metrics.client_retries.labels("admitted").inc()
         return admission
+
+    def _refusal_metrics(self, code: str) -> tuple[Any, Any]:
+        """The refusal counter and the Retry-After histogram of ``code``, looked up once per code:
+        a label lookup (a lock, a tuple of the values) on every refusal is a share of its cost."""
+        found = self._refused.get(code)
+        if found is None:
+            found = self._refused[code] = (
+                self.metrics.admissions.labels("refused", code),
+                self.metrics.retry_after.labels(code),
+            )
+        return found
 
 
 def client_retry(request: Request) -> int:

@@ -70,19 +70,20 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
+#: What JSONResponse renders with (the same text), made once: ``json.dumps`` with options builds
+#: an encoder on every call, a visible share of a refusal.
+_ERROR_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
 async def send_error(send: Send, error: APIError) -> None:
     """``error`` as its JSON answer (the bytes and headers ``error.response()`` makes, without
     building the Response), with its ``x-request-id`` (the job's where there is one)."""
-    body = json.dumps(
-        error_body(error.message, error.type, error.code, error.param),
-        ensure_ascii=False,
-        allow_nan=False,
-        separators=(",", ":"),
-    ).encode()
+    body = _ERROR_JSON(error_body(error.message, error.type, error.code, error.param)).encode()
     named = error.headers()
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
     headers.append((b"content-length", str(len(body)).encode()))
-    headers.append((b"content-type", b"application/json"))
+    headers.append(_JSON_TYPE)
     headers.append((_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
