@@ -1028,6 +1028,14 @@ def test_token_chunks_encode_the_characters_a_whole_chunk_does(
     assert TokenChunks(job).encode(data) == expected
 
 
+def test_token_chunks_refuse_what_json_dumps_refuses() -> None:
+    job = make_job()
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        TokenChunks(job).encode({"choices": [{"index": 0, "delta": {"content": object()}}]})
+    with pytest.raises(TypeError):
+        TokenChunks(job).encode({"choices": [{1j: "a complex key"}]})
+
+
 @pytest.mark.parametrize(
     "raw",
     [
@@ -1043,6 +1051,18 @@ def test_token_chunks_encode_the_characters_a_whole_chunk_does(
         b'{"a": "\xed\xa0\x80"}',
         b"{nope",
         b'"\x00"',
+        # One object and nothing else takes the scanner's short way; all around it, json.loads'.
+        b"{}",
+        b'{"a": {"b": [1, 2.5, null, true]}, "c": "\\u00e9\\ud83d\\ude00"}',
+        b'{"a": 12345678901234567890123, "b": 1e400, "c": NaN, "d": -Infinity}',
+        b'{"a": "\\ud800"}',
+        b'{"a": 1} ',
+        b' {"a": 1}',
+        b'{"a": 1}{"b": 2}',
+        b'{"a": 1}x}',
+        b'{"a": 1,}',
+        b'{"a": }',
+        b'{"a": "b}',
     ],
 )
 def test_loads_gives_what_json_loads_gives(raw: bytes) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.core.job import Endpoint, Job
+
+#: json.loads' own scanner (its default decoder's: the C one where there is one), called straight
+#: for a text that is one object and nothing else, without the two Python calls and the two
+#: whitespace matches around it (``JSONDecoder.decode`` and ``raw_decode``).
+_scan_once: Callable[[str, int], tuple[Any, int]] = json.decoder.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def loads(raw: bytes) -> Any:
@@ -20,6 +25,17 @@ def loads(raw: bytes) -> Any:
         except UnicodeDecodeError:
             pass
         else:
+            if text[:1] == "{" and text[-1:] == "}":
+                # What json.loads does with such a text: scan one value from 0, then find nothing
+                # after it. Anything else (an error, text after the object) goes its way, for its
+                # own error.
+                try:
+                    value, end = _scan_once(text, 0)
+                except (StopIteration, ValueError):
+                    pass
+                else:
+                    if end == len(text):
+                        return value
             if not text.startswith("\ufeff"):
                 return json.loads(text)
     return json.loads(raw)
@@ -74,7 +90,28 @@ class TokenChunks:
     def encode(self, data: Mapping[str, Any]) -> str:
         rest = {k: v for k, v in data.items() if k not in _OWN}
         rest["choices"] = data.get("choices") or []
-        return self._head + json.dumps(rest)[1:]
+        return self._head + _dumps(rest)[1:]
+
+
+def _plain_encoder() -> Any:
+    """json.dumps' C encoder with its default options, made once (json.dumps makes one per call),
+    without the check for circular references: what it encodes was decoded from JSON (an engine's
+    chunk, a broker's event), which cannot refer to itself. None where json has no C encoder."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    default = json.JSONEncoder().default  # raises json.dumps' TypeError for what is not JSON
+    return make(None, default, json.encoder.encode_basestring_ascii, None, ": ", ", ", False, False, True)
+
+
+_PLAIN = _plain_encoder()
+
+
+def _dumps(value: dict[str, Any]) -> str:
+    """``json.dumps(value)`` for a dict, the same characters (and errors, a loop apart)."""
+    if _PLAIN is None:
+        return json.dumps(value)
+    return "".join(_PLAIN(value, 0))
 
 
 def chunk_fields(data: Mapping[str, Any]) -> dict[str, Any]:
