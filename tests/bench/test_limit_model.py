@@ -3,7 +3,19 @@ fixed limit held, the adaptive one within its bounds), not how fast anything is.
 
 from __future__ import annotations
 
-from sluice.bench.limit_model import ENGINES, Config, arrivals, compare, converge_s, main, run
+from sluice.bench.limit_model import (
+    ENGINES,
+    Config,
+    Outcome,
+    arrivals,
+    compare,
+    converge_goodput_s,
+    converge_s,
+    main,
+    phase_good,
+    plateau,
+    run,
+)
 
 TINY = Config(duration_s=20.0, change_at_s=10.0, patience_s=5.0, poll_s=1.0, seed=3)
 
@@ -52,10 +64,40 @@ def test_convergence_is_the_last_time_the_limit_left_its_band() -> None:
     assert settled == 16 and seconds == 3.0
 
 
+def _answers(*times: float) -> Outcome:
+    return Outcome(good=len(times), good_at=sorted(times))
+
+
+def test_the_plateau_is_the_run_of_fixed_limits_within_2_percent_or_one_answer() -> None:
+    # 100 answers in the phase at 6 and 7, 98 at 5 (2 % short), 97 at 8, 99 at 9 (past a gap).
+    counts = {4: 90, 5: 98, 6: 100, 7: 100, 8: 97, 9: 99}
+    fixed = {n: _answers(*(i * 0.1 for i in range(c))) for n, c in counts.items()}
+    band = plateau(fixed, 0.0, 60.0)
+    assert (band.best, band.low, band.high) == (6, 5, 7)
+    # Ten answers in the phase: 2 % is a fifth of one, so one answer short is still level.
+    small = {1: _answers(*range(8)), 2: _answers(*range(9)), 3: _answers(*range(10))}
+    assert plateau(small, 0.0, 60.0).low == 2
+    assert phase_good(fixed[4], 0.0, 1.0) == 10
+
+
+def test_goodput_convergence_is_the_first_window_from_which_none_falls_short() -> None:
+    reference = _answers(*(i * 0.1 for i in range(600)))  # 10 answers a second for 60 s
+    # The adaptive run answers half as many until 20 s, then as many.
+    adaptive = _answers(*(i * 0.2 for i in range(100)), *(20.0 + i * 0.1 for i in range(400)))
+    assert converge_goodput_s(adaptive, reference, 0.0, 60.0) == 20.0
+    assert converge_goodput_s(reference, reference, 0.0, 60.0) == 0.0
+    # Short in the last window: it never converged.
+    late = _answers(*(i * 0.1 for i in range(550)))
+    assert converge_goodput_s(late, reference, 0.0, 60.0) is None
+
+
 def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def]
     main(["--engines", "b4", "--duration", "12", "--change-at", "6", "--patience", "4"])
     out = capsys.readouterr().out
     assert "| engine | batch | best fixed |" in out and "| b4 | 4 |" in out
+    main(["--engines", "b4", "--duration", "12", "--change-at", "6", "--patience", "4", "--seeds", "2"])
+    out = capsys.readouterr().out
+    assert "| b4#2 | 4 |" in out and "| b4 | 1-2 |" in out
 
 
 def test_with_a_tpot_objective_the_limit_stays_below_the_batch_and_answers_must_meet_it() -> None:

@@ -28,6 +28,7 @@ where it settles (its median over the last third of the phase).
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import itertools
 import random
@@ -283,6 +284,81 @@ def converge_s(trace: Sequence[tuple[float, int]], start: float, end: float) -> 
     return max(0.0, entered - start), settled
 
 
+def phase_good(outcome: Outcome, start: float, end: float) -> int:
+    """Good answers that finished in [start, end)."""
+    return bisect.bisect_left(outcome.good_at, end) - bisect.bisect_left(outcome.good_at, start)
+
+
+@dataclass(frozen=True, slots=True)
+class Plateau:
+    """The fixed limits that do about as well as the best one over a phase.
+
+    Attributes:
+        best: the fixed limit with the most good answers finished in the phase (the smallest of
+            equals).
+        low, high: the run of consecutive fixed limits around ``best`` whose good answers in the
+            phase are within the tolerance of the best's.
+    """
+
+    best: int
+    low: int
+    high: int
+
+
+def _bar(best: int, tolerance: float) -> float:
+    """The least count within ``tolerance`` of ``best``, or one answer, whichever is more: a
+    count is whole answers (a slow engine finishes ~30 in a phase, where 2 % is a fraction of
+    one)."""
+    return min((1 - tolerance) * best, best - 1.0)
+
+
+def plateau(fixed: dict[int, Outcome], start: float, end: float, tolerance: float = 0.02) -> Plateau:
+    """Where the fixed limits' goodput over [start, end) is within ``tolerance`` (or one answer)
+    of the best."""
+    good = {n: phase_good(o, start, end) for n, o in fixed.items()}
+    best = max(good, key=lambda n: (good[n], -n))
+    bar = _bar(good[best], tolerance)
+    low = high = best
+    while low - 1 in good and good[low - 1] >= bar:
+        low -= 1
+    while high + 1 in good and good[high + 1] >= bar:
+        high += 1
+    return Plateau(best, low, high)
+
+
+#: Sliding window of the goodput-based convergence (seconds).
+GOODPUT_WINDOW_S = 10.0
+
+
+def converge_goodput_s(
+    adaptive: Outcome,
+    reference: Outcome,
+    start: float,
+    end: float,
+    *,
+    tolerance: float = 0.02,
+    window_s: float = GOODPUT_WINDOW_S,
+) -> float | None:
+    """How long after ``start`` the adaptive run's goodput over every later window of
+    ``window_s`` (1-s steps, within the phase) stays within ``tolerance`` (or one answer,
+    whichever is more: ``b8`` finishes about 8 in 10 s) of the ``reference`` run's (the phase's
+    best fixed limit) over the same window, on the same arrivals. None: the last window of the
+    phase still falls short."""
+    starts: list[float] = []
+    t = start
+    while t + window_s <= end + 1e-9:
+        starts.append(t)
+        t += 1.0
+    converged: float | None = start
+    for t in starts:
+        ok = phase_good(adaptive, t, t + window_s) >= _bar(phase_good(reference, t, t + window_s), tolerance)
+        if not ok:
+            converged = None
+        elif converged is None:
+            converged = t
+    return None if converged is None else converged - start
+
+
 @dataclass(slots=True)
 class Row:
     """One engine's comparison.
@@ -313,40 +389,166 @@ def compare(name: str, cfg: Config, limits: Sequence[int] | None = None) -> Row:
     return Row(name, params.max_num_seqs, fixed, run(params, cfg), run(params, cfg, metrics=False))
 
 
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """One adaptive run's figures against the fixed limits, per phase (start, then after the
+    change: a second value of 0 when there is no change).
+
+    Attributes:
+        share: its good answers, as a percentage of the best fixed limit's over the whole run.
+        settled: where the limit settled (the median of each phase's last third).
+        band_s: convergence by the band of max(2, 15 %) around ``settled``.
+        plateau: the range of fixed limits within 2 % of each phase's best fixed goodput.
+        goodput_s: convergence by goodput over 10-s windows against the phase's best fixed limit
+            (None: never, by the phase's end).
+        max_waiting: the most the engine's own queue held.
+    """
+
+    share: float
+    goodput: float
+    settled: tuple[int, int]
+    band_s: tuple[float, float]
+    plateau: tuple[Plateau, Plateau | None]
+    goodput_s: tuple[float | None, float | None]
+    max_waiting: int
+
+
+def figures(row: Row, o: Outcome, cfg: Config) -> Figures:
+    """The figures of one of the row's adaptive runs (``row.adaptive`` or ``row.blind``)."""
+    _, best = row.best
+    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
+    phases = [(0.0, change)] + ([(change, cfg.duration_s)] if cfg.change_at_s is not None else [])
+    settled: list[int] = []
+    band: list[float] = []
+    bands: list[Plateau] = []
+    goodput_s: list[float | None] = []
+    for start, end in phases:
+        c, v = converge_s(o.trace, start, end)
+        settled.append(v)
+        band.append(c)
+        p = plateau(row.fixed, start, end)
+        bands.append(p)
+        goodput_s.append(converge_goodput_s(o, row.fixed[p.best], start, end))
+    if len(phases) == 1:
+        settled.append(settled[0])
+        band.append(0.0)
+        goodput_s.append(0.0)
+    return Figures(
+        share=100 * o.good / best.good if best.good else 0.0,
+        goodput=o.goodput,
+        settled=(settled[0], settled[1]),
+        band_s=(band[0], band[1]),
+        plateau=(bands[0], bands[1] if len(bands) > 1 else None),
+        goodput_s=(goodput_s[0], goodput_s[1]),
+        max_waiting=o.max_waiting,
+    )
+
+
+def _secs(v: float | None) -> str:
+    return "never" if v is None else f"{v:.0f}"
+
+
 def _fmt_row(row: Row, cfg: Config) -> list[str]:
     limit, best = row.best
-    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
     cells = [row.engine, str(row.batch), f"{limit}", f"{best.goodput:.2f}", str(best.max_waiting)]
+    first = figures(row, row.adaptive, cfg)
+    bands = "/".join(f"{p.low}-{p.high}" for p in first.plateau if p is not None)
+    cells.append(bands)
     for o in (row.adaptive, row.blind):
-        share = 100 * o.good / best.good if best.good else 0.0
-        c1, s1 = converge_s(o.trace, 0.0, change)
-        c2, s2 = converge_s(o.trace, change, cfg.duration_s) if cfg.change_at_s is not None else (0.0, s1)
-        cells += [f"{o.goodput:.2f} ({share:.1f} %)", f"{s1}/{s2}", f"{c1:.0f}/{c2:.0f}", str(o.max_waiting)]
+        f = figures(row, o, cfg)
+        cells += [
+            f"{f.goodput:.2f} ({f.share:.1f} %)",
+            f"{f.settled[0]}/{f.settled[1]}",
+            f"{f.band_s[0]:.0f}/{f.band_s[1]:.0f}",
+            f"{_secs(f.goodput_s[0])}/{_secs(f.goodput_s[1])}",
+            str(f.max_waiting),
+        ]
     return cells
 
 
+_ARM = [
+    "goodput/s (% best)",
+    "limit start/after",
+    "converge s, 15 % band",
+    "converge s, goodput",
+    "max wait",
+]
 HEADER = [
     "engine",
     "batch",
     "best fixed",
     "its goodput/s",
     "its max wait",
-    "adaptive goodput/s (% best)",
-    "limit start/after",
-    "converge s start/change",
-    "max wait",
-    "no-metrics goodput/s (% best)",
-    "limit start/after",
-    "converge s start/change",
-    "max wait",
+    "plateau ±2 % start/after",
+    *(f"adaptive {h}" for h in _ARM),
+    *(f"blind {h}" for h in _ARM),
 ]
 
 
-def table(rows: Sequence[Sequence[str]]) -> str:
+def table(rows: Sequence[Sequence[str]], header: Sequence[str] = HEADER) -> str:
     """A Markdown table."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+SUMMARY_HEADER = [
+    "engine",
+    "seeds",
+    "metrics: worst % of best (seed)",
+    "15 % band s start/change",
+    "goodput s",
+    "max wait",
+    "blind: worst % of best (seed)",
+    "15 % band s start/change",
+    "goodput s",
+    "max wait",
+    "goodput measure on fixed limits ±2 %: unconverged / judged",
+]
+
+
+def goodput_noise(row: Row, cfg: Config) -> tuple[int, int]:
+    """The goodput-window measure turned on the fixed limits themselves: of the fixed limits
+    within 2 % of each phase's best (at most 12 above it), how many it reads as not converged
+    at once, and how many it judged. A limit held from the first second has nothing to converge
+    to; what the measure reads there is its noise."""
+    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
+    phases = [(0.0, change)] + ([(change, cfg.duration_s)] if cfg.change_at_s is not None else [])
+    late = judged = 0
+    for start, end in phases:
+        p = plateau(row.fixed, start, end)
+        for n in range(p.low, min(p.high, p.best + 12) + 1):
+            if n == p.best:
+                continue
+            judged += 1
+            c = converge_goodput_s(row.fixed[n], row.fixed[p.best], start, end)
+            late += c is None or c > 0
+    return late, judged
+
+
+def summary(
+    name: str, per_seed: Sequence[tuple[int, Figures, Figures]], noise: tuple[int, int] | None = None
+) -> list[str]:
+    """One engine's worst figures over its seeds: the least share of the best fixed, the longest
+    convergence by each measure (start/change), the longest engine queue; and ``noise``, what
+    :func:`goodput_noise` found over the seeds."""
+    seeds = [s for s, _, _ in per_seed]
+    cells = [name, f"{min(seeds)}-{max(seeds)}"]
+
+    def worst(xs: Sequence[float | None]) -> str:
+        return "never" if any(x is None for x in xs) else f"{max(x for x in xs if x is not None):.0f}"
+
+    for arm in (1, 2):
+        figs = [(s, f[arm - 1]) for s, *f in per_seed]
+        seed, low = min(figs, key=lambda sf: (sf[1].share, sf[0]))
+        cells += [
+            f"{low.share:.1f} (#{seed})",
+            f"{worst([f.band_s[0] for _, f in figs])}/{worst([f.band_s[1] for _, f in figs])}",
+            f"{worst([f.goodput_s[0] for _, f in figs])}/{worst([f.goodput_s[1] for _, f in figs])}",
+            str(max(f.max_waiting for _, f in figs)),
+        ]
+    cells.append(f"{noise[0]} / {noise[1]}" if noise is not None else "-")
+    return cells
 
 
 _DEFAULT = Config()
@@ -360,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated names (default: all)")
     ap.add_argument("--seeds", type=int, default=1, help="arrival seeds per engine (each its own row)")
+    ap.add_argument("--first-seed", type=int, default=1, help="the first arrival seed")
     ap.add_argument("--duration", type=float, default=_DEFAULT.duration_s, help="simulated seconds")
     ap.add_argument(
         "--change-at", type=float, default=_DEFAULT.change_at_s, help="when steps double; <0: never"
@@ -378,10 +581,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     rows = []
+    summaries = []
     for name in args.engines.split(","):
         if name not in ENGINES:
             ap.error(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
-        for seed in range(1, args.seeds + 1):
+        per_seed: list[tuple[int, Figures, Figures]] = []
+        late = judged = 0
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             cfg = Config(
                 duration_s=args.duration,
                 change_at_s=args.change_at if args.change_at >= 0 else None,
@@ -393,12 +599,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                 tpot_objective_s=args.tpot_objective,
             )
             row = compare(name, cfg)
-            rows.append(
-                _fmt_row(row, cfg) if args.seeds == 1 else [f"{name}#{seed}", *_fmt_row(row, cfg)[1:]]
-            )
+            per_seed.append((seed, figures(row, row.adaptive, cfg), figures(row, row.blind, cfg)))
+            noise = goodput_noise(row, cfg)
+            late, judged = late + noise[0], judged + noise[1]
+            cells = _fmt_row(row, cfg)
+            rows.append(cells if args.seeds == 1 else [f"{name}#{seed}", *cells[1:]])
             print(" | ".join(rows[-1]), flush=True)
+        summaries.append(summary(name, per_seed, (late, judged)))
     print()
     print(table(rows))
+    if args.seeds > 1:
+        print()
+        print(table(summaries, SUMMARY_HEADER))
 
 
 if __name__ == "__main__":
