@@ -247,6 +247,42 @@ def test_blind_a_probe_past_the_capacity_goes_on_only_once_a_stream_at_it_starte
     assert limiter.limit == 9
 
 
+@pytest.mark.parametrize(("ttft", "forgets"), [(0.04, True), (0.10, False)])
+def test_blind_the_capacity_is_forgotten_only_by_a_stream_that_started_at_once(
+    ttft: float, forgets: bool
+) -> None:
+    """Blind, two past the TTFT-inferred capacity, a stream whose first token came at the
+    baseline forgets the capacity; one that came three steps late (under the four steps that
+    count as queued: a slot freed just after it came) does not, and growth stays one probe at a
+    time."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=8, reprobe_s=5.0)
+    for _ in range(5):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(1, ttft=0.04))
+    for _ in range(12):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(8, ttft=1.0))  # waited in the engine
+    assert limiter.limit == 7 and limiter.snapshot()["known_capacity"] == 7
+
+    def quiet(seconds: float, started_at: int, ttft: float = 0.04) -> None:
+        for _ in range(int(seconds / 0.25)):
+            clock.advance(0.25)
+            limiter.on_dispatch(limiter.limit)
+            limiter.on_sample(_sample(started_at, ttft=ttft))
+
+    quiet(6, started_at=7)
+    quiet(6, started_at=8)
+    assert limiter.limit == 9 and limiter.snapshot()["known_capacity"] == 7
+    # Step 0.02 s, baseline 0.04 s: 0.10 s is not queued (under 0.12 s), not at once (over 0.08 s).
+    quiet(6, started_at=9, ttft=ttft)
+    if forgets:
+        # The capacity is forgotten at the probe to 10, and growth is additive from there.
+        assert limiter.snapshot()["known_capacity"] is None and limiter.limit > 10
+    else:
+        assert limiter.snapshot()["known_capacity"] == 7 and limiter.limit == 10
+
+
 def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=64)

@@ -256,6 +256,9 @@ class ConcurrencyLimit:
         self._first_tokens = False  # on_first_token is called: TTFTs come from it
         self._verified = 0  # the most in flight at which a stream started without waiting
         self._verified_since_change = 0  # the same, since the limit last changed
+        # The same, within two steps of the baseline (no slot freed just in time for it): what
+        # forgets a known capacity, blind.
+        self._started_at_once_since_change = 0
 
     # -- what the dispatcher reads -------------------------------------------------------------
 
@@ -486,7 +489,7 @@ class ConcurrencyLimit:
                 ran_more = self._peak_running > self._known_capacity
             else:
                 # Two past it: one stream that started at once may have met a sequence ending.
-                ran_more = self._verified_since_change >= current >= self._known_capacity + 2
+                ran_more = self._started_at_once_since_change >= current >= self._known_capacity + 2
             if self._reason == "probe" and ran_more:
                 self._known_capacity = None
             reason = "probe"
@@ -574,6 +577,7 @@ class ConcurrencyLimit:
         if self._peak_running is not None:
             self._peak_running = 0
         self._verified_since_change = 0
+        self._started_at_once_since_change = 0
 
     def _clamp(self, n: float) -> int:
         value = max(self.floor, int(n))
@@ -630,6 +634,11 @@ class ConcurrencyLimit:
         if not queued:
             self._verified = max(self._verified, inflight)
             self._verified_since_change = max(self._verified_since_change, inflight)
+            # Within four steps of the baseline is "not queued"; a request that came when the
+            # batch was full and met a slot freeing three steps later passes that (b8 blind
+            # forgot its capacity on such a stream and overshot). Forgetting asks for less.
+            if ttft <= base + max(2 * step, 0.25 * base):
+                self._started_at_once_since_change = max(self._started_at_once_since_change, inflight)
         # A stream that started with more in flight than the limit now allows tells of an older,
         # higher limit, which has already been judged: it must not cut the limit again.
         current = inflight <= self.limit
