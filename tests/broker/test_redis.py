@@ -726,3 +726,27 @@ async def test_dead_letters_purged_and_draining_shared(redis_url: str) -> None:
         assert await b.draining() == {"gpu-1"}
         await b.set_draining("gpu-1", False)
         assert await a.draining() == set()
+
+
+async def test_a_pipelined_transaction_runs_whole_and_alone(broker: RedisBroker) -> None:
+    """A transaction in the shared pipeline (the admitted job's entry in its tenant's list) answers
+    with EXEC's replies, nothing submitted in the same turn lands inside it, and a command refused
+    while queued fails only that transaction, not its neighbours in the pipeline."""
+    batch = broker._batch
+    key, other = "sluice-test:tx", "sluice-test:tx-other"
+    before = batch.submit(("SET", other, "1"))
+    tx = asyncio.ensure_future(batch.transaction(("ZADD", key, "1.5", "a"), ("PEXPIRE", key, 60_000, "NX")))
+    after = batch.submit(("INCR", other))
+    assert await before == "OK"
+    assert await tx == [1, 1]
+    assert await after == 2
+    assert 0 < int(await batch.call(("PTTL", key))) <= 60_000
+    refused = asyncio.ensure_future(batch.transaction(("ZADD", key), ("DEL", key)))  # too few arguments
+    neighbour = batch.submit(("INCR", other))
+    with pytest.raises(ResponseError, match="discarded"):  # EXECABORT
+        await refused
+    assert await neighbour == 3
+    assert await batch.call(("ZRANGE", key, 0, -1)) == ["a"]  # the DEL never ran
+    with pytest.raises(ResponseError, match="float"):  # fails as it runs: the rest still runs
+        await batch.transaction(("ZADD", key, "not-a-number", "b"), ("ZADD", key, "2", "c"))
+    assert await batch.call(("ZRANGE", key, 0, -1)) == ["a", "c"]

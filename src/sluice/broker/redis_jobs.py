@@ -133,11 +133,11 @@ class JobsMixin(RedisCore):
         shard: it spans the tenant's models, and holds only ids, which name their shards."""
         key = self.keys.tenant_jobs(job.tenant)
         ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.zadd(key, {job.id: job.created_at})
-            pipe.pexpire(key, ttl_ms, nx=True)
-            pipe.pexpire(key, ttl_ms, gt=True)
-            await self._io(pipe.execute())
+        await self._batch.transaction(
+            ("ZADD", key, repr(float(job.created_at)), job.id),
+            ("PEXPIRE", key, ttl_ms, "NX"),
+            ("PEXPIRE", key, ttl_ms, "GT"),
+        )
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
         key = self.keys.tenant_jobs(tenant)

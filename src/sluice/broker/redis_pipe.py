@@ -324,6 +324,13 @@ class _Entry:
     future: asyncio.Future[Any]
     orphan: Callable[[Any], None] | None
     durable: bool = False
+    #: a transaction: these commands between MULTI and EXEC instead of ``command``; the reply is EXEC's
+    transaction: tuple[tuple[Any, ...], ...] | None = None
+
+    def commands(self) -> list[tuple[Any, ...]]:
+        if self.transaction is None:
+            return [self.command]
+        return [("MULTI",), *self.transaction, ("EXEC",)]
 
     def succeed(self, reply: Any) -> None:
         if not self.future.done():
@@ -367,13 +374,34 @@ class Batcher:
     ) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append(_Entry(command, script, future, orphan, durable))
+        self._add(_Entry(command, script, future, orphan, durable), loop)
+        return future
+
+    def _add(self, entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
+        self._pending.append(entry)
         if len(self._pending) >= MAX_BATCH:
             self._flush()
         elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
-        return future
+
+    async def transaction(self, *commands: tuple[Any, ...]) -> Any:
+        """Run ``commands`` as one MULTI/EXEC in the next pipeline (on its connection, so nothing
+        else comes between); EXEC's replies. A command Redis refuses while queuing it (EXECABORT:
+        none ran) or one that fails as it runs (the others ran, as Redis does) raises its error, as
+        redis-py's pipeline does; an outage raises :class:`BrokerUnavailable`. Cheaper than
+        redis-py's transaction pipeline, which costs a connection, a write and a read of its own."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._add(_Entry(("EXEC",), None, future, None, transaction=commands), loop)
+        try:
+            replies = await future
+        except (RedisError, OSError) as exc:
+            raise translate(exc) from exc
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise translate(failed)
+        return replies
 
     async def call(
         self, command: tuple[Any, ...], *, script: Script | None = None, durable: bool = False
@@ -443,7 +471,7 @@ class Batcher:
         A connection that turns out dead before any reply came back (Redis restarted) is replaced
         and the batch sent once more: nothing of it can have run on the new server."""
         pool = self._client.connection_pool
-        commands = [e.command for e in batch]
+        commands = [c for e in batch for c in e.commands()]
         if wait is not None:
             commands.append(("WAIT", wait.replicas, wait.timeout_ms))
         payload = b"".join(hiredis.pack_command(c) for c in commands)
@@ -452,11 +480,16 @@ class Batcher:
             replies: list[Any] = []
             try:
                 await conn.send_packed_command(payload, check_health=False)
-                for _ in batch:
-                    try:
-                        replies.append(await conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
+                for entry in batch:
+                    reply: Any = None
+                    # A transaction's entry answers with EXEC's reply (MULTI's OK and each QUEUED
+                    # come first; a command refused while queued makes EXEC fail too).
+                    for _ in range(1 if entry.transaction is None else len(entry.transaction) + 2):
+                        try:
+                            reply = await conn.read_response()
+                        except ResponseError as exc:
+                            reply = exc
+                    replies.append(reply)
                 if wait is None:
                     return replies, None
                 try:
