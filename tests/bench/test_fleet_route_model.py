@@ -1,0 +1,40 @@
+"""The routing model on a tiny config: every mode sees the same arrivals, and each mode routes by
+its own rule (which engine gets the work), not how fast anything is."""
+
+from __future__ import annotations
+
+from sluice.bench.route_model import FLEETS, Config, arrivals, fleet_capacity, main, run
+
+TINY = Config(fleet="mixed", load=0.25, duration_s=30.0, patience_s=30.0, seed=2)
+
+
+def test_every_mode_sees_the_same_arrivals_at_the_load_asked() -> None:
+    a = [(j.arrival, j.prompt, j.output) for j in arrivals(TINY)]
+    assert a == [(j.arrival, j.prompt, j.output) for j in arrivals(TINY)]
+    expected = 0.25 * fleet_capacity(FLEETS["mixed"]) * 30.0
+    assert 0.7 * expected < len(a) < 1.3 * expected
+
+
+def test_least_loaded_fills_the_big_engine_and_predicted_the_fast_ones() -> None:
+    least = run(TINY, "least-loaded")
+    predicted = run(TINY, "predicted")
+    # Light load: nothing queues, every answer is good in both modes.
+    assert least.good == predicted.good == least.sent == predicted.sent == len(arrivals(TINY))
+    # The free fraction of the limit favours the 64-slot engine with its 40 ms steps; the
+    # soonest predicted completion sends work where it finishes first (the 16 ms engine).
+    assert least.share["s64"] > least.good / 3
+    assert predicted.share["s64"] < predicted.good / 10
+    assert predicted.share["s16"] > least.share["s16"]
+
+
+def test_measurement_noise_changes_only_what_the_router_reads() -> None:
+    exact = run(Config(fleet="same", load=0.25, duration_s=20.0, seed=3), "least-loaded")
+    noisy = run(Config(fleet="same", load=0.25, duration_s=20.0, seed=3, jitter=0.3), "least-loaded")
+    # least-loaded reads no measurement: the same picks, the same answers.
+    assert exact.share == noisy.share and exact.e2e == noisy.e2e
+
+
+def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def]
+    main(["--loads", "0.3", "--seeds", "1", "--duration", "10"])
+    out = capsys.readouterr().out
+    assert "| load | mode |" in out and "| 0.3 | least-loaded |" in out and "| 0.3 | predicted |" in out
