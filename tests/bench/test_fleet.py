@@ -67,6 +67,21 @@ def test_a_fixed_arm_is_a_config_the_gateway_loads(tmp_path: Path) -> None:
         assert getattr(backend, "adaptive", False) is False
 
 
+def test_the_least_loaded_arm_is_the_fixed_arm_with_only_the_routing_changed(tmp_path: Path) -> None:
+    engines = [fleet.parse_engine(t) for t in fleet.DEFAULT_FLEET]
+    fixed, least = fleet.plan_arms(engines, ["fixed", "least-loaded"], [1.0], 1.0)
+    assert least.label == "least-loaded" and least.sluice and least.limits == fixed.limits
+    urls = {name: f"http://127.0.0.1:{i + 1}" for i, name in enumerate(fixed.limits)}
+    settings = {}
+    for arm in (fixed, least):
+        path = tmp_path / f"{arm.label}.toml"
+        path.write_text(fleet.sluice_config(arm, urls, "sim"))
+        settings[arm.label] = load_settings(path)
+    assert settings["fixed-x1"].routing == "predicted"
+    assert settings["least-loaded"].routing == "least_loaded"
+    assert settings["least-loaded"].backends == settings["fixed-x1"].backends
+
+
 def test_the_adaptive_arm_is_one_pool_with_no_limit_set(tmp_path: Path) -> None:
     arm = fleet.Arm("adaptive", "adaptive", {"a": 16, "b": 4})
     path = tmp_path / "adaptive.toml"

@@ -7,6 +7,9 @@ gets a fresh fleet and faces the same seeded arrivals (:func:`sluice.bench.load.
 - ``adaptive``: Sluice, learning each engine's in-flight limit itself;
 - ``fixed``: Sluice with hand-set limits, a small sweep (each engine's batch size times each of
   ``--fixed-scales``); the table marks the best;
+- ``least-loaded``: Sluice with the fixed limits of ``--peer-scale`` (the batch sizes) and
+  ``routing = "least_loaded"``: against ``fixed-x1``, only the routing differs (predicted
+  completion, Sluice's default, against the largest free fraction of the limit);
 - ``round-robin`` and ``least-busy``: the peers' routing with a fixed cap per engine
   (:mod:`sluice.bench.peer_router`, as LiteLLM's router does).
 
@@ -55,7 +58,7 @@ __all__ = [
 ]
 
 # What --arms may name.
-ARMS = ("adaptive", "fixed", "round-robin", "least-busy")
+ARMS = ("adaptive", "fixed", "least-loaded", "round-robin", "least-busy")
 
 # Batch sizes 4, 16 and 64 with different step times: a CPU llama-server, the article's vLLM, and a
 # big batch whose steps are slow (about 6.9 req/s, 5.2 s per lone 128-token answer).
@@ -172,7 +175,7 @@ class Arm:
 
     @property
     def sluice(self) -> bool:
-        return self.kind in ("adaptive", "fixed")
+        return self.kind in ("adaptive", "fixed", "least-loaded")
 
 
 def plan_arms(
@@ -227,6 +230,8 @@ def sluice_config(arm: Arm, urls: dict[str, str], model: str) -> str:
         lines += ["", "[[pools]]", 'name = "fleet"', f"models = {_toml([model])}"]
         lines += [f"engines = {_toml(list(urls.values()))}", "adaptive = true"]
         return "\n".join(lines) + "\n"
+    if arm.kind == "least-loaded":
+        lines.append('routing = "least_loaded"')
     lines.append(f"max_concurrency = {max(arm.limits.values())}")
     for name, url in urls.items():
         lines += ["", "[[backends]]", f"name = {_toml(name)}", f"url = {_toml(url)}"]
