@@ -20,10 +20,12 @@ from redis.exceptions import ResponseError
 from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
+from sluice.broker.redis_codec import capacity_drain
 from sluice.broker.redis_keys import QueueKeys, queued_jobs_field, queued_tokens_field
 from sluice.broker.redis_pipe import Batcher
 from sluice.broker.redis_shards import shard_of_model, shard_queue
 from sluice.core.admission import Refused
+from sluice.core.capacity import MAX_FILL_SLOWDOWN
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
 from sluice.views import job_view
@@ -750,3 +752,39 @@ async def test_a_pipelined_transaction_runs_whole_and_alone(broker: RedisBroker)
     with pytest.raises(ResponseError, match="float"):  # fails as it runs: the rest still runs
         await batch.transaction(("ZADD", key, "not-a-number", "b"), ("ZADD", key, "2", "c"))
     assert await batch.call(("ZRANGE", key, 0, -1)) == ["a", "c"]
+
+
+@pytest.mark.parametrize(
+    "fit",
+    [
+        "",  # no fill fit: the slowdown is 1
+        "0.25 0.5 1.0 0.35 0.6 12",  # slower in a full batch than at the fill measured
+        "0.9 0.5 1.0 0.35 0.6 12",  # measured nearly full: little slowdown left
+        "0.1 0.1 0.01 0.02 0.01 3",  # a steep line: the slowdown at its bound
+    ],
+)
+async def test_claim_drops_a_job_exactly_as_the_drain_rate_says(
+    broker: RedisBroker, clock: FakeClock, fit: str
+) -> None:
+    """claim.lua drops a job with less time left than DrainRate.service_s at the measured rate and
+    fill fit, and leases one with as much or more: checked just either side of the service time,
+    and between it and the most any fit could make it (where claim skips reading the fit)."""
+    k, cost = broker.keys, 300
+    fields = {"p:m": "20.0", "n:m": "5"} | ({"g:m": fit} if fit else {})
+    drain = capacity_drain(fields, "m", broker.settings.drain_prior_per_slot)
+    service = drain.service_s(cost)
+    longest = cost / max(drain.per_slot / MAX_FILL_SLOWDOWN, 1e-3)
+    for left in (service * 0.98, service * 1.02, (service + longest) / 2, longest * 1.02):
+        job = make_job(clock, prompt_tokens=100, max_tokens=cost - 100, timeout=10_000)
+        assert job.cost == cost
+        await broker.admit(job)
+        await broker._batch.call(("HSET", k.capacity, *(x for kv in fields.items() for x in kv)))
+        clock.advance(job.deadline - clock() - left)
+        claimed = await broker.claim("w", ["m"], timeout=0.05)
+        got = await broker.get(job.id)
+        assert got is not None
+        if left < service:
+            assert claimed is None and got.state is JobState.EXPIRED, (left, service)
+        else:
+            assert claimed is not None and claimed.id == job.id, (left, service)
+        await broker._batch.call(("DEL", k.capacity))

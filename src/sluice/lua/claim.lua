@@ -144,8 +144,14 @@ while true do
   if left > 0 then
     local d = redis.call('HMGET', capacity_k, 'p:' .. models[m], 'n:' .. models[m], 'g:' .. models[m])
     if (tonumber(d[2]) or 0) > 0 then
-      local slot_rate = tonumber(d[1]) / fill_slowdown(d[3], fill_ridge, max_slowdown)
-      service = tonumber(f.cost) / math.max(slot_rate, 1e-3)
+      -- The slowdown is at most max_slowdown, so service is at most `longest`: a job with more
+      -- time left than that can finish whatever the fill fit says, and the fit is not parsed
+      -- (the common case; the answer is the same).
+      local per_slot, cost = tonumber(d[1]), tonumber(f.cost)
+      local longest = cost / math.max(per_slot / math.max(max_slowdown, 1), 1e-3)
+      if left < longest then
+        service = cost / math.max(per_slot / fill_slowdown(d[3], fill_ridge, max_slowdown), 1e-3)
+      end
     end
   end
   if left <= 0 or (service and left < service) then
