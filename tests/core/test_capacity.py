@@ -93,3 +93,42 @@ def test_no_slowdown_is_assumed_when_none_is_seen_or_told() -> None:
     for i in range(300):
         faster.observe(100, 2.0 if i % 2 else 1.0, running=1 if i % 2 else 4)
     assert faster.slowdown == 1.0
+
+
+def test_a_promise_is_made_between_the_fitted_line_and_the_most_a_full_batch_can_slow() -> None:
+    """Measured at a quarter's fill and as fast whatever the fill, the line says no slowdown; a
+    batch can at most drain no faster in all than that quarter did (a slowdown of 4). The wait is
+    promised halfway between, on a log scale (EXTRAPOLATION_SHARE 0.5); measured at a full batch,
+    there is nothing to extrapolate and the promise is the line's."""
+    light = DrainRate(slots=8, weigh_per_slot=True)
+    for i in range(400):
+        light.observe(100, 1.0, running=1 + i % 3)  # fills of 1/8 to 3/8, as fast at each
+    assert light.slowdown == pytest.approx(1.0, abs=0.02)
+    assert light.fill == pytest.approx(0.25, abs=0.03)
+    assert light.promise_slowdown == pytest.approx(2.0, rel=0.08)  # sqrt(1 * 1 / 0.25)
+    assert light.promise_rate < light.rate / 1.8
+    full = DrainRate(slots=8, weigh_per_slot=True)
+    for _ in range(400):
+        full.observe(100, 1.0, running=8)
+    assert full.promise_slowdown == pytest.approx(full.slowdown)
+    # Never told a fill: nothing to extrapolate from, as before.
+    untold = DrainRate(slots=8)
+    untold.observe(100, 1.0)
+    assert untold.promise_slowdown == 1.0
+
+
+def test_a_promised_wait_leaves_room_for_the_rates_error() -> None:
+    """The rate is a mean of about 2 / weight jobs: on 4 slots with answers that vary a lot, the
+    promised wait is well above the mean; on 64 slots, or with answers that never vary, near it."""
+    few, many, same = (DrainRate(slots=n, weigh_per_slot=True) for n in (4, 64, 4))
+    for i in range(3000):
+        spread = 0.2 if i % 2 else 1.8  # the same cost, a time that varies ninefold
+        few.observe(100, spread, running=4)
+        many.observe(100, spread, running=64)
+        same.observe(100, 1.0, running=4)
+    assert few.wait_margin > 1.1  # 1 + 2 * (1.8 / 1.0 - 1) / 2 / sqrt(39)
+    assert 1.0 < many.wait_margin < 1 + (few.wait_margin - 1) / 3
+    assert same.wait_margin == pytest.approx(1.0, abs=0.01)
+    assert few.promised_wait_s(1000) == pytest.approx(1000 / few.promise_rate)
+    assert few.promised_wait_s(1000) > few.wait_s(1000) * few.wait_margin * 0.99
+    assert DrainRate(slots=4).wait_margin == 1.0  # nothing measured: the prior, as it was

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sluice.bench.load import Profile, arrivals
+from sluice.core import capacity as capacity_rules
 from sluice.core.admission import (
     RETRY_SHARE,
     Admitted,
@@ -178,6 +179,14 @@ class _Job:
     admitted_step: int = 0
     retried: bool = False  # this is the retry
     running_at_start: int = 0  # the jobs running, itself included, when it was dispatched
+    # What admission promised it, for counting broken promises by cause (:func:`_cause`).
+    promised_wait: float = 0.0  # the wait the deadline check allowed for (DrainRate.promised_wait_s)
+    promised_service: float = 0.0  # and its own generation (DrainRate.slow_service_s)
+    promise_rate: float = 0.0  # the rate that wait was promised at (DrainRate.promise_rate)
+    slowest_seen: float = 0.0  # the most seconds per cost unit any job finished before it took
+    preempted: int = 0  # times the engine preempted it (KV cache short)
+    refused_code: str = ""  # why it was refused, if it was
+    finish_estimate: float = math.nan  # when a job given up while running would have finished
 
 
 @dataclass
@@ -201,8 +210,11 @@ class Result:
     broken: int = 0
     told_not_to: int = 0
     preemptions: int = 0
-    #: how the retries that were not served ended: refused again, given up, dropped at dispatch
+    #: how the retries that were not served ended: refused again (and why), given up, dropped at
+    #: dispatch
     retry_failures: dict[str, int] = field(default_factory=dict)
+    #: the broken promises by cause (:data:`CAUSES`, :func:`_cause`)
+    causes: dict[str, int] = field(default_factory=dict)
 
 
 def run(
@@ -215,7 +227,12 @@ def run(
     retriers: float = 0.0,
     share: float = RETRY_SHARE,
     drain_factory: Callable[[int], DrainRate] | None = None,
+    trace: list[_Job] | None = None,
+    full_rate: float | None = None,
 ) -> Result:
+    """One run of ``policy`` on ``engine`` under ``profile``. ``full_rate``: the engine's drain
+    rate in a full batch, in cost units a second (:func:`saturated`), for telling the broken
+    promises' causes apart (:func:`_cause`); ``trace`` gets every job, retries included."""
     rng = random.Random(seed + 1)
     sizes = random.Random(f"sizes-{seed}")
     drain = (
@@ -232,6 +249,7 @@ def run(
     events: list[tuple[float, int, str, _Job | None]] = []
     seq = itertools.count()
     generated = wasted = preemptions = steps = 0
+    slowest = 0.0
     stepping = False
 
     m = engine.max_tokens
@@ -309,11 +327,16 @@ def run(
                 if share > 0:  # 0: Retry-After as before reservations, for comparison
                     r = reserve(r, cost=c.cost, now=now, drain=drain, book=book, share=share)
                 job.outcome, job.retry_after = "refused", r.retry_after_s
+                job.refused_code = r.code
                 job.told_not_to = not r.should_retry
                 if job.retry and r.should_retry:
                     push(now + r.retry_after_s, "retry", job)
                 continue
             job.outcome, job.admitted = "queued", True
+            ahead = c.view.ahead_tokens
+            job.promised_wait = drain.promised_wait_s(ahead) if drain.measured else 0.0
+            job.promised_service = drain.slow_service_s(c.cost, behind_queue=ahead > 0)
+            job.promise_rate, job.slowest_seen = drain.promise_rate, slowest
             queue.append(job)
             queued_cost += cost(job)
             push(job.deadline, "giveup", job)
@@ -326,6 +349,10 @@ def run(
                 queued_cost -= cost(job)
             elif job.outcome == "running":
                 job.outcome = "timeout"
+                batch_now = sum(1 for r in running if r.in_batch)
+                job.finish_estimate = now + (job.answer - job.tokens) * (
+                    engine.step0 + engine.step1 * max(batch_now, 1)
+                )
                 running.remove(job)
                 if job in waiting:
                     waiting.remove(job)
@@ -345,6 +372,7 @@ def run(
                     j.in_batch = False
                     j.outcome, j.done = "ok", now
                     drain.observe(cost(j), now - j.started, beside)
+                    slowest = max(slowest, (now - j.started) / cost(j))
             if engine.kv_tokens is not None:
                 # The next step needs a token of cache for every sequence: preempt the newest.
                 while kv_used() + sum(1 for j in running if j.in_batch) > engine.kv_tokens:
@@ -353,10 +381,13 @@ def run(
                         break
                     newest = max(batch, key=lambda j: (j.admitted_step, j.id))
                     newest.in_batch = False
+                    newest.preempted += 1
                     waiting.appendleft(newest)
                     preemptions += 1
             dispatch(now)
 
+    if trace is not None:
+        trace.extend(jobs)
     d = profile.duration
     first_tries = [j for j in jobs if not j.retried]
     ok = [j for j in jobs if j.outcome == "ok"]
@@ -381,10 +412,51 @@ def run(
         offered=len(first_tries),
         admitted=sum(1 for j in jobs if j.admitted),
         broken=sum(1 for j in jobs if j.admitted and j.outcome in ("timeout", "expired")),
+        causes=dict(
+            Counter(
+                _cause(j, m, full_rate) for j in jobs if j.admitted and j.outcome in ("timeout", "expired")
+            )
+        ),
         told_not_to=sum(1 for j in first_tries if j.retry and j.told_not_to),
         preemptions=preemptions,
-        retry_failures=dict(Counter(j.outcome for j in retries if j.outcome != "ok")),
+        retry_failures=dict(
+            Counter(
+                f"refused {j.refused_code}" if j.outcome == "refused" else j.outcome
+                for j in retries
+                if j.outcome != "ok"
+            )
+        ),
     )
+
+
+#: Why an admitted job ended past its deadline (:func:`_cause`).
+CAUSES = {
+    "wait, promised above a full batch's rate": "the wait was promised at a rate above the engine's "
+    "in a full batch (the drain rate's estimate was off)",
+    "wait, the queue ahead ran slower": "promised at most a full batch's rate, but the jobs ahead of "
+    "it took longer than that (their answers, preemptions)",
+    "own service, preempted": "it started in time, and the engine preempted it (KV cache short)",
+    "own service, beyond any seen": "it started in time, and took longer per cost unit than any job "
+    "that had finished before it was admitted: the engine did not behave as measured",
+    "own service, within what was seen": "it started in time, and took longer than the 95th "
+    "percentile it was promised at, but no longer than jobs seen before",
+}
+
+
+def _cause(job: _Job, max_tokens: int, full_rate: float | None) -> str:
+    """The cause of one broken promise (a key of :data:`CAUSES`). It is the wait's when the job
+    started too late for its promised service to fit (or never started), else its own service's."""
+    started = job.started if not math.isnan(job.started) else job.deadline
+    if started > job.deadline - job.promised_service:
+        if full_rate is not None and job.promise_rate > full_rate:
+            return "wait, promised above a full batch's rate"
+        return "wait, the queue ahead ran slower"
+    if job.preempted:
+        return "own service, preempted"
+    done = job.done if not math.isnan(job.done) else job.finish_estimate
+    if (done - job.started) / (job.prompt + max_tokens) > job.slowest_seen:
+        return "own service, beyond any seen"
+    return "own service, within what was seen"
 
 
 def capacity(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> float:
@@ -399,12 +471,14 @@ def service_p99(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> flo
     return saturated(engine, seconds=seconds, seed=seed)[1]
 
 
-def saturated(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> tuple[float, float]:
-    """The engine kept saturated: its answers per second, and the p99 of a job's service time."""
+def saturated(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> tuple[float, float, float]:
+    """The engine kept saturated: its answers per second, the p99 of a job's service time, and
+    its drain rate in cost units (prompt + max_tokens) per second."""
     sizes = random.Random(f"sizes-capacity-{seed}")
     running: list[list[float]] = []  # [prompt, answer, tokens, admitted step, in batch, started]
     waiting: deque[list[float]] = deque()
     t, done, steps = 0.0, 0, 0
+    cost_done = 0.0
     services: list[float] = []
     while t < seconds:
         while len(running) < engine.slots:
@@ -428,6 +502,7 @@ def saturated(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> tuple
             if r[2] >= r[1]:
                 running.remove(r)
                 done += 1
+                cost_done += r[0] + engine.max_tokens
                 services.append(t - r[5])
         if engine.kv_tokens is not None:
             while True:
@@ -438,7 +513,8 @@ def saturated(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> tuple
                 newest[4] = 0
                 waiting.appendleft(newest)
     services.sort()
-    return done / t, services[min(len(services) - 1, int(0.99 * len(services)))] if services else math.nan
+    p99 = services[min(len(services) - 1, int(0.99 * len(services)))] if services else math.nan
+    return done / t, p99, cost_done / t
 
 
 def loads(cap: float, duration: float = 60.0) -> dict[str, Profile]:
@@ -501,7 +577,23 @@ def main() -> None:
     )
     ap.add_argument("--retriers", type=float, default=0.1, help="share of clients that retry once (0.1)")
     ap.add_argument("--share", type=float, default=RETRY_SHARE, help=f"Retry-After's share ({RETRY_SHARE})")
+    ap.add_argument(
+        "--extrapolation",
+        type=float,
+        default=capacity_rules.EXTRAPOLATION_SHARE,
+        help="how far a promise's slowdown goes toward the bound (capacity.EXTRAPOLATION_SHARE; "
+        "0 with --margin-z 0: the promise before it)",
+    )
+    ap.add_argument(
+        "--margin-z",
+        type=float,
+        default=capacity_rules.WAIT_MARGIN_Z,
+        help="standard errors of the rate a promised wait leaves room for (capacity.WAIT_MARGIN_Z)",
+    )
     args = ap.parse_args()
+    # What-ifs of the promise's two constants: the core reads them at each call.
+    capacity_rules.EXTRAPOLATION_SHARE = args.extrapolation
+    capacity_rules.WAIT_MARGIN_Z = args.margin_z
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}
     policies: list[QueuePolicy] = []
     for name in args.policy or list(POLICIES):
@@ -531,6 +623,7 @@ def main() -> None:
         "| retries ok | told not to retry |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    causes: list[str] = []
     for policy in policies:
         for load in ("steady", "spike"):
             results = []
@@ -539,7 +632,15 @@ def main() -> None:
                 results.append(
                     (
                         caps[s],
-                        run(policy, profile, s, engine=engines[s], retriers=args.retriers, share=args.share),
+                        run(
+                            policy,
+                            profile,
+                            s,
+                            engine=engines[s],
+                            retriers=args.retriers,
+                            share=args.share,
+                            full_rate=floors[s][2],
+                        ),
                     )
                 )
             pct = [100 * (r.goodput_steady if load == "steady" else r.goodput) / c for c, r in results]
@@ -560,6 +661,19 @@ def main() -> None:
                 f"| {sum(r.broken for _, r in results)} of {sum(r.admitted for _, r in results)} "
                 f"| {retry_ok:.0f} % of {retries} | {sum(r.told_not_to for _, r in results)} |"
             )
+            by_cause: Counter[str] = Counter()
+            for _, r in results:
+                by_cause.update(r.causes)
+            if by_cause:
+                where = ", ".join(
+                    f"{s}: {r.broken}" for s, (_, r) in zip(seeds, results, strict=True) if r.broken
+                )
+                why = "; ".join(f"{n} {cause}" for cause, n in by_cause.most_common())
+                causes.append(f"- {policy.name}, {load}: {why} (by seed: {where})")
+    if causes:
+        print("\nBroken promises by cause (the wait's when the job started too late for its promised")
+        print("service to fit, else its own service's; a full batch's rate: the engine kept saturated):")
+        print("\n".join(causes))
 
 
 if __name__ == "__main__":

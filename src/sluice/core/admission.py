@@ -149,8 +149,9 @@ def reserve(
 ) -> Refused:
     """A queue's refusal with its Retry-After made a reservation: never sooner than the refusal's
     own time (when room can free for the job), nor than the capacity already promised to the
-    clients refused before it; and the job's cost at ``share`` of the drain rate is then promised
-    to this client. Refusals in a burst so get distinct times, spread over the capacity that frees,
+    clients refused before it; and the job's cost at ``share`` of the rate a wait is promised at
+    (``DrainRate.promise_rate``: the capacity admission will grant, not the mean it expects) is then
+    promised to this client. Refusals in a burst so get distinct times, spread over the capacity that frees,
     and a client that comes back at its time finds the room it was promised. Where that time falls
     beyond a client's patience (:data:`RETRY_PATIENCE_S`), it is told so (``should_retry`` False)
     and nothing is reserved (once the drain rate is measured; before, the time is a guess). A
@@ -171,7 +172,7 @@ def reserve(
             should_retry=False,
             rate=refused.rate,
         )
-    book.next_free = at + cost / (drain.rate * share)
+    book.next_free = at + cost / (drain.promise_rate * share)
     # A tenant's refusal keeps its rate-limit status (the x-ratelimit-* headers).
     return Refused(
         refused.status,
@@ -230,15 +231,17 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
 
 
 def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:
-    """Can the job finish before its deadline: the work queued ahead over the drain rate, then its own
-    generation at the pace admission promises (``DrainRate.slow_service_s``: as slow as most jobs
-    have been, not the mean), so that a job admitted is one that finishes in time."""
+    """Can the job finish before its deadline: the work queued ahead at the rate a wait is promised
+    at (``DrainRate.promise_rate``: a full batch's, with room for the rate's own error), then its
+    own generation at the pace admission promises (``DrainRate.slow_service_s``: as slow as most
+    jobs have been, not the mean), so that a job admitted is one that finishes in time."""
     rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
+    promised_wait = drain.promised_wait_s(view.ahead_tokens)
     service = drain.slow_service_s(cost, behind_queue=view.ahead_tokens > 0)
     budget = deadline - now
     # Before the first measurement the rate is a guess: only the bounds protect the queue then.
-    if drain.measured and wait + service > budget:
+    if drain.measured and promised_wait + service > budget:
         # Never to fit is judged at the pace of a job with nothing ahead of it: one that would fit
         # once the queue has drained is told to retry, not to give up.
         alone = drain.slow_service_s(cost, behind_queue=False)
@@ -251,12 +254,14 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
                 clamp_retry_after(alone),
                 should_retry=False,
             )
-        fits_ahead = (budget - service) * rate
+        # It fits once the queue ahead is down to what its promised wait leaves room for; the
+        # queue drains to that at the mean rate.
+        fits_ahead = (budget - service) * drain.promise_rate
         raise Refused(
             503,
             "deadline_unmeetable",
-            f"The queue ahead needs about {wait:.1f} s; the request could not finish within its "
-            f"deadline ({budget:.1f} s).",
+            f"The queue ahead needs about {promised_wait:.1f} s; the request could not finish within "
+            f"its deadline ({budget:.1f} s).",
             clamp_retry_after((view.ahead_tokens - fits_ahead) / rate),
         )
     return Admitted(position=view.ahead_jobs, estimated_start_s=wait)

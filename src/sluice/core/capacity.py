@@ -42,6 +42,15 @@ FILL_ALPHA = 0.01
 FILL_RIDGE = 0.002
 #: The most a full batch is taken to slow a job down against the fill it was measured at.
 MAX_FILL_SLOWDOWN = 4.0
+#: How far a promise's slowdown goes from the fitted line toward the most a full batch can slow a
+#: job (:attr:`DrainRate.promise_slowdown`), on a log scale: 0 the line, 1 the bound. The line is
+#: drawn through the fills a light load gave, and at a burst's onset the first jobs to finish in a
+#: full batch are the short ones, which flatten it just when a queue forms (docs/policies.md).
+EXTRAPOLATION_SHARE = 0.5
+#: Standard errors of the drain rate that the wait a job is promised leaves room for
+#: (:attr:`DrainRate.wait_margin`): a rate is the mean of the last few batches of jobs, and on a few
+#: slots with long-tailed answers a mean of fifty jobs is off by a quarter often enough.
+WAIT_MARGIN_Z = 2.0
 #: Whether the brokers' drain rates weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`).
 #: Both brokers read it (lua/finish.lua is told it at each call), so that the
 #: two brokers decide alike; ``sluice.bench.policy_model`` measures with it on.
@@ -190,3 +199,59 @@ class DrainRate:
 
     def wait_s(self, tokens_ahead: int) -> float:
         return tokens_ahead / self.rate
+
+    @property
+    def promise_slowdown(self) -> float:
+        """The slowdown a promise is made at: :attr:`slowdown`, moved toward the most a full batch
+        can slow a job by :data:`EXTRAPOLATION_SHARE` (on a log scale). A batch never drains
+        slower in all than the part of it the rate was measured at (an engine's throughput does
+        not fall as its batch fills), so a slot's rate at the full batch is at least ``per_slot``
+        times :attr:`fill`: a slowdown of at most 1 / fill. The line between lies on fills a
+        light load gave, and a burst's first finishers in a full batch are its short answers,
+        which flatten it just as the queue forms; the promise is made between the two. 1 when
+        never told a fill."""
+        fit = self.slowdown
+        if self.fills == 0:
+            return fit
+        bound = min(max(1.0 / max(self.fill, 1e-3), fit), MAX_FILL_SLOWDOWN)
+        return fit * math.pow(bound / fit, EXTRAPOLATION_SHARE)
+
+    @property
+    def wait_margin(self) -> float:
+        """How much longer than its mean a queue's wait is promised: :data:`WAIT_MARGIN_Z`
+        standard errors of the rate, a mean over about ``2 / weight`` jobs (fewer before that
+        many finished) whose spread is read off :attr:`slow` (the 95th percentile of a job's time
+        per cost unit, some two standard deviations above the mean for the spreads seen)."""
+        if not self.samples:
+            return 1.0
+        w = self.weight
+        jobs = min(self.samples, (2.0 - w) / w)
+        spread = max(self.slow * self.per_slot - 1.0, 0.0) / 2.0
+        return 1.0 + WAIT_MARGIN_Z * spread / math.sqrt(jobs)
+
+    @property
+    def promise_rate(self) -> float:
+        """The drain rate a job's wait is promised at (cost units per second): the full batch's
+        at :attr:`promise_slowdown`, less :attr:`wait_margin`; the prior before any measurement.
+        Only the deadline check reads it: codel's view of the queue and the times told stay at
+        the mean rate."""
+        if not self.samples:
+            return self.rate
+        slot = self.per_slot / self.promise_slowdown / self.wait_margin
+        return max(slot * max(self.slots, 1), 1e-3)
+
+    def promised_wait_s(self, tokens_ahead: int) -> float:
+        """The wait a job behind ``tokens_ahead`` is promised (:attr:`promise_rate`)."""
+        return tokens_ahead / self.promise_rate
+
+
+def promise_args() -> list[str]:
+    """What ``lua/_drain.lua``'s promise needs besides the model's fields (admit.lua is told it
+    after the queue policy's numbers): the constants of :attr:`DrainRate.promise_slowdown` and
+    :attr:`DrainRate.wait_margin`, the rate's ``alpha`` and whether it is weighed per slot."""
+    return [
+        repr(EXTRAPOLATION_SHARE),
+        repr(WAIT_MARGIN_Z),
+        repr(float(DrainRate.alpha)),
+        "1" if WEIGHT_PER_SLOT else "0",
+    ]

@@ -49,7 +49,7 @@ from sluice.core.admission import (
     clamp_retry_after,
     reserve,
 )
-from sluice.core.capacity import DrainRate
+from sluice.core.capacity import DrainRate, promise_args
 from sluice.core.ratelimit import TenantLimiter
 
 __all__ = [
@@ -118,8 +118,9 @@ class QueuePolicy(ABC):
         return False
 
     def lua_args(self) -> list[str]:
-        """The policy for ``lua/_policy.lua``: its kind and five numbers."""
-        return [str(self.kind), "0", "0", "0", "0", "0"]
+        """The policy for ``lua/_policy.lua``: its kind and five numbers, then what the deadline
+        check's promise needs (``capacity.promise_args``: every policy's last check but cap's)."""
+        return [str(self.kind), "0", "0", "0", "0", "0", *promise_args()]
 
     def describe(self) -> str:
         return self.name
@@ -175,7 +176,7 @@ class FifoPolicy(QueuePolicy):
         return _admitted(c, evict)
 
     def lua_args(self) -> list[str]:
-        return [str(self.kind), str(self.max_queued), "0", "0", "0", "0"]
+        return [str(self.kind), str(self.max_queued), "0", "0", "0", "0", *promise_args()]
 
     def describe(self) -> str:
         return f"fifo(max_queued={self.max_queued})"
@@ -283,7 +284,7 @@ class CoDelPolicy(QueuePolicy):
 
     def lua_args(self) -> list[str]:
         nums = (self.target_s, self.interval_s, self.early_s, self.burst_rise, self.half_life_s)
-        return [str(self.kind), *map(repr, map(float, nums))]
+        return [str(self.kind), *map(repr, map(float, nums)), *promise_args()]
 
     def describe(self) -> str:
         return (

@@ -22,3 +22,24 @@ local function fill_slowdown(text, ridge, max_slowdown)
   if at_fill <= 0 then return max_slowdown end
   return math.min(math.max(at_full / at_fill, 1), max_slowdown)
 end
+
+-- DrainRate.promise_slowdown: fill_slowdown moved toward the most a full batch can slow a job
+-- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE), on a log scale.
+local function promise_slowdown(text, ridge, max_slowdown, share)
+  local fit = fill_slowdown(text, ridge, max_slowdown)
+  local g = fill_fit(text)
+  if #g < 6 or g[6] == 0 then return fit end
+  local bound = math.min(math.max(1 / math.max(g[1], 1e-3), fit), max_slowdown)
+  return fit * math.pow(bound / fit, share)
+end
+
+-- DrainRate.wait_margin: z (capacity.WAIT_MARGIN_Z) standard errors of the rate, a mean over
+-- about 2 / weight jobs (the weight of DrainRate.weight: alpha per slot when per_slot_weight).
+local function wait_margin(per_slot, slow, samples, slots, alpha, per_slot_weight, z)
+  if samples <= 0 then return 1.0 end
+  local w = alpha
+  if per_slot_weight then w = alpha / math.max(slots, 1) end
+  local jobs = math.min(samples, (2 - w) / w)
+  local spread = math.max(slow * per_slot - 1, 0) / 2
+  return 1 + z * spread / math.sqrt(jobs)
+end

@@ -63,6 +63,7 @@ end
 -- promised, that generation at the pace admission promises (DrainRate.slow_service_s); alone, at
 -- the pace of a job with nothing ahead (what never fitting is judged by); budget,
 -- the time to its deadline; measured, whether the drain rate is; rate, the drain rate;
+-- promise_rate, the rate a wait is promised at (DrainRate.promise_rate);
 -- ahead_tokens; running, model_jobs, model_tokens and slots (cap and fifo); R the Retry-After bounds.
 local function policy_refuses(st, kind, p, now, now_s, q)
   local R = q.R
@@ -86,10 +87,11 @@ local function policy_refuses(st, kind, p, now, now_s, q)
       return clamp_retry_after(q.wait, R), true
     end
   end
-  -- admission.check_deadline: DeadlinePolicy, and CoDelPolicy's last check
-  if q.measured and q.wait + q.promised > q.budget then
+  -- admission.check_deadline: DeadlinePolicy, and CoDelPolicy's last check; the wait at the
+  -- rate a wait is promised at (DrainRate.promise_rate)
+  if q.measured and q.ahead_tokens / q.promise_rate + q.promised > q.budget then
     if q.alone > q.budget then return clamp_retry_after(q.alone, R), false end
-    local fits_ahead = (q.budget - q.promised) * q.rate
+    local fits_ahead = (q.budget - q.promised) * q.promise_rate
     return clamp_retry_after((q.ahead_tokens - fits_ahead) / q.rate, R), true
   end
   return nil

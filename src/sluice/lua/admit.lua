@@ -20,13 +20,15 @@
 -- ARGV[15] the key's bucket id (TenantLimits.bucket_id)
 -- ARGV[16] rpm   ARGV[17] tpm   ARGV[18] max queued   ARGV[19] max concurrent   (-1: none)
 -- ARGV[20] the queue policy's kind  ARGV[21 .. 25] its five numbers (QueuePolicy.lua_args)
--- ARGV[26] result TTL s             ARGV[27] events kept per stream
--- ARGV[28] error JSON of an evicted job (core.errors.evicted_error)
--- ARGV[29] shortest, ARGV[30] longest Retry-After (admission.clamp_retry_after)
--- ARGV[31] RETRY_PATIENCE_S         ARGV[32] RETRY_SHARE (admission.reserve)
--- ARGV[33] capacity.FILL_RIDGE      ARGV[34] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
--- ARGV[35] number of classes n      ARGV[36 .. 35+n] class names, highest first
--- ARGV[36+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[26 .. 29] the promise's (capacity.promise_args): EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, the
+--          drain rate's alpha, 1 when it is weighed per slot (DrainRate.promise_rate)
+-- ARGV[30] result TTL s             ARGV[31] events kept per stream
+-- ARGV[32] error JSON of an evicted job (core.errors.evicted_error)
+-- ARGV[33] shortest, ARGV[34] longest Retry-After (admission.clamp_retry_after)
+-- ARGV[35] RETRY_PATIENCE_S         ARGV[36] RETRY_SHARE (admission.reserve)
+-- ARGV[37] capacity.FILL_RIDGE      ARGV[38] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
+-- ARGV[39] number of classes n      ARGV[40 .. 39+n] class names, highest first
+-- ARGV[40+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
@@ -77,14 +79,16 @@ local limits_given, bucket = ARGV[14] == '1', ARGV[15]
 local given_limits = { ARGV[16], ARGV[17], ARGV[18], ARGV[19] } -- rpm, tpm, max queued, max concurrent
 local policy_kind, policy = tonumber(ARGV[20]), {}
 for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
-local result_ttl, maxlen, evicted_error = tonumber(ARGV[26]), ARGV[27], ARGV[28]
-local retry_bounds = { tonumber(ARGV[29]), tonumber(ARGV[30]) }
-local patience, share = tonumber(ARGV[31]), tonumber(ARGV[32])
-local fill_ridge, max_slowdown = tonumber(ARGV[33]), tonumber(ARGV[34])
-local ncls = tonumber(ARGV[35])
+local extrapolation, margin_z = tonumber(ARGV[26]), tonumber(ARGV[27])
+local drain_alpha, per_slot_weight = tonumber(ARGV[28]), ARGV[29] == '1'
+local result_ttl, maxlen, evicted_error = tonumber(ARGV[30]), ARGV[31], ARGV[32]
+local retry_bounds = { tonumber(ARGV[33]), tonumber(ARGV[34]) }
+local patience, share = tonumber(ARGV[35]), tonumber(ARGV[36])
+local fill_ridge, max_slowdown = tonumber(ARGV[37]), tonumber(ARGV[38])
+local ncls = tonumber(ARGV[39])
 local classes = {}
-for i = 1, ncls do classes[i] = ARGV[35 + i] end
-local record_at = 36 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+for i = 1, ncls do classes[i] = ARGV[39 + i] end
+local record_at = 40 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -360,6 +364,13 @@ if excess > 0 and victim_cost then
 end
 
 local wait = ahead_tokens / rate -- DrainRate.wait_s
+-- DrainRate.promise_rate: what the deadline check promises a wait at
+local promise_rate = rate
+if samples > 0 then
+  local promise_slot = per_slot / promise_slowdown(fill, fill_ridge, max_slowdown, extrapolation)
+    / wait_margin(per_slot, slow, samples, slots, drain_alpha, per_slot_weight, margin_z)
+  promise_rate = math.max(promise_slot * math.max(slots, 1), 1e-3)
+end
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
 -- DrainRate.slow_service_s: behind a queue at the full batch's pace, alone (nothing queued ahead)
 -- at the pace measured, which is also what "never fits" is judged by
@@ -393,6 +404,7 @@ else
     wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
     promised = promised, alone = alone,
     budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
+    promise_rate = promise_rate,
     R = retry_bounds,
   })
 end
@@ -401,7 +413,7 @@ if retry_after then
   if retry then
     local at = now + retry_after
     if next_free and next_free > at then at = next_free end
-    if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (rate * share))) end
+    if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (promise_rate * share))) end
   end
 end
 if refused then
