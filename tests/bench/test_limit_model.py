@@ -9,6 +9,7 @@ from sluice.bench.limit_model import (
     Outcome,
     arrivals,
     compare,
+    converge_envelope_s,
     converge_goodput_s,
     converge_s,
     main,
@@ -89,6 +90,16 @@ def test_goodput_convergence_is_the_first_window_from_which_none_falls_short() -
     # Short in the last window: it never converged.
     late = _answers(*(i * 0.1 for i in range(550)))
     assert converge_goodput_s(late, reference, 0.0, 60.0) is None
+
+
+def test_envelope_convergence_counts_only_windows_below_every_equally_good_limit() -> None:
+    steady = _answers(*(i * 0.1 for i in range(600)))  # 10 a second
+    # An equally good limit whose answers bunch: 8 a second over 0-30 s and 12 a second after.
+    bunched = _answers(*(i * 0.125 for i in range(240)), *(30.0 + i / 12 for i in range(360)))
+    assert converge_envelope_s(bunched, [steady, bunched], 0.0, 60.0) == 0.0
+    # 5 a second until 25 s is below both: converged once the windows start at 25 s.
+    slow = _answers(*(i * 0.2 for i in range(125)), *(25.0 + i * 0.1 for i in range(350)))
+    assert converge_envelope_s(slow, [steady, bunched], 0.0, 60.0) == 25.0
 
 
 def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-def]

@@ -359,6 +359,32 @@ def converge_goodput_s(
     return None if converged is None else converged - start
 
 
+def converge_envelope_s(
+    adaptive: Outcome,
+    members: Sequence[Outcome],
+    start: float,
+    end: float,
+    *,
+    window_s: float = GOODPUT_WINDOW_S,
+) -> float | None:
+    """How long after ``start`` the adaptive run's goodput over every later window of
+    ``window_s`` (1-s steps, within the phase) is at least the least of the ``members``' over the
+    same window: the fixed limits whose goodput over the phase is within 2 % of the best's
+    (:func:`plateau`). Each of them, held from the first second, reads 0 by construction: what
+    the windows of equally good limits spread by is the noise, and only a window below all of
+    them counts as short. None: the last window of the phase still falls short."""
+    converged: float | None = start
+    t = start
+    while t + window_s <= end + 1e-9:
+        floor = min(phase_good(m, t, t + window_s) for m in members)
+        if phase_good(adaptive, t, t + window_s) < floor:
+            converged = None
+        elif converged is None:
+            converged = t
+        t += 1.0
+    return None if converged is None else converged - start
+
+
 @dataclass(slots=True)
 class Row:
     """One engine's comparison.
@@ -401,6 +427,8 @@ class Figures:
         plateau: the range of fixed limits within 2 % of each phase's best fixed goodput.
         goodput_s: convergence by goodput over 10-s windows against the phase's best fixed limit
             (None: never, by the phase's end).
+        envelope_s: convergence by goodput over 10-s windows against the least of the fixed
+            limits within 2 % of the phase's best (None: never).
         max_waiting: the most the engine's own queue held.
     """
 
@@ -410,6 +438,7 @@ class Figures:
     band_s: tuple[float, float]
     plateau: tuple[Plateau, Plateau | None]
     goodput_s: tuple[float | None, float | None]
+    envelope_s: tuple[float | None, float | None]
     max_waiting: int
 
 
@@ -422,6 +451,7 @@ def figures(row: Row, o: Outcome, cfg: Config) -> Figures:
     band: list[float] = []
     bands: list[Plateau] = []
     goodput_s: list[float | None] = []
+    envelope_s: list[float | None] = []
     for start, end in phases:
         c, v = converge_s(o.trace, start, end)
         settled.append(v)
@@ -429,10 +459,13 @@ def figures(row: Row, o: Outcome, cfg: Config) -> Figures:
         p = plateau(row.fixed, start, end)
         bands.append(p)
         goodput_s.append(converge_goodput_s(o, row.fixed[p.best], start, end))
+        members = [row.fixed[n] for n in range(p.low, p.high + 1)]
+        envelope_s.append(converge_envelope_s(o, members, start, end))
     if len(phases) == 1:
         settled.append(settled[0])
         band.append(0.0)
         goodput_s.append(0.0)
+        envelope_s.append(0.0)
     return Figures(
         share=100 * o.good / best.good if best.good else 0.0,
         goodput=o.goodput,
@@ -440,6 +473,7 @@ def figures(row: Row, o: Outcome, cfg: Config) -> Figures:
         band_s=(band[0], band[1]),
         plateau=(bands[0], bands[1] if len(bands) > 1 else None),
         goodput_s=(goodput_s[0], goodput_s[1]),
+        envelope_s=(envelope_s[0], envelope_s[1]),
         max_waiting=o.max_waiting,
     )
 
@@ -461,6 +495,7 @@ def _fmt_row(row: Row, cfg: Config) -> list[str]:
             f"{f.settled[0]}/{f.settled[1]}",
             f"{f.band_s[0]:.0f}/{f.band_s[1]:.0f}",
             f"{_secs(f.goodput_s[0])}/{_secs(f.goodput_s[1])}",
+            f"{_secs(f.envelope_s[0])}/{_secs(f.envelope_s[1])}",
             str(f.max_waiting),
         ]
     return cells
@@ -471,6 +506,7 @@ _ARM = [
     "limit start/after",
     "converge s, 15 % band",
     "converge s, goodput",
+    "converge s, envelope",
     "max wait",
 ]
 HEADER = [
@@ -498,10 +534,12 @@ SUMMARY_HEADER = [
     "metrics: worst % of best (seed)",
     "15 % band s start/change",
     "goodput s",
+    "envelope s",
     "max wait",
     "blind: worst % of best (seed)",
     "15 % band s start/change",
     "goodput s",
+    "envelope s",
     "max wait",
     "goodput measure on fixed limits ±2 %: unconverged / judged",
 ]
@@ -545,6 +583,7 @@ def summary(
             f"{low.share:.1f} (#{seed})",
             f"{worst([f.band_s[0] for _, f in figs])}/{worst([f.band_s[1] for _, f in figs])}",
             f"{worst([f.goodput_s[0] for _, f in figs])}/{worst([f.goodput_s[1] for _, f in figs])}",
+            f"{worst([f.envelope_s[0] for _, f in figs])}/{worst([f.envelope_s[1] for _, f in figs])}",
             str(max(f.max_waiting for _, f in figs)),
         ]
     cells.append(f"{noise[0]} / {noise[1]}" if noise is not None else "-")
