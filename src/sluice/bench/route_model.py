@@ -14,8 +14,8 @@ measures it: a :class:`~sluice.core.concurrency.ConcurrencyLimit` fed every fini
 the TTFT smoothed as :meth:`sluice.fleet.Engine.observe_ttft` does.
 
 Arrivals are open-loop Poisson at ``--loads`` times the fleet's capacity (prompts of 16..256
-tokens, answers of 32..224); a client gives up ``--patience`` seconds after it arrived. Goodput:
-answers finished within their client's patience, per second.
+tokens, answers of 32..224, or ``--answer-tokens``); a client gives up ``--patience`` seconds
+after it arrived. Goodput: answers finished within their client's patience, per second.
 
     python -m sluice.bench.route_model                  # the fleet of docs/benchmarks/fleet.md
     python -m sluice.bench.route_model --fleet same     # three engines alike
@@ -67,6 +67,7 @@ class Config:
     patience_s: float = 30.0
     seed: int = 1
     jitter: float = 0.0
+    output: tuple[int, int] = OUTPUT_RANGE
 
 
 @dataclass(slots=True)
@@ -105,22 +106,22 @@ class _Engine:
     stepping: bool = False
 
 
-def fleet_capacity(fleet: dict[str, SimParams]) -> float:
+def fleet_capacity(fleet: dict[str, SimParams], output_tokens: int = MEAN_OUTPUT) -> float:
     """Answers per second the fleet finishes with every slot busy (the simulator's formula)."""
-    return sum(capacity_rps(p, MEAN_OUTPUT, MEAN_PROMPT) for p in fleet.values())
+    return sum(capacity_rps(p, output_tokens, MEAN_PROMPT) for p in fleet.values())
 
 
 def arrivals(cfg: Config) -> list[_Job]:
     """The run's jobs, the same for every mode."""
     rng = random.Random(cfg.seed)
-    rate = cfg.load * fleet_capacity(FLEETS[cfg.fleet])
+    rate = cfg.load * fleet_capacity(FLEETS[cfg.fleet], sum(cfg.output) // 2)
     out: list[_Job] = []
     t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= cfg.duration_s:
             return out
-        out.append(_Job(f"r{len(out)}", t, rng.randint(*PROMPT_RANGE), rng.randint(*OUTPUT_RANGE)))
+        out.append(_Job(f"r{len(out)}", t, rng.randint(*PROMPT_RANGE), rng.randint(*cfg.output)))
 
 
 def run(cfg: Config, mode: str) -> Outcome:
@@ -276,17 +277,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--patience", type=float, default=_DEFAULT.patience_s)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--jitter", type=float, default=0.0, help="log-normal sigma of measurement noise")
+    ap.add_argument("--answer-tokens", default="32,224", help="answers' lengths: LOW,HIGH (uniform)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
+    low, high = (int(x) for x in args.answer_tokens.split(","))
     for m in modes:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; known: {', '.join(MODES)}")
-    print(f"fleet {args.fleet}: capacity {fleet_capacity(FLEETS[args.fleet]):.2f} answers/s")
+    capacity = fleet_capacity(FLEETS[args.fleet], (low + high) // 2)
+    print(f"fleet {args.fleet}: capacity {capacity:.2f} answers/s")
     rows = []
     for load in (float(x) for x in args.loads.split(",")):
         for mode in modes:
             runs = [
-                run(Config(args.fleet, load, args.duration, args.patience, seed, args.jitter), mode)
+                run(
+                    Config(args.fleet, load, args.duration, args.patience, seed, args.jitter, (low, high)),
+                    mode,
+                )
                 for seed in range(1, args.seeds + 1)
             ]
             e2e = [x for o in runs for x in o.e2e]
