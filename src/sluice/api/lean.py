@@ -34,7 +34,7 @@ from sluice.api.gateway import Gateway
 from sluice.api.openai import complete
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.request_id import JOB_HEADER, new_request_id
-from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
+from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, SchedulingOptions, plainly_readable
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.core.job import Endpoint
@@ -172,7 +172,8 @@ def _valid(raw: bytes, content_type: bytes, model: type[SchedulingOptions]) -> S
     if not isinstance(data, dict):
         return None
     try:
-        opts: BaseModel = model.model_validate(data)
+        # The walk for what the engine could not take is skipped where the bytes rule it out.
+        opts: BaseModel = model.model_validate(data, context=READABLE if plainly_readable(raw) else None)
     except (ValidationError, ValueError, RecursionError):
         return None
     assert isinstance(opts, SchedulingOptions)

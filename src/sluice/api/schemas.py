@@ -5,7 +5,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 PositiveTimeout = Annotated[float, Field(gt=0, description="Seconds the client will wait; capped by config.")]
@@ -55,15 +64,33 @@ def unreadable(body: dict[str, Any], max_depth: int = MAX_JSON_DEPTH) -> tuple[s
     return None
 
 
+def plainly_readable(raw: bytes) -> bool:
+    """Whether the JSON text ``raw``, whichever way it decodes, makes a body in which
+    :func:`unreadable` cannot find anything, known from its bytes alone. A lone surrogate comes
+    only from a ``\\u`` escape or from its own bytes (``\\xed\\xa0-\\xbf``, which json.loads
+    lets through); UTF-16 and UTF-32 hide both, and have NULs; and nesting deeper than
+    MAX_JSON_DEPTH needs more opening brackets than that. False says only "walk it to know"
+    (Korean text, for one, has the byte 0xED)."""
+    if b"\\u" in raw or b"\xed" in raw or b"\x00" in raw:
+        return False
+    return raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH
+
+
+#: The validation context (``model_validate(..., context=READABLE)``) of a body that
+#: :func:`plainly_readable` cleared: its walk is skipped.
+READABLE: dict[str, Any] = {"sluice.readable": True}
+
+
 class EngineInput(BaseModel):
     """A body whose fields reach the engine: before any field is read, the whole body is checked to
     be JSON the engine can take (see :func:`unreadable`), so that nothing downstream (the
-    serializers, the broker, the engine request) fails on it."""
+    serializers, the broker, the engine request) fails on it; unless its validation context is
+    :data:`READABLE` (its bytes said so already)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _readable(cls, data: Any) -> Any:
-        if isinstance(data, dict):
+    def _readable(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and info.context is not READABLE:
             problem = unreadable(data)
             if problem is not None:
                 param, reason = problem
