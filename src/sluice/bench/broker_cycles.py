@@ -9,12 +9,17 @@ Runs, one after another, on a ``redis-server`` this script starts itself on a fr
 * RQ on the same Redis: enqueue the jobs, then ``SimpleWorker`` bursts in ``--claimers`` processes;
 * Redis memory per queued job (``used_memory`` delta over N queued jobs), Sluice and RQ.
 
+With ``--instructions`` it counts instead, with valgrind's callgrind, the instructions of one Redis
+broker operation, on the Redis side and on the client side in turn: a measure that does not move
+with the machine's load, as rates and CPU time do on a shared one (below, :func:`count_instructions`).
+
 Jobs are empty on the engine side: this measures the broker, not an engine.
 
 Needs ``redis-server`` on the PATH (or at ``$SLUICE_TEST_REDIS_SERVER``), and RQ for its rows
 (``pip install rq``, or ``--skip-rq``).
 
 Usage: python -m sluice.bench.broker_cycles [--jobs 20000] [--admitters 1] [--claimers 2] [--concurrency 32]
+       python -m sluice.bench.broker_cycles --instructions [--side redis|client|both] [--ops 1000]
 """
 
 from __future__ import annotations
@@ -22,16 +27,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
 from typing import Any
 
 from sluice.bench.cli import free_port
@@ -321,6 +330,176 @@ def memory_per_job_rq(url: str, jobs: int) -> float:
     return (used_memory(url) - before) / jobs
 
 
+# --- instructions per operation (callgrind) ------------------------------------------------------
+#
+# One process of 32 tasks, on a redis-server of its own, with a clock that moves by 1 ms at each
+# reading (the same times in every run, and jobs that take time, so that finishes feed the drain
+# rate and claims check deadlines against it): N admissions (8 tenants, as above), then N claims
+# of the jobs those queued, then the N finishes. --side redis runs redis-server under callgrind,
+# --side client the client process. Counting is switched on (callgrind_control -i on) around each
+# phase only; a phase's count is its dump's total over N. Two runs agree to within about 1 %.
+
+VALGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+PHASES = ("admit", "claim", "finish")  # what --instructions counts, one after another
+
+
+def _control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
+
+
+def _dump_total(folder: Path, pid: int, number: int) -> int:
+    """The instructions in dump ``number`` of process ``pid`` (the cost since the previous dump)."""
+    dump = folder / f"callgrind.{pid}.{number}"
+    for _ in range(600):  # callgrind_control answers before the file is whole
+        text = dump.read_text(errors="replace") if dump.exists() else ""
+        for line in text.splitlines():
+            if line.startswith("totals:"):  # 'summary:' counts from the start, zeroed at -z
+                return int(line.split()[1])
+        time.sleep(0.1)
+    raise RuntimeError(f"no total in {dump}")
+
+
+class Counter:
+    """Switches callgrind on and off in one process and reads the cost of what ran in between."""
+
+    def __init__(self, pid: int, folder: Path) -> None:
+        self.pid, self.folder, self.dumps = pid, folder, 0
+
+    @contextlib.contextmanager
+    def phase(self, totals: dict[str, int], name: str) -> Iterator[None]:
+        _control(self.pid, "-z")
+        _control(self.pid, "-i", "on")
+        yield
+        _control(self.pid, "-i", "off")
+        _control(self.pid, "-d")
+        self.dumps += 1
+        totals[name] = _dump_total(self.folder, self.pid, self.dumps)
+
+
+@contextlib.contextmanager
+def callgrind_redis(under_callgrind: bool, folder: Path) -> Iterator[tuple[str, int]]:
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args += ["--dir", str(folder)]
+    if under_callgrind:
+        args = [*VALGRIND, f"--callgrind-out-file={folder}/callgrind.%p", *args]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}")
+            with contextlib.suppress(RedisError):
+                if Redis.from_url(url, socket_timeout=2).ping():
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not answer PING within 120 s")
+            time.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+async def _count_phases(url: str, ops: int, counter: Counter, concurrency: int = 32) -> dict[str, int]:
+    # A clock that moves by 1 ms at each reading: the same times in every run, and jobs that take
+    # time to run, so that finishes feed the drain rate and claims check deadlines against it.
+    ticks = itertools.count()
+    start = time.time()
+
+    def clock() -> float:
+        return start + next(ticks) * 0.001
+
+    broker = RedisBroker(
+        url,
+        replace(settings(), clock=clock),
+        blocking_connections=concurrency,
+        max_connections=concurrency + 8,
+        socket_timeout_s=60.0,
+        connect_timeout_s=30.0,
+    )
+    totals: dict[str, int] = {}
+    try:
+        await broker.ping()
+        # The scripts loaded and every connection opened before anything is counted.
+        warm = [make_job(i) for i in range(concurrency)]
+        await asyncio.gather(*(broker.admit(j) for j in warm))
+        claimed = await asyncio.gather(
+            *(broker.claim(f"w{i}", [MODEL], timeout=1) for i in range(concurrency))
+        )
+        await asyncio.gather(
+            *(broker.finish(j.id, f"w{i}", JobState.SUCCEEDED, result={}) for i, j in enumerate(claimed) if j)
+        )
+        queue = iter(range(ops))
+
+        async def admit() -> None:
+            for i in queue:
+                await broker.admit(make_job(i))
+
+        with counter.phase(totals, "admit"):
+            await asyncio.gather(*(admit() for _ in range(concurrency)))
+        work = iter(range(ops))
+        claimed_jobs: list[tuple[str, str]] = []
+
+        async def claim(worker: str) -> None:
+            for _ in work:
+                job = await broker.claim(worker, [MODEL], timeout=1)
+                assert job is not None, "the queue ran dry"
+                claimed_jobs.append((job.id, worker))
+
+        async def finish(jobs: list[tuple[str, str]]) -> None:
+            for job_id, worker in jobs:
+                done = await broker.finish(job_id, worker, JobState.SUCCEEDED, result={"ok": True})
+                assert done is not None, "a finish was refused"
+
+        with counter.phase(totals, "claim"):
+            await asyncio.gather(*(claim(f"bench-{i}") for i in range(concurrency)))
+        with counter.phase(totals, "finish"):
+            await asyncio.gather(*(finish(claimed_jobs[i::concurrency]) for i in range(concurrency)))
+    finally:
+        await broker.close()
+    return {name: total // ops for name, total in totals.items()}
+
+
+def count_instructions(side: str, ops: int, keep: Path | None = None) -> dict[str, int]:
+    """Instructions per operation of ``side`` ('redis' or 'client'), by phase; ``keep``: a folder
+    to copy the dumps to (for ``callgrind_annotate``)."""
+    with tempfile.TemporaryDirectory(prefix="sluice-callgrind-") as tmp:
+        folder = Path(tmp)
+        with contextlib.ExitStack() as stack:
+            if keep is not None:
+                stack.callback(_keep, folder, keep, side)
+            return _count(side, ops, folder)
+
+
+def _keep(folder: Path, keep: Path, side: str) -> None:
+    keep.mkdir(parents=True, exist_ok=True)
+    for dump in folder.glob("callgrind.*.*"):
+        shutil.copy(dump, keep / f"{side}.{dump.name}")
+
+
+def _count(side: str, ops: int, folder: Path) -> dict[str, int]:
+    with callgrind_redis(side == "redis", folder) as (url, redis_pid):
+        if side == "redis":
+            return asyncio.run(_count_phases(url, ops, Counter(redis_pid, folder)))
+        # The client under callgrind: this module again, in a child that counts itself.
+        out = folder / "client.txt"
+        command = [*VALGRIND, f"--callgrind-out-file={folder}/callgrind.%p", sys.executable, "-m"]
+        command += ["sluice.bench.broker_cycles", "--instructions"]
+        command += ["--_child", url, "--ops", str(ops), "--_out", str(out), "--_folder", str(folder)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        found = dict(re.findall(r"(\w+) (\d+)", out.read_text()))
+        return {name: int(v) for name, v in found.items()}
+
+
 # --- main -----------------------------------------------------------------------------------------
 
 
@@ -354,7 +533,20 @@ def main() -> int:
         "--repeat", type=int, default=3, help="runs of each Sluice setup; the median is shown"
     )
     parser.add_argument("--skip-rq", action="store_true")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions per operation with callgrind instead"
+    )
+    parser.add_argument(
+        "--side", choices=("redis", "client", "both"), default="both", help="with --instructions"
+    )
+    parser.add_argument("--ops", type=int, default=1000, help="operations per phase with --instructions")
+    parser.add_argument("--keep", type=Path, help="with --instructions: copy the callgrind dumps here")
+    parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument("--_out", help=argparse.SUPPRESS)
+    parser.add_argument("--_folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.instructions:
+        return instructions_main(args)
 
     procs = f"{args.admitters} admit + {args.claimers} claim processes x {args.concurrency} tasks"
     rows: list[Row] = []
@@ -409,6 +601,20 @@ def main() -> int:
             r.cpu.rjust(width[3]),
         ]
         print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+def instructions_main(args: argparse.Namespace) -> int:
+    if args._child:  # the client side, run under callgrind by count_instructions
+        totals = asyncio.run(_count_phases(args._child, args.ops, Counter(os.getpid(), Path(args._folder))))
+        Path(args._out).write_text("".join(f"{name} {v}\n" for name, v in totals.items()))
+        return 0
+    sides = ("redis", "client") if args.side == "both" else (args.side,)
+    rows = {side: count_instructions(side, args.ops, args.keep) for side in sides}
+    print("| side | " + " | ".join(f"{p} (instructions per op)" for p in PHASES) + " |")
+    print("|---|" + "---:|" * len(PHASES))
+    for side, totals in rows.items():
+        print(f"| {side} | " + " | ".join(f"{totals.get(p, 0):,}" for p in PHASES) + " |")
     return 0
 
 
