@@ -21,8 +21,13 @@ within their client's patience, per second.
     python -m sluice.bench.limit_model --engines b16 --seeds 3
     python -m sluice.bench.limit_model --engines b64kv --change kv
 
-Time to converge: from the start (or the change) until the limit stays within max(2, 15 %) of
-where it settles (its median over the last third of the phase).
+Time to converge, three ways (start/change): the *band*, from when the limit stays within
+max(2, 15 %) of where it settles (its median over the last third of the phase); *goodput*, from
+when every later 10-s window's goodput is within 2 % (or one answer) of the phase's best fixed
+limit's over the same window; *envelope*, the same windows against the least of the fixed limits
+within 2 % of the best over the phase (their spread is the windows' noise). With ``--seeds`` > 1
+a summary per engine follows: the worst seed of each figure, and how many of the fixed limits
+held from the start the goodput measure reads as not converged (its noise).
 """
 
 from __future__ import annotations
