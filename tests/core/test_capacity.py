@@ -97,19 +97,28 @@ def test_no_slowdown_is_assumed_when_none_is_seen_or_told() -> None:
 
 def test_a_promise_is_made_between_the_fitted_line_and_the_most_a_full_batch_can_slow() -> None:
     """Measured at a quarter's fill and as fast whatever the fill, the line says no slowdown; a
-    batch can at most drain no faster in all than that quarter did (a slowdown of 4). The wait is
-    promised halfway between, on a log scale (EXTRAPOLATION_SHARE 0.5); measured at a full batch,
-    there is nothing to extrapolate and the promise is the line's."""
-    light = DrainRate(slots=8, weigh_per_slot=True)
-    for i in range(400):
-        light.observe(100, 1.0, running=1 + i % 3)  # fills of 1/8 to 3/8, as fast at each
-    assert light.slowdown == pytest.approx(1.0, abs=0.02)
-    assert light.fill == pytest.approx(0.25, abs=0.03)
-    assert light.promise_slowdown == pytest.approx(2.0, rel=0.08)  # sqrt(1 * 1 / 0.25)
-    assert light.promise_rate < light.rate / 1.8
+    batch can at most drain no faster in all than that quarter did (a slowdown of 4). Where the
+    jobs' times spread (a burst's first finishers in a full batch are then its short ones, which
+    flatten the line), the wait is promised part of the way toward that bound, the more the more
+    they spread; where every job takes the same, or the rate was measured at a full batch, the
+    promise is the line's."""
+    even, spread = DrainRate(slots=8, weigh_per_slot=True), DrainRate(slots=8, weigh_per_slot=True)
+    for i in range(600):
+        even.observe(100, 1.0, running=1 + i % 3)  # fills of 1/8 to 3/8, as fast at each
+        spread.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)  # the same mean, spread
+    for d in (even, spread):
+        assert d.slowdown == pytest.approx(1.0, abs=0.1)
+        assert d.fill == pytest.approx(0.25, abs=0.03)
+    assert even.spread < 0.05 and even.promise_slowdown == pytest.approx(even.slowdown, rel=0.05)
+    assert spread.spread > 0.5
+    share = min(0.5 * spread.spread, 1.0)  # capacity.EXTRAPOLATION_SHARE per unit of spread
+    assert spread.promise_slowdown == pytest.approx(
+        spread.slowdown * (4.0 / spread.slowdown) ** share, rel=0.02
+    )
+    assert 1.3 < spread.promise_slowdown <= 4.0
     full = DrainRate(slots=8, weigh_per_slot=True)
-    for _ in range(400):
-        full.observe(100, 1.0, running=8)
+    for i in range(600):
+        full.observe(100, 0.1 if i % 4 else 3.7, running=8)
     assert full.promise_slowdown == pytest.approx(full.slowdown)
     # Never told a fill: nothing to extrapolate from, as before.
     untold = DrainRate(slots=8)

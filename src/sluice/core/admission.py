@@ -149,13 +149,13 @@ def reserve(
 ) -> Refused:
     """A queue's refusal with its Retry-After made a reservation: never sooner than the refusal's
     own time (when room can free for the job), nor than the capacity already promised to the
-    clients refused before it; and the job's cost at ``share`` of the rate a wait is promised at
-    (``DrainRate.promise_rate``: the capacity admission will grant, not the mean it expects) is then
-    promised to this client. Refusals in a burst so get distinct times, spread over the capacity that frees,
-    and a client that comes back at its time finds the room it was promised. Where that time falls
-    beyond a client's patience (:data:`RETRY_PATIENCE_S`), it is told so (``should_retry`` False)
-    and nothing is reserved (once the drain rate is measured; before, the time is a guess). A
-    refusal that says not to retry is left as it is."""
+    clients refused before it; and the job's cost at ``share`` of the rate admission expects to
+    grant (``DrainRate.batch_rate``: a full batch's at the promise's slowdown, not the mean) is
+    then promised to this client. Refusals in a burst so get distinct times, spread over the
+    capacity that frees, and a client that comes back at its time finds the room it was promised.
+    Where that time falls beyond a client's patience (:data:`RETRY_PATIENCE_S`), it is told so
+    (``should_retry`` False) and nothing is reserved (once the drain rate is measured; before, the
+    time is a guess). A refusal that says not to retry is left as it is."""
     if not refused.should_retry:
         return refused
     at = now + refused.retry_after_s
@@ -172,7 +172,10 @@ def reserve(
             should_retry=False,
             rate=refused.rate,
         )
-    book.next_free = at + cost / (drain.promise_rate * share)
+    # The capacity admission expects to grant; not less the rate's error margin, a guard either
+    # way, which would run a small engine's times long (its retries then came too late to fill
+    # the gaps of a standing queue).
+    book.next_free = at + cost / (drain.batch_rate * share)
     # A tenant's refusal keeps its rate-limit status (the x-ratelimit-* headers).
     return Refused(
         refused.status,

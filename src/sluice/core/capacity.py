@@ -43,9 +43,11 @@ FILL_RIDGE = 0.002
 #: The most a full batch is taken to slow a job down against the fill it was measured at.
 MAX_FILL_SLOWDOWN = 4.0
 #: How far a promise's slowdown goes from the fitted line toward the most a full batch can slow a
-#: job (:attr:`DrainRate.promise_slowdown`), on a log scale: 0 the line, 1 the bound. The line is
-#: drawn through the fills a light load gave, and at a burst's onset the first jobs to finish in a
-#: full batch are the short ones, which flatten it just when a queue forms (docs/policies.md).
+#: job (:attr:`DrainRate.promise_slowdown`), on a log scale, per unit of the spread of a job's time
+#: per cost unit (:attr:`DrainRate.spread`; at most all the way). The line is drawn through the
+#: fills a light load gave, and at a burst's onset the first jobs to finish in a full batch are
+#: the short ones, which flatten it just when a queue forms; the more the jobs' times spread, the
+#: more it is flattened so (docs/policies.md). Where every job takes the same, the line is followed.
 EXTRAPOLATION_SHARE = 0.5
 #: Standard errors of the drain rate that the wait a job is promised leaves room for
 #: (:attr:`DrainRate.wait_margin`): a rate is the mean of the last few batches of jobs, and on a few
@@ -203,42 +205,54 @@ class DrainRate:
     @property
     def promise_slowdown(self) -> float:
         """The slowdown a promise is made at: :attr:`slowdown`, moved toward the most a full batch
-        can slow a job by :data:`EXTRAPOLATION_SHARE` (on a log scale). A batch never drains
-        slower in all than the part of it the rate was measured at (an engine's throughput does
-        not fall as its batch fills), so a slot's rate at the full batch is at least ``per_slot``
-        times :attr:`fill`: a slowdown of at most 1 / fill. The line between lies on fills a
-        light load gave, and a burst's first finishers in a full batch are its short answers,
-        which flatten it just as the queue forms; the promise is made between the two. 1 when
-        never told a fill."""
+        can slow a job by :data:`EXTRAPOLATION_SHARE` times :attr:`spread` (at most all the way,
+        on a log scale). A batch never drains slower in all than the part of it the rate was
+        measured at (an engine's throughput does not fall as its batch fills), so a slot's rate
+        at the full batch is at least ``per_slot`` times :attr:`fill`: a slowdown of at most
+        1 / fill. The line lies on fills a light load gave, and a burst's first finishers in a
+        full batch are its short answers, which flatten it just as the queue forms, the more so
+        the more the jobs' times spread; where they all take the same, there is no such bias and
+        the line is followed. :attr:`slowdown` when never told a fill."""
         fit = self.slowdown
         if self.fills == 0:
             return fit
         bound = min(max(1.0 / max(self.fill, 1e-3), fit), MAX_FILL_SLOWDOWN)
-        return fit * math.pow(bound / fit, EXTRAPOLATION_SHARE)
+        return fit * math.pow(bound / fit, min(EXTRAPOLATION_SHARE * self.spread, 1.0))
+
+    @property
+    def spread(self) -> float:
+        """How much a job's time per cost unit varies, relative to the mean: read off :attr:`slow`
+        (the 95th percentile, some two standard deviations above the mean for the spreads seen:
+        exactly so for times spread as an exponential) and the mean (``1 / per_slot``). 0 before
+        any measurement, or when every job takes the same."""
+        return max(self.slow * self.per_slot - 1.0, 0.0) / 2.0 if self.samples else 0.0
 
     @property
     def wait_margin(self) -> float:
         """How much longer than its mean a queue's wait is promised: :data:`WAIT_MARGIN_Z`
         standard errors of the rate, a mean over about ``2 / weight`` jobs (fewer before that
-        many finished) whose spread is read off :attr:`slow` (the 95th percentile of a job's time
-        per cost unit, some two standard deviations above the mean for the spreads seen)."""
+        many finished) whose times vary by :attr:`spread`."""
         if not self.samples:
             return 1.0
         w = self.weight
         jobs = min(self.samples, (2.0 - w) / w)
-        spread = max(self.slow * self.per_slot - 1.0, 0.0) / 2.0
-        return 1.0 + WAIT_MARGIN_Z * spread / math.sqrt(jobs)
+        return 1.0 + WAIT_MARGIN_Z * self.spread / math.sqrt(jobs)
+
+    @property
+    def batch_rate(self) -> float:
+        """The drain rate of a full batch at :attr:`promise_slowdown` (cost units per second): the
+        capacity admission expects to grant, which the Retry-After book spreads its times over
+        (``admission.reserve``); the prior before any measurement."""
+        if not self.samples:
+            return self.rate
+        return max(self.per_slot / self.promise_slowdown * max(self.slots, 1), 1e-3)
 
     @property
     def promise_rate(self) -> float:
-        """The drain rate a job's wait is promised at (cost units per second): the full batch's
-        at :attr:`promise_slowdown`, less :attr:`wait_margin`; the prior before any measurement.
-        Only the deadline check reads it: codel's view of the queue and the times told stay at
-        the mean rate."""
-        if not self.samples:
-            return self.rate
-        slot = self.per_slot / self.promise_slowdown / self.wait_margin
-        return max(slot * max(self.slots, 1), 1e-3)
+        """The drain rate a job's wait is promised at: :attr:`batch_rate` less
+        :attr:`wait_margin`. Only the deadline check reads it: codel's view of the queue and the
+        position and start a client is told stay at the mean rate."""
+        return max(self.batch_rate / self.wait_margin, 1e-3)
 
     def promised_wait_s(self, tokens_ahead: int) -> float:
         """The wait a job behind ``tokens_ahead`` is promised (:attr:`promise_rate`)."""

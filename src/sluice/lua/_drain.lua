@@ -23,23 +23,31 @@ local function fill_slowdown(text, ridge, max_slowdown)
   return math.min(math.max(at_full / at_fill, 1), max_slowdown)
 end
 
+-- DrainRate.spread: how much a job's time per cost unit varies, relative to the mean (0 before any
+-- measurement).
+local function time_spread(per_slot, slow, samples)
+  if samples <= 0 then return 0 end
+  return math.max(slow * per_slot - 1, 0) / 2
+end
+
 -- DrainRate.promise_slowdown: fill_slowdown moved toward the most a full batch can slow a job
--- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE), on a log scale.
-local function promise_slowdown(text, ridge, max_slowdown, share)
+-- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE) times the spread (at
+-- most all the way), on a log scale.
+local function promise_slowdown(text, ridge, max_slowdown, share, spread)
   local fit = fill_slowdown(text, ridge, max_slowdown)
   local g = fill_fit(text)
   if #g < 6 or g[6] == 0 then return fit end
   local bound = math.min(math.max(1 / math.max(g[1], 1e-3), fit), max_slowdown)
-  return fit * math.pow(bound / fit, share)
+  return fit * math.pow(bound / fit, math.min(share * spread, 1))
 end
 
 -- DrainRate.wait_margin: z (capacity.WAIT_MARGIN_Z) standard errors of the rate, a mean over
--- about 2 / weight jobs (the weight of DrainRate.weight: alpha per slot when per_slot_weight).
-local function wait_margin(per_slot, slow, samples, slots, alpha, per_slot_weight, z)
+-- about 2 / weight jobs (the weight of DrainRate.weight: alpha per slot when per_slot_weight)
+-- whose times vary by spread.
+local function wait_margin(spread, samples, slots, alpha, per_slot_weight, z)
   if samples <= 0 then return 1.0 end
   local w = alpha
   if per_slot_weight then w = alpha / math.max(slots, 1) end
   local jobs = math.min(samples, (2 - w) / w)
-  local spread = math.max(slow * per_slot - 1, 0) / 2
   return 1 + z * spread / math.sqrt(jobs)
 end

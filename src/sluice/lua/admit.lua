@@ -364,12 +364,15 @@ if excess > 0 and victim_cost then
 end
 
 local wait = ahead_tokens / rate -- DrainRate.wait_s
--- DrainRate.promise_rate: what the deadline check promises a wait at
-local promise_rate = rate
+-- DrainRate.batch_rate, what the Retry-After book spreads its times over, and promise_rate, what
+-- the deadline check promises a wait at
+local batch_rate, promise_rate = rate, rate
 if samples > 0 then
-  local promise_slot = per_slot / promise_slowdown(fill, fill_ridge, max_slowdown, extrapolation)
-    / wait_margin(per_slot, slow, samples, slots, drain_alpha, per_slot_weight, margin_z)
-  promise_rate = math.max(promise_slot * math.max(slots, 1), 1e-3)
+  local spread = time_spread(per_slot, slow, samples)
+  local slowdown_promised = promise_slowdown(fill, fill_ridge, max_slowdown, extrapolation, spread)
+  batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
+  promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
+    margin_z), 1e-3)
 end
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
 -- DrainRate.slow_service_s: behind a queue at the full batch's pace, alone (nothing queued ahead)
@@ -413,7 +416,7 @@ if retry_after then
   if retry then
     local at = now + retry_after
     if next_free and next_free > at then at = next_free end
-    if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (promise_rate * share))) end
+    if at - now <= patience or samples == 0 then st_set(st, 'rv', num(at + cost / (batch_rate * share))) end
   end
 end
 if refused then
