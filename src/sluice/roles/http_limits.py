@@ -102,8 +102,8 @@ class ClientGone:
 
 
 class OneWrite:
-    """The transport one request's answer is written through, with fewer writes, each one trip
-    through the kernel, and nothing written later than it would have been:
+    """The transport one request's answer is written through, with fewer writes (each one trip
+    through the kernel), none of them held past the end of its turn of the event loop:
 
     - the answer's head is held until its body's first write, as long as that comes in the same
       turn of the event loop (an answer sent whole does: its two ``send`` calls never wait), so
