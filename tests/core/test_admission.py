@@ -294,3 +294,41 @@ def test_a_reserved_refusal_keeps_its_rate_limit_status() -> None:
     assert kept.reserved and kept.rate is status
     far = reserve(refused, cost=10, now=0.0, drain=drain, book=Reservations(next_free=1000.0))
     assert not far.should_retry and far.rate is status
+
+
+def test_a_wait_is_promised_at_the_promise_rate_and_the_start_told_at_the_mean() -> None:
+    """Measured at a quarter's fill with times that spread: a queue whose wait fits the deadline at
+    the mean rate but not at the rate a wait is promised at (DrainRate.promise_rate, below the
+    mean) is refused, told to come back once the queue has drained, at the mean rate, to what the
+    promise leaves room for; a shorter queue is admitted, told its start at the mean rate."""
+    drain = DrainRate(slots=8, weigh_per_slot=True)
+    for i in range(600):
+        drain.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
+    assert drain.promise_rate < 0.7 * drain.rate
+    service = drain.slow_service_s(100)
+    budget = 30.0
+    ahead = int((budget - service) * drain.rate * 0.9)  # fits at the mean, with a tenth to spare
+    with pytest.raises(Refused) as info:
+        check(
+            cost=100,
+            priority="normal",
+            now=0,
+            deadline=budget,
+            view=view(ahead // 100, ahead),
+            limits=QueueLimits(),
+            drain=drain,
+        )
+    assert info.value.code == "deadline_unmeetable" and info.value.should_retry
+    fits_ahead = (budget - service) * drain.promise_rate
+    assert info.value.retry_after_s == pytest.approx((ahead - fits_ahead) / drain.rate)
+    shorter = int(fits_ahead * 0.9)
+    ok = check(
+        cost=100,
+        priority="normal",
+        now=0,
+        deadline=budget,
+        view=view(shorter // 100, shorter),
+        limits=QueueLimits(),
+        drain=drain,
+    )
+    assert ok.estimated_start_s == pytest.approx(drain.wait_s(shorter))
