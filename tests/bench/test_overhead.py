@@ -150,3 +150,21 @@ def test_the_engine_client_share_counts_every_stack_it_is_in(tmp_path: Path) -> 
         "run (uvloop/__init__.py:1);handle (sluice/api/openai.py:2) 12\n"
     )
     assert overhead_profile.engine_client_share(stacks) == pytest.approx(8 / 20)
+
+
+def test_syscall_counts_read_perfs_csv(tmp_path: Path) -> None:
+    record = tmp_path / "row.txt"
+    record.write_text(
+        "# started on Tue Dec  1 19:58:31 2026\n\n"
+        "60346,,syscalls:sys_enter_write,3032081946,100.00,,\n"
+        "0,,syscalls:sys_enter_writev,3032081946,100.00,,\n"
+        "<not counted>,,syscalls:sys_enter_sendto,0,0.00,,\n"
+        "13583,,syscalls:sys_enter_read,3032081946,100.00,,\n"
+    )
+    assert overhead_profile.syscall_counts(record) == {"write": 60346, "writev": 0, "read": 13583}
+
+
+def test_syscalls_without_a_record_count_nothing() -> None:
+    with overhead_profile.perf_syscalls(1, 1.0, None):
+        pass  # no perf started, nothing to wait for
+    assert overhead.parse_args(["--syscalls", "d"]).syscalls == Path("d")

@@ -28,10 +28,13 @@ generator is a minimal HTTP/1.1 client on uvloop in this process (its CPU is the
 Writes ``LABEL.json`` (every row) to ``--out``, and ``LABEL.png`` with ``--plot`` (the ``bench``
 extra). ``--py-spy DIR`` records the Sluice gateway during each of its rows (py-spy's raw
 collapsed stacks, ``DIR/ROW.txt``) and prints where its samples went: by library, by task, by frame.
+``--syscalls DIR`` counts the Sluice gateway's socket system calls (write, read and their kin) with
+perf's tracepoints during each of its rows (``DIR/ROW.txt``) and prints them per response (over the
+warm-up and the window, whose responses are taken at the window's rate).
 
 The parts: :mod:`~sluice.bench.overhead_load` (the load and the measured window),
 :mod:`~sluice.bench.overhead_procs` (the processes), :mod:`~sluice.bench.overhead_report` (the rows
-and tables), :mod:`~sluice.bench.overhead_profile` (py-spy); this module runs the groups.
+and tables), :mod:`~sluice.bench.overhead_profile` (py-spy, perf); this module runs the groups.
 
 Usage: python -m sluice.bench.overhead [--seconds 10] [--connections 32] [--groups closed,stream,...]
 """
@@ -44,7 +47,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ from sluice.bench.overhead_procs import (
     start_engine,
     start_gateway,
 )
-from sluice.bench.overhead_profile import print_profile, py_spy
+from sluice.bench.overhead_profile import perf_syscalls, print_profile, py_spy, syscall_counts
 from sluice.bench.overhead_report import GROUPS, Row, make_row, per_token_us, plot, refusal_ms, table
 
 TARGETS = ("engine", "passthrough", "sluice", "litellm")
@@ -91,6 +94,9 @@ class Options:
     label: str = "overhead"
     plot: bool = False
     py_spy: Path | None = None
+    syscalls: Path | None = None
+    #: per row that ``syscalls`` counted: each system call's calls per response (filled by the run)
+    syscalls_per_response: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # -- the groups -------------------------------------------------------------------------------------
@@ -107,16 +113,30 @@ def _measure(
     options: Options,
     profile_pid: int | None = None,
 ) -> Row:
-    """Measure one row; with ``--py-spy``, ``profile_pid`` (the Sluice gateway) is recorded meanwhile."""
-    record = None
+    """Measure one row; with ``--py-spy`` (``--syscalls``), ``profile_pid`` (the Sluice gateway) is
+    recorded (its system calls counted) meanwhile."""
+    record = counted = None
+    file_name = name.replace(" ", "-") + ".txt"
     if options.py_spy is not None and profile_pid is not None:
         options.py_spy.mkdir(parents=True, exist_ok=True)
-        record = options.py_spy / (name.replace(" ", "-") + ".txt")
-    with py_spy(profile_pid or 0, options.warmup_s + options.seconds, record):
+        record = options.py_spy / file_name
+    if options.syscalls is not None and profile_pid is not None:
+        options.syscalls.mkdir(parents=True, exist_ok=True)
+        counted = options.syscalls / file_name
+    span_s = options.warmup_s + options.seconds
+    with py_spy(profile_pid or 0, span_s, record), perf_syscalls(profile_pid or 0, span_s, counted):
         window = closed_loop(urls, load, options.warmup_s, options.seconds, roles)
     row = make_row(group, name, command, load, window)
     rows.append(row)
     print(f"  {name}: {row.answers_per_s:,.0f} answers/s, {row.refusals_per_s:,.0f} refusals/s", flush=True)
+    if counted is not None and counted.exists():
+        # perf counts through the warm-up and the window; the responses of both are estimated at
+        # the window's rate.
+        responses = (row.answers_per_s + row.refusals_per_s) * span_s
+        per = {k: v / responses for k, v in syscall_counts(counted).items() if responses > 0}
+        options.syscalls_per_response[name] = per
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v)
+        print(f"  {name}: system calls per response: {shown}", flush=True)
     return row
 
 
@@ -303,6 +323,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         metavar="DIR",
         help="record the Sluice gateway's rows with py-spy in DIR/ROW.txt",
     )
+    parser.add_argument(
+        "--syscalls",
+        type=Path,
+        metavar="DIR",
+        help="count the Sluice gateway's socket system calls in each of its rows with perf "
+        "(DIR/ROW.txt), and print them per response",
+    )
     args = parser.parse_args(argv)
     return Options(
         seconds=args.seconds,
@@ -320,6 +347,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         label=args.label,
         plot=args.plot,
         py_spy=args.py_spy,
+        syscalls=args.syscalls,
     )
 
 
@@ -332,11 +360,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in notes:
         print(line)
     result = {
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+        "options": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in asdict(options).items()
+            if k != "syscalls_per_response"
+        },
         "cpus": os.cpu_count(),
         "rows": [r.as_dict() for r in rows],
         "per_token_us": per_token_us(rows),
         "refusal_ms": refusal_ms(rows),
+        "syscalls_per_response": options.syscalls_per_response,
         "notes": notes,
     }
     path = options.out / f"{options.label}.json"

@@ -41,6 +41,53 @@ def py_spy(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
             )
 
 
+#: The system calls ``perf_syscalls`` counts: those a gateway writes and reads its sockets with.
+SYSCALLS = ("write", "writev", "sendto", "sendmsg", "read", "recvfrom")
+
+
+@contextlib.contextmanager
+def perf_syscalls(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
+    """Count ``pid``'s system calls of :data:`SYSCALLS` (perf's syscall tracepoints, all its
+    threads) for ``seconds`` while inside; perf's CSV goes to ``path``. Needs perf and the right to
+    read tracepoints (root, or a low enough ``perf_event_paranoid``)."""
+    if path is None:
+        yield
+        return
+    perf = shutil.which("perf")
+    if perf is None:
+        print("--syscalls: perf is not installed; nothing counted", file=sys.stderr)
+        yield
+        return
+    events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+    argv = [perf, "stat", "-x", ",", "-e", events, "-p", str(pid), "-o", str(path)]
+    argv += ["--", "sleep", str(max(1, round(seconds)))]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        try:
+            _, err = proc.communicate(timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            print(f"perf failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}", file=sys.stderr)
+
+
+def syscall_counts(path: Path) -> dict[str, int]:
+    """From perf stat's CSV (``-x ,``): each counted system call's name -> how many calls (a count
+    perf could not read is left out)."""
+    counts: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) < 3 or not fields[0].isdigit():
+            continue
+        event = fields[2]
+        if event.startswith("syscalls:sys_enter_"):
+            counts[event.removeprefix("syscalls:sys_enter_")] = int(fields[0])
+    return counts
+
+
 def _stacks(path: Path) -> Iterator[tuple[list[str], int]]:
     """py-spy's raw collapsed stacks: each stack's frames, outermost first, and its sample count."""
     for line in path.read_text().splitlines():
