@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.core.routing import Candidate, HashRing, Router, predicted_completion, prefix_key
+from sluice.core.routing import (
+    PREDICTION_TIE,
+    Candidate,
+    HashRing,
+    Router,
+    predicted_completion,
+    prefix_key,
+)
 
 
 def cand(
@@ -104,6 +111,21 @@ def test_equal_speed_prefers_the_idler_engine() -> None:
     a = cand("a", inflight=3, spt=0.02)
     b = cand("b", inflight=1, spt=0.02)
     assert router.pick([a, b], prompt_tokens=10, output_tokens=100, prefix=None) == "b"
+
+
+def test_predictions_within_the_tie_go_to_the_freer_engine() -> None:
+    """A TTFT measured lower (noise: a prefill that shared a step raises one engine's) that makes
+    a busier engine's prediction 10 % sooner does not outweigh its extra job in flight; twice as
+    fast does."""
+    router = Router(affinity=False)
+    busier = cand("busier", inflight=2, spt=0.02, ttft=0.30)
+    freer = cand("freer", inflight=1, spt=0.02, ttft=0.50)
+    when = {c.name: predicted_completion(c, prompt_tokens=1500, output_tokens=32) for c in (busier, freer)}
+    assert when["busier"] is not None and when["freer"] is not None
+    assert when["busier"] < when["freer"] <= when["busier"] * (1 + PREDICTION_TIE)
+    assert router.pick([busier, freer], prompt_tokens=1500, output_tokens=32, prefix=None) == "freer"
+    fast = cand("fast", inflight=2, spt=0.01, ttft=0.2)
+    assert router.pick([fast, freer], prompt_tokens=1500, output_tokens=32, prefix=None) == "fast"
 
 
 def test_prefill_counts() -> None:

@@ -59,6 +59,9 @@ VIRTUAL_NODES = 100
 #: is fresh, weighs as much as the measured figures, which lag; the prefill-heavy bench of
 #: docs/routing.md could not tell it from 0.5 on decode only.
 LOAD_SENSITIVITY = 1.0
+#: Predicted completions within this share of the soonest are a tie, broken by the free fraction of
+#: the limit (least loaded).
+PREDICTION_TIE = 0.25
 #: Rings remembered, one per set of engine names (membership changes rarely).
 RING_CACHE = 32
 #: :class:`Router`'s bound on an engine's share of the load before a prefix spills (the
@@ -333,9 +336,10 @@ class Router:
     def soonest(
         self, candidates: Sequence[Candidate], *, prompt_tokens: int, output_tokens: int
     ) -> str | None:
-        """The candidate with room where the job is predicted to finish first (ties: fewest in
-        flight, then name); with no speed measured anywhere, the largest free fraction of the
-        limit (scaled by weight)."""
+        """The candidate with room where the job is predicted to finish first; predictions within
+        :data:`PREDICTION_TIE` of the soonest are a tie, broken by the largest free fraction of
+        the limit (scaled by weight), then the sooner prediction, fewest in flight, name. With no
+        speed measured anywhere, the largest free fraction alone."""
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
@@ -348,13 +352,24 @@ class Router:
             return best.name
         presumed = statistics.median(known)
 
-        def when(c: Candidate) -> tuple[float, int, str]:
+        def when(c: Candidate) -> float:
             t = predicted_completion(
                 c,
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 seconds_per_token=presumed,
             )
-            return (t if t is not None else math.inf, c.inflight, c.name)
+            return t if t is not None else math.inf
 
-        return min(open_, key=when).name
+        times = {c.name: when(c) for c in open_}
+        soonest = min(times.values())
+        # Predictions within PREDICTION_TIE of the soonest are a tie, broken by the free fraction
+        # of the limit: the measured figures they rest on are noisy (a TTFT doubles when two
+        # prefills share a step), and following a difference smaller than the noise piles work
+        # on whichever engine the noise said was fast.
+        tied = [c for c in open_ if times[c.name] <= soonest * (1 + PREDICTION_TIE)]
+        best = min(
+            tied,
+            key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, times[c.name], c.inflight, c.name),
+        )
+        return best.name
