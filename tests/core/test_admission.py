@@ -103,9 +103,11 @@ def test_deadline_unmeetable() -> None:
             limits=QueueLimits(),
             drain=measured(),
         )
-    # 20 s of work ahead, 10 s budget, 1 s of own service: it fits once 11 s of work has drained.
+    # 20 s of work ahead, 10 s budget, 1 s of own service: it would fit once 11 s of work has
+    # drained, but the requests arriving meanwhile would take that room; it is told to come back
+    # when the 20 s of work queued ahead has started.
     assert info.value.status == 503 and info.value.code == "deadline_unmeetable"
-    assert info.value.retry_after_s == pytest.approx(11.0)
+    assert info.value.retry_after_s == pytest.approx(20.0)
     assert info.value.should_retry
 
 
@@ -299,8 +301,8 @@ def test_a_reserved_refusal_keeps_its_rate_limit_status() -> None:
 def test_a_wait_is_promised_at_the_promise_rate_and_the_start_told_at_the_mean() -> None:
     """Measured at a quarter's fill with times that spread: a queue whose wait fits the deadline at
     the mean rate but not at the rate a wait is promised at (DrainRate.promise_rate, below the
-    mean) is refused, told to come back once the queue has drained, at the mean rate, to what the
-    promise leaves room for; a shorter queue is admitted, told its start at the mean rate."""
+    mean) is refused, told to come back once the work queued ahead has started (at the mean rate);
+    a queue short enough for the promise is admitted, told its start at the mean rate."""
     drain = DrainRate(slots=8, weigh_per_slot=True)
     for i in range(600):
         drain.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
@@ -319,8 +321,8 @@ def test_a_wait_is_promised_at_the_promise_rate_and_the_start_told_at_the_mean()
             drain=drain,
         )
     assert info.value.code == "deadline_unmeetable" and info.value.should_retry
+    assert info.value.retry_after_s == pytest.approx(drain.wait_s(ahead))  # the queue ahead started
     fits_ahead = (budget - service) * drain.promise_rate
-    assert info.value.retry_after_s == pytest.approx((ahead - fits_ahead) / drain.rate)
     shorter = int(fits_ahead * 0.9)
     ok = check(
         cost=100,

@@ -238,7 +238,6 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
     at (``DrainRate.promise_rate``: a full batch's, with room for the rate's own error), then its
     own generation at the pace admission promises (``DrainRate.slow_service_s``: as slow as most
     jobs have been, not the mean), so that a job admitted is one that finishes in time."""
-    rate = drain.rate
     wait = drain.wait_s(view.ahead_tokens)
     promised_wait = drain.promised_wait_s(view.ahead_tokens)
     service = drain.slow_service_s(cost, behind_queue=view.ahead_tokens > 0)
@@ -257,15 +256,16 @@ def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, d
                 clamp_retry_after(alone),
                 should_retry=False,
             )
-        # It fits once the queue ahead is down to what its promised wait leaves room for; the
-        # queue drains to that at the mean rate.
-        fits_ahead = (budget - service) * drain.promise_rate
+        # Back when the work queued ahead now has started, as codel's refusals are told: the queue
+        # it could not fit behind is then behind it. Not when the queue ahead has drained to what
+        # its promised wait leaves room for: in a burst the requests arriving meanwhile take that
+        # room, and a client told so comes back into the same burst (docs/benchmarks/policies.md).
         raise Refused(
             503,
             "deadline_unmeetable",
             f"The queue ahead needs about {promised_wait:.1f} s; the request could not finish within "
             f"its deadline ({budget:.1f} s).",
-            clamp_retry_after((view.ahead_tokens - fits_ahead) / rate),
+            clamp_retry_after(wait),
         )
     return Admitted(position=view.ahead_jobs, estimated_start_s=wait)
 

@@ -91,8 +91,7 @@ local function policy_refuses(st, kind, p, now, now_s, q)
   -- rate a wait is promised at (DrainRate.promise_rate)
   if q.measured and q.ahead_tokens / q.promise_rate + q.promised > q.budget then
     if q.alone > q.budget then return clamp_retry_after(q.alone, R), false end
-    local fits_ahead = (q.budget - q.promised) * q.promise_rate
-    return clamp_retry_after((q.ahead_tokens - fits_ahead) / q.rate, R), true
+    return clamp_retry_after(q.wait, R), true -- when the work queued ahead has started
   end
   return nil
 end
