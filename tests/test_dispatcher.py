@@ -274,10 +274,21 @@ class ModelBackend(FakeBackend):
     """A FakeBackend serving ``models``, recording the model each request asked for, failing its
     first ``fail_first`` requests as an engine error would."""
 
-    def __init__(self, name: str, models: list[str], *, fail_first: int = 0, delay: float = 0.01) -> None:
+    def __init__(
+        self,
+        name: str,
+        models: list[str],
+        *,
+        fail_first: int = 0,
+        refuse_first: int = 0,
+        delay: float = 0.01,
+    ) -> None:
         super().__init__(name, 4, delay=delay)
         self.models = list(models)
         self.fail_first = fail_first
+        #: Requests refused as a port with nothing listening refuses them (never reached).
+        self.refuse_first = refuse_first
+        self.refused = 0
         self.asked: list[str] = []
 
     async def discover_models(self) -> list[str]:
@@ -285,6 +296,10 @@ class ModelBackend(FakeBackend):
 
     async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         self.asked.append(str(job.body.get("model")))
+        if self.refuse_first > 0:
+            self.refuse_first -= 1
+            self.refused += 1
+            raise BackendError("the engine did not answer (refused)", retryable=True, reached=False)
         if self.fail_first > 0:
             self.fail_first -= 1
             raise BackendError("engine answered 500", retryable=True, status=500)
@@ -377,3 +392,40 @@ async def test_a_drained_pool_takes_no_new_work_and_its_running_work_finishes() 
     finally:
         await dispatcher.stop()
         await broker.close()
+
+
+async def unreachable_run(engine: ModelBackend, *, grace_s: float) -> Job:
+    """One job with two attempts on ``engine`` alone, ejected briefly after each failure; the job
+    as it ended."""
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, [engine], retry_backoff_s=0.01, unreached_grace_s=grace_s)
+    dispatcher.fleet.engines[0].health = EngineHealth(base_ejection_s=0.02, max_ejection_s=0.05)
+    await dispatcher.start()
+    try:
+        job = make_job(max_attempts=2)
+        await broker.admit(job)
+        done = await broker.wait(job.id, 20)
+        assert done is not None
+        return done
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+
+
+async def test_an_engine_restarting_longer_than_the_attempts_does_not_fail_the_waiting_job() -> None:
+    # Eight refused connections, four times the job's attempts: none of them reached the engine.
+    restarting = ModelBackend("restarting", ["m"], refuse_first=8)
+    done = await unreachable_run(restarting, grace_s=60.0)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert restarting.refused == 8 and restarting.served == 1
+    assert done.attempts == 1  # the one try that reached it
+
+
+async def test_an_address_where_nothing_ever_listens_fails_its_jobs_after_the_grace() -> None:
+    nothing = ModelBackend("nothing", ["m"], refuse_first=10**9)
+    done = await unreachable_run(nothing, grace_s=0.3)
+    assert done.state is JobState.FAILED and done.error is not None
+    assert done.attempts == 2  # counted once the grace was over, up to the job's max_attempts
+    # Tries within the grace were not counted: more tries than attempts were made.
+    assert nothing.refused > 2 and nothing.served == 0

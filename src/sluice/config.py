@@ -498,6 +498,14 @@ class Settings(_Strict):
         ge=1,
         description="attempts on backends (retries and lost workers included) before a job fails",
     )
+    unreached_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="for how long tries that could not connect to any engine (one restarting, a pod "
+        "rescheduled) are not counted among a job's attempts (seconds): a restart that takes this long "
+        "fails none of the jobs waiting for it, an address where nothing listens fails them after it; "
+        "the job's deadline bounds the wait either way",
+    )
     result_ttl_s: float = Field(
         default=_BROKER.result_ttl_s,
         gt=0,

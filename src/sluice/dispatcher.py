@@ -83,6 +83,10 @@ class Dispatcher:
         heartbeat_s: how often leases are renewed and the capacity re-registered; well under the
             broker's lease.
         retry_backoff_s: pause before a failed attempt is retried, doubled each time.
+        unreached_grace_s: for how long tries that could not open a connection to any engine
+            (an engine restarting, a pod rescheduled) are not counted as the job's attempts: a
+            restart that outlasts a few ejection backoffs does not fail the jobs waiting for it,
+            and an address where nothing will ever listen still fails them after this long.
         routing: ``predicted`` (soonest predicted completion, engines weighted by speed) or
             ``least_loaded`` (the largest free fraction of the limit).
         prefix_affinity: jobs sharing a prompt prefix go to its home engine while load allows.
@@ -102,6 +106,7 @@ class Dispatcher:
         worker_id: str | None = None,
         heartbeat_s: float | None = None,
         retry_backoff_s: float = 0.1,
+        unreached_grace_s: float = 60.0,
         routing: Routing = "predicted",
         prefix_affinity: bool = True,
         router: Router | None = None,
@@ -123,6 +128,7 @@ class Dispatcher:
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:12]}"
         self.heartbeat_s = heartbeat_s or max(min(broker.settings.lease_s / 3, 5.0), 0.05)
         self.retry_backoff_s = retry_backoff_s
+        self.unreached_grace_s = unreached_grace_s
         self.routing = routing
         self.router = router or Router(affinity=prefix_affinity)
         self.load_poll_s = load_poll_s
@@ -401,6 +407,7 @@ class Dispatcher:
 
     async def _run(self, job: Job) -> None:
         attempts = job.attempts
+        unreached_since: float | None = None  # since when tries found no engine to connect to
         tried: set[str] = set()
         held: _Hold | None = None
         backend: Backend | None = None
@@ -419,7 +426,16 @@ class Dispatcher:
                     self._release(held)
                     held = None
                     retry_at = self._retry_at(job, attempts) if exc.retryable else None
-                    if retry_at is None or attempts >= job.max_attempts:
+                    # A try that never reached the engine (no connection) is not an attempt for a
+                    # while: the job waits out an engine's restart (its deadline still bounds it).
+                    if exc.reached:
+                        unreached_since = None
+                    elif unreached_since is None:
+                        unreached_since = self.clock()
+                    counted = unreached_since is None or (
+                        self.clock() - unreached_since >= self.unreached_grace_s
+                    )
+                    if retry_at is None or (counted and attempts >= job.max_attempts):
                         error = _job_error(exc, attempts)
                         await self._finish(job, JobState.FAILED, attempts, backend, error=error)
                         return
@@ -435,7 +451,8 @@ class Dispatcher:
                         error = _job_error(exc, attempts)
                         await self._finish(job, JobState.FAILED, attempts, backend, error=error)
                         return
-                    attempts += 1
+                    if counted:
+                        attempts += 1
                     continue
                 except TimeoutError:
                     break

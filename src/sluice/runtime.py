@@ -192,6 +192,7 @@ def build_worker(settings: Settings, broker: Broker, metrics: Metrics | None = N
         prefix_affinity=settings.prefix_affinity,
         router=settings.router(),
         dns_refresh_s=settings.dns_refresh_s,
+        unreached_grace_s=settings.unreached_grace_s,
         metrics=metrics if metrics is not None else Metrics(),
     )
     webhooks = None

@@ -45,6 +45,8 @@ async def test_a_dead_port_is_a_retryable_error(stream_tokens: bool) -> None:
         with pytest.raises(BackendError) as running:
             await assemble(backend, job)
         assert running.value.retryable and running.value.status is None
+        # Nothing listened: the engine never saw the request, so it is not one of the job's attempts.
+        assert not running.value.reached
     finally:
         await backend.aclose()
 
@@ -336,6 +338,7 @@ async def test_an_engine_that_stops_answering_is_a_retryable_error_not_a_deadlin
         finally:
             release.set()  # before the server stops: it waits for its requests
     assert info.value.retryable and info.value.status is None
+    assert info.value.reached  # the engine had the request: the try counts
 
 
 async def test_a_stream_cut_off_by_the_engine_is_a_retryable_error() -> None:
@@ -353,6 +356,7 @@ async def test_a_stream_cut_off_by_the_engine_is_a_retryable_error() -> None:
         with pytest.raises(BackendError) as info:
             await assemble(backend, engine_job("m", Endpoint.CHAT, max_tokens=SHORT))
     assert info.value.retryable and "the engine did not answer" in info.value.message
+    assert info.value.reached  # it began answering: the try counts
 
 
 async def test_the_api_key_goes_with_every_request() -> None:

@@ -35,6 +35,10 @@ class BackendError(Exception):
         detail: what the operator's log is told, which may name the engine's address; unset: the
             message.
         param: the parameter the engine refused, as its error names it.
+        reached: False when no connection to the engine could be opened (refused, DNS, the
+            connect timeout): it never saw the request, so the try is not one of the job's
+            ``max_attempts`` (an engine restarting for longer than the retries' backoff would
+            otherwise fail the jobs that wait for it); the job's deadline still bounds the wait.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class BackendError(Exception):
         code: str | None = "engine_error",
         detail: str | None = None,
         param: str | None = None,
+        reached: bool = True,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -56,6 +61,7 @@ class BackendError(Exception):
         self.type = type
         self.code = code
         self.param = param
+        self.reached = reached
 
 
 class Backend(ABC):

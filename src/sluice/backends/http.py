@@ -21,7 +21,7 @@ import contextlib
 import aiohttp
 from yarl import URL
 
-__all__ = ["TRANSPORT_ERRORS", "EngineHTTP", "EngineUnreachable", "unreachable"]
+__all__ = ["NOT_SENT_ERRORS", "TRANSPORT_ERRORS", "EngineHTTP", "EngineUnreachable", "unreachable"]
 
 #: What aiohttp raises when an engine cannot be reached or breaks a connection. TimeoutError covers
 #: aiohttp's own connect and read timeouts (its ``ServerTimeoutError`` is one): they must not escape
@@ -33,20 +33,31 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, Timeou
 KEEPALIVE_S = 4.0
 
 
+#: Failures to open a connection at all (refused, no route, DNS, TLS, the connect timeout): the
+#: engine cannot have seen the request. A connection that broke later may have carried it.
+NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,
+)
+
+
 class EngineUnreachable(Exception):
     """The engine could not be reached, or broke the connection; ``detail`` is for the operator's
-    log only (aiohttp's text may name the engine's address)."""
+    log only (aiohttp's text may name the engine's address). ``reached`` is False when no
+    connection could be opened, so the engine never saw the request."""
 
-    def __init__(self, kind: str, detail: str) -> None:
+    def __init__(self, kind: str, detail: str, *, reached: bool = True) -> None:
         super().__init__(detail)
         self.kind = kind
         self.detail = detail
+        self.reached = reached
 
 
 def unreachable(exc: BaseException) -> EngineUnreachable:
     """The one error a transport failure becomes."""
     kind = type(exc).__name__
-    return EngineUnreachable(kind, f"{kind}: {exc}".rstrip(": "))
+    reached = not isinstance(exc, NOT_SENT_ERRORS)
+    return EngineUnreachable(kind, f"{kind}: {exc}".rstrip(": "), reached=reached)
 
 
 class EngineHTTP:

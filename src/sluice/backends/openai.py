@@ -246,7 +246,9 @@ async def _bounded(response: aiohttp.ClientResponse) -> bytes:
 
 def _transport_error(exc: EngineUnreachable) -> BackendError:
     # aiohttp's own text may carry the URL or the address it tried: only the operator's log gets it.
-    return BackendError(f"the engine did not answer ({exc.kind})", retryable=True, detail=exc.detail)
+    return BackendError(
+        f"the engine did not answer ({exc.kind})", retryable=True, detail=exc.detail, reached=exc.reached
+    )
 
 
 def _as_delta(choice: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,7 @@ DISPATCH = (
     Flag("--prefix-load-factor", "prefix_load_factor", float),
     Flag("--prefix-remember", "prefix_remember", int),
     Flag("--dns-refresh", "dns_refresh_s", float),
+    Flag("--unreached-grace", "unreached_grace_s", float),
 )
 
 
