@@ -1,9 +1,13 @@
-"""Time to first token added by the gateway at light load: direct to an engine vs through Sluice.
+"""Time to first token added by the gateway at light load: direct to an engine, through the
+raw pass-through, and through Sluice.
 
-Starts the simulator (``article`` preset: a real first-token time of ~17 ms) and ``sluice serve``
-in front of it, each in its own process as in production, then sends streaming chat completions
-one at a time, alternating direct and through Sluice, and compares the time to the first content
-chunk. Light load: never more than one request in flight.
+Starts the simulator (``article`` preset: a real first-token time of ~17 ms), the raw ASGI
+pass-through (:mod:`sluice.bench.passthrough`: the floor of a Python proxy, one more HTTP hop and
+nothing else) and ``sluice serve`` in front of it, each in its own process as in production, then
+sends streaming chat completions one at a time, rotating direct, pass-through and Sluice, and
+compares the time to the first content chunk. Light load: never more than one request in flight.
+What the pass-through adds is the second hop's own cost, which any gateway in front of an engine
+pays; Sluice's figure less it is what its features cost.
 
 Usage: python -m sluice.bench.ttft_overhead [--requests 200] [--preset article]
 """
@@ -46,37 +50,56 @@ async def up(client: httpx.AsyncClient, url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start(preset_name: str) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
-    sim_port, gw_port = free_port(), free_port()
-    sim, gateway = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{gw_port}"
+def start(preset_name: str) -> tuple[str, str, str, list[subprocess.Popen[bytes]]]:
+    """The simulator's, the pass-through's and Sluice's URLs, and their processes."""
+    sim_port, pass_port, gw_port = free_port(), free_port(), free_port()
+    sim = f"http://127.0.0.1:{sim_port}"
     cli = [sys.executable, "-m", "sluice.cli"]
-    sim_args = ["sim", "--preset", preset_name, "--model", "sim", "--port", str(sim_port)]
-    gateway_args = ["serve", "--backend", sim, "--max-concurrency", "16", "--port", str(gw_port)]
+    sim_args = [*cli, "sim", "--preset", preset_name, "--model", "sim", "--port", str(sim_port)]
+    pass_args = [
+        sys.executable,
+        "-m",
+        "sluice.bench.passthrough",
+        "--upstream",
+        sim,
+        "--port",
+        str(pass_port),
+    ]
+    gateway_args = [*cli, "serve", "--backend", sim, "--max-concurrency", "16", "--port", str(gw_port)]
     gateway_args += ["--log-level", "warning"]
     procs = [
-        subprocess.Popen([*cli, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for args in (sim_args, gateway_args)
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for argv in (sim_args, pass_args, gateway_args)
     ]
-    return sim, gateway, procs
+    return sim, f"http://127.0.0.1:{pass_port}", f"http://127.0.0.1:{gw_port}", procs
 
 
-async def main(requests: int, sim: str, gateway: str) -> None:
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1]
+
+
+async def main(requests: int, sim: str, passthrough: str, gateway: str) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         await up(client, sim + "/health")
+        # The pass-through answers what the engine answers: its /health is the engine's.
+        await up(client, passthrough + "/health")
         await up(client, gateway + "/readyz")
-        for url in (sim, gateway):  # warm up connections and the drain-rate estimate
+        urls = {"direct": sim, "passthrough": passthrough, "sluice": gateway}
+        for url in urls.values():  # warm up connections and the drain-rate estimate
             for _ in range(5):
                 await ttft(client, url)
-        direct, via = [], []
+        times: dict[str, list[float]] = {name: [] for name in urls}
         for _ in range(requests):
-            direct.append(await ttft(client, sim))
-            via.append(await ttft(client, gateway))
-    d50, s50 = statistics.median(direct), statistics.median(via)
-    q = statistics.quantiles
+            for name, url in urls.items():
+                times[name].append(await ttft(client, url))
+    p50 = {name: statistics.median(values) for name, values in times.items()}
     print(f"{requests} streaming requests each way, one at a time, each server in its own process")
-    print(f"direct  TTFT p50 {d50 * 1000:.2f} ms  p90 {q(direct, n=10)[-1] * 1000:.2f} ms")
-    print(f"sluice  TTFT p50 {s50 * 1000:.2f} ms  p90 {q(via, n=10)[-1] * 1000:.2f} ms")
-    print(f"added by the gateway at p50: {(s50 - d50) * 1000:.2f} ms")
+    for name, values in times.items():
+        print(f"{name:<12} TTFT p50 {p50[name] * 1000:.2f} ms  p90 {p90(values) * 1000:.2f} ms")
+    print(f"added by the pass-through at p50: {(p50['passthrough'] - p50['direct']) * 1000:.2f} ms")
+    print(f"added by the gateway at p50: {(p50['sluice'] - p50['direct']) * 1000:.2f} ms")
+    above = (p50["sluice"] - p50["passthrough"]) * 1000
+    print(f"added by the gateway above the pass-through at p50: {above:.2f} ms")
 
 
 if __name__ == "__main__":
@@ -88,9 +111,9 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--preset", default="article")
     args = parser.parse_args()
-    sim, gateway, procs = start(args.preset)
+    sim, passthrough, gateway, procs = start(args.preset)
     try:
-        asyncio.run(main(args.requests, sim, gateway))
+        asyncio.run(main(args.requests, sim, passthrough, gateway))
     finally:
         for proc in procs:
             proc.terminate()
