@@ -25,7 +25,16 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from sluice.core.job import Endpoint, Job
-from sluice.protocol import Assembler, TokenChunks, chunk, chunk_fields, error_body, loads, response_id
+from sluice.protocol import (
+    Assembler,
+    TokenChunks,
+    chunk,
+    chunk_fields,
+    compact_json,
+    error_body,
+    loads,
+    response_id,
+)
 from tests.helpers import FakeClock, make_job
 from tests.servers import Gateway, run_app, run_gateway
 
@@ -1074,3 +1083,36 @@ def test_loads_gives_what_json_loads_gives(raw: bytes) -> None:
             loads(raw)
     else:
         assert loads(raw) == expected
+
+
+COMPACT_CASES: list[Any] = [
+    {},
+    {"a": "é☃😀", "b": [1, 2.5, None, True, {"c": '\n\t"\\'}], "d": -0.0, "e": 1e300, "f": 10**30},
+    {"x": "\u2028\u2029</script>", 1: "an int key", None: "a null key"},
+    {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True},
+]
+
+
+@pytest.mark.parametrize("value", COMPACT_CASES)
+def test_compact_json_is_json_dumps_compact_and_starlettes_json_body(value: Any) -> None:
+    expected = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    assert compact_json(value) == expected
+    if all(isinstance(k, str) for k in value):
+        assert JSONResponse(value).body == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ({"a": float("nan")}, ValueError),
+        ({"a": float("inf")}, ValueError),
+        ({"a": "\ud800"}, UnicodeEncodeError),
+        ({"a": object()}, TypeError),
+        ({"a": {1, 2}}, TypeError),
+    ],
+)
+def test_compact_json_raises_what_json_dumps_raises(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    with pytest.raises(error):
+        compact_json(value)

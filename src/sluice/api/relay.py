@@ -10,7 +10,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +21,7 @@ from sluice.api import auth
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker, Event, EventType
 from sluice.core.job import Job, JobState
-from sluice.protocol import TokenChunks, chunk, chunk_fields, error_body
+from sluice.protocol import TokenChunks, chunk, chunk_fields, compact_json, error_body
 
 T = TypeVar("T")
 
@@ -163,11 +163,19 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
         await events.aclose()  # type: ignore[attr-defined]
 
 
+class _CompactJSON(JSONResponse):
+    """starlette's JSONResponse, the same bytes, rendered by one encoder made once
+    (:func:`compact_json`) rather than a JSONEncoder per answer."""
+
+    def render(self, content: Any) -> bytes:
+        return compact_json(content)
+
+
 def answer(job: Job | None) -> JSONResponse:
     if job is None:
         raise APIError(404, "The job no longer exists.", "job_not_found")
     if job.state is JobState.SUCCEEDED and job.result is not None:
-        return JSONResponse(job.result)
+        return _CompactJSON(job.result)
     if not job.terminal:
         raise APIError(504, "The job did not finish in time.", "deadline_exceeded", should_retry=False)
     raise failure(job)

@@ -348,7 +348,7 @@ def _encode(body: dict[str, Any]) -> bytes:
     queued by another build can hold one) fails its job as the client's error: the exception, whose
     message holds the text it choked on, goes nowhere."""
     try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        return protocol.compact_json(body)
     except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
         pass
     raise BackendError(
