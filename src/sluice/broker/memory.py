@@ -76,8 +76,10 @@ class _Record:
     packed_count: int = 0
     #: whether the terminal event was published
     ended_stream: bool = False
-    #: every new event
-    signal: Signal = field(default_factory=Signal)
+    #: the live readers waiting for the next event, each on a future of its own: woken by the
+    #: next event (:meth:`notify`); a reader that stopped waiting (cancelled, timed out) leaves its
+    #: future done, and the next event drops it
+    readers: list[asyncio.Future[None]] = field(default_factory=list)
     #: the end of the job only: waiters for the outcome do not wake for every token
     ended: Signal = field(default_factory=Signal)
     #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
@@ -86,6 +88,20 @@ class _Record:
     #: the model's running jobs just after this one started, itself included (the drain rate
     #: learns from it how a job slows as the batch fills; Redis keeps it in the job's ``rb``)
     running_at_start: int = 0
+
+    def next_event(self) -> asyncio.Future[None]:
+        """A future the next event sets. A bare future rather than an ``asyncio.Event`` per event
+        (what :class:`Signal` makes): a token's wake-up is on every streamed token's path, and the
+        Event, its ``wait`` coroutine and its own future cost more than the future alone."""
+        future = asyncio.get_running_loop().create_future()
+        self.readers.append(future)
+        return future
+
+    def notify(self) -> None:
+        readers, self.readers = self.readers, []
+        for future in readers:
+            if not future.done():
+                future.set_result(None)
 
     @property
     def count(self) -> int:
@@ -240,7 +256,7 @@ class MemoryBroker(Broker):
         if type in TERMINAL_EVENTS:
             rec.ended_stream = True
             self._to_pack.append((time.monotonic() + PACK_AFTER_S, rec.job.id))
-        rec.signal.notify()
+        rec.notify()
 
     def _tenant(self, name: str) -> _Tenant:
         t = self._tenants.get(name)
@@ -429,11 +445,11 @@ class MemoryBroker(Broker):
             if rec.ended_stream:
                 return  # resumed after the terminal event: nothing more will come
             if timeout is None:  # a live reader wakes once per token: no timer to set each time
-                await rec.signal.current().wait()
+                await rec.next_event()
                 continue
             try:
                 async with asyncio.timeout(timeout):
-                    await rec.signal.current().wait()
+                    await rec.next_event()
             except TimeoutError:
                 return
 
