@@ -337,9 +337,9 @@ class Router:
         self, candidates: Sequence[Candidate], *, prompt_tokens: int, output_tokens: int
     ) -> str | None:
         """The candidate with room where the job is predicted to finish first; predictions within
-        :data:`PREDICTION_TIE` of the soonest are a tie, broken by the largest free fraction of
-        the limit (scaled by weight), then the sooner prediction, fewest in flight, name. With no
-        speed measured anywhere, the largest free fraction alone."""
+        :data:`PREDICTION_TIE` of the soonest are a tie, broken as least-loaded breaks it: the
+        largest free fraction of the limit (scaled by weight), then fewest in flight, then name.
+        With no speed measured anywhere, that rule alone."""
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
@@ -368,8 +368,5 @@ class Router:
         # prefills share a step), and following a difference smaller than the noise piles work
         # on whichever engine the noise said was fast.
         tied = [c for c in open_ if times[c.name] <= soonest * (1 + PREDICTION_TIE)]
-        best = min(
-            tied,
-            key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, times[c.name], c.inflight, c.name),
-        )
+        best = min(tied, key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, c.inflight, c.name))
         return best.name
