@@ -7,7 +7,9 @@ Two rules, one per kind of job:
   time to first token) and its decode: the output tokens times the engine's seconds per token at
   the load it will have once the job is added (:func:`predicted_completion`). An engine whose
   speed is not measured yet is taken to be as fast as the median measured one; when none is
-  measured, the rule is the free fraction of each engine's limit (least loaded).
+  measured, the rule is the free fraction of each engine's limit (least loaded). Predictions
+  within :data:`PREDICTION_TIE` of the soonest are a tie, broken by that same rule: the
+  measurements are noisier than that (docs/routing.md).
 * **Prefix affinity.** Requests that share a prompt prefix (a system prompt, a conversation, the
   client's ``prompt_cache_key`` or ``user``: :func:`prefix_key`) should land on the same engine,
   whose prefix cache then skips their shared prefill. That is consistent hashing with bounded
