@@ -359,8 +359,8 @@ class Settings(_Strict):
     routing: Literal["predicted", "least_loaded"] = Field(
         default="predicted",
         description="how an engine is picked among those serving a model: `predicted` (where the job "
-        "should finish soonest, from each engine's measured speed and room) or `least_loaded` (the "
-        "most free room)",
+        "should finish soonest, from each engine's measured speed and room; predictions within 25 % "
+        "of the soonest are a tie, broken by the most free room) or `least_loaded` (the most free room)",
     )
     prefix_affinity: bool = Field(
         default=True,
