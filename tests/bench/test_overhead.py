@@ -49,9 +49,14 @@ def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixtu
         if "Redis" in name:
             roles |= {"workers", "redis"}
         assert set(row["cpu_s"]) == roles, name
-        # Every process did some work in the window, and no more than the machine's cores allow.
+        # No process did more than the machine's cores allow. CPU time is read in clock ticks
+        # (10 ms): a process that served a 1-s window lightly may read 0, so only the ones that do
+        # the most work (the engine, the gateway) must show some.
         for role, cpu in row["cpu_s"].items():
-            assert 0 < cpu <= row["seconds"] * result["cpus"] * 1.5, (name, role)
+            assert 0 <= cpu <= row["seconds"] * result["cpus"] * 1.5, (name, role)
+        assert row["cpu_s"]["engine"] > 0, name
+        if "gateway" in row["cpu_s"]:
+            assert row["cpu_s"]["gateway"] > 0, name
         if row["stream"]:
             assert 0 < row["ttft_p50_ms"] <= row["p50_ms"], name
         else:
