@@ -76,6 +76,17 @@ def _cluster_ok(node: RedisServer) -> bool:
         return "cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO"))
 
 
+#: Times a server whose picked port was taken before it could bind picks another.
+PORT_TRIES = 3
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 class RedisServer:
     """One ``redis-server`` process bound to 127.0.0.1.
 
@@ -97,6 +108,9 @@ class RedisServer:
         keep_dir: bool = False,
     ) -> None:
         self.port = port or _free_port()
+        #: Whether the ports are ours to change: picked here, and the server never started on them
+        #: (a restart keeps its port; another test's server may take a picked port before we bind).
+        self._may_repick = port is None
         self.aof = aof
         self.appendfsync = appendfsync
         self.extra = dict(extra or {})
@@ -143,15 +157,32 @@ class RedisServer:
         """Start the server and wait until it answers PING (and has loaded its data)."""
         if self.running:
             return self
+        for _ in range(PORT_TRIES):
+            if self._launch(timeout):
+                self._may_repick = False
+                return self
+            # Another process took a port picked for us between the pick and the bind: pick again.
+            self.port = _free_port()
+            if "cluster-port" in self.extra:
+                self.extra["cluster-port"] = str(_free_port())
+        raise RuntimeError(f"redis-server found its ports taken {PORT_TRIES} times; see {self.dir}/redis.log")
+
+    def _launch(self, timeout: float) -> bool:
+        """Start the process and wait until it answers PING; False when it could not bind a port
+        picked for it (and may pick another)."""
+        log = self.dir / "redis.log"
+        if self._may_repick:
+            log.unlink(missing_ok=True)  # only a failed try of this start wrote it
         self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log"
-                )
+                if self._may_repick and "Address already in use" in _read(log):
+                    self.proc = None
+                    return False
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {log}")
             if self._ping():
-                return self
+                return True
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"redis-server did not answer within {timeout} s")
