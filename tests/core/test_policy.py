@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -10,6 +11,7 @@ import pytest
 from sluice.core.admission import Bounds, QueueLimits, QueueView, Refused
 from sluice.core.capacity import DrainRate
 from sluice.core.policy import (
+    LEARNING_BATCHES,
     POLICIES,
     Candidate,
     CapPolicy,
@@ -17,6 +19,7 @@ from sluice.core.policy import (
     DeadlinePolicy,
     FifoPolicy,
     PolicyState,
+    learning,
     make_policy,
 )
 from tests.helpers import FakeClock
@@ -24,10 +27,13 @@ from tests.helpers import FakeClock
 COST = 100
 
 
-def drain(per_slot: float = 100.0, slots: int = 4) -> DrainRate:
-    """A measured drain: ``per_slot`` cost units per second per slot (one job of COST = 1 s)."""
+def drain(per_slot: float = 100.0, slots: int = 4, *, learnt: bool = True) -> DrainRate:
+    """A measured drain: ``per_slot`` cost units per second per slot (one job of COST = 1 s);
+    ``learnt``: counted as having seen its first batches finish (``policy.learning`` is false)."""
     d = DrainRate(slots=slots)
     d.observe(int(per_slot), 1.0)
+    if learnt:
+        d.samples = LEARNING_BATCHES * slots
     return d
 
 
@@ -143,6 +149,27 @@ def test_codel_steep_rise_is_standing_after_the_interval() -> None:
         jobs += 6  # 1.5 s of delay per 0.25 s: a burst
     assert s.standing_since == pytest.approx(2.5)
     assert s.limit_s > 10  # the burst keeps the deep queue it built
+
+
+def test_codel_steep_rise_while_the_rate_is_learning_is_held_to_the_target() -> None:
+    """Before the rate has seen two batches finish, the delay's rise is partly the rate's own
+    learning: the same steep rise is standing after ``early_s``, held to the target as it is
+    then (a limit with no excess over it), not kept as a burst's queue."""
+    p, s = CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=2.0), PolicyState()
+    young = drain(learnt=False)
+    assert learning(young) and not learning(drain())
+    t, jobs = 0.0, 4
+    while s.standing_since is None:
+        with contextlib.suppress(Refused):
+            p.admit(candidate(t, jobs=jobs, deadline=600, d=young), s)
+        t += 0.25
+        jobs += 6
+    assert s.standing_since == pytest.approx(0.5)  # above from the start, early_s later (learnt: 2.5)
+    assert s.limit_s == 0.0
+    assert p.delay_limit(s, 5.0, 0.5) == pytest.approx(0.5)  # the target, whatever it is then
+    with pytest.raises(Refused) as e:
+        p.admit(candidate(1.0, jobs=4, d=young), s)
+    assert e.value.code == "queue_full"
 
 
 def test_codel_stays_standing_through_a_lull_and_recovers_after_a_half_life() -> None:

@@ -46,7 +46,15 @@ from sluice.core.admission import (
     reserve,
 )
 from sluice.core.capacity import DrainRate
-from sluice.core.policy import POLICIES, Candidate, CoDelPolicy, PolicyState, QueuePolicy, make_policy
+from sluice.core.policy import (
+    POLICIES,
+    Candidate,
+    CoDelPolicy,
+    PolicyState,
+    QueuePolicy,
+    learning,
+    make_policy,
+)
 
 #: How answers end: at max_tokens; at an end-of-sequence drawn with a constant chance per token
 #: (geometric: many short answers, some at the limit); or long-tailed (lognormal, like chat traffic).
@@ -538,7 +546,13 @@ class _AdaptiveLifo(QueuePolicy):
 
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
         if self.codel is not self.inner:
-            self.codel.observe(state, c.drain.wait_s(c.view.model_tokens), c.now, self.codel.target(c))
+            self.codel.observe(
+                state,
+                c.drain.wait_s(c.view.model_tokens),
+                c.now,
+                self.codel.target(c),
+                learning=learning(c.drain),
+            )
         return self.inner.admit(c, state)
 
     def lifo(self, state: PolicyState, now: float) -> bool:

@@ -192,6 +192,18 @@ class DeadlinePolicy(QueuePolicy):
         return _deadline(c, check_bounds(c.cost, c.priority, c.view, c.limits, c.drain))
 
 
+#: Batches of jobs (the model's slots' worth each) the drain rate must have seen finish before
+#: codel tells a burst from a standing overload by how fast the delay rises (:func:`learning`).
+LEARNING_BATCHES = 2
+
+
+def learning(drain: DrainRate) -> bool:
+    """Whether the drain rate has seen fewer than :data:`LEARNING_BATCHES` batches of jobs finish:
+    its first finishers are the short answers of a light batch, so it starts high and falls as it
+    learns, and a delay read at it rises faster than the queue does."""
+    return drain.samples < LEARNING_BATCHES * max(drain.slots, 1)
+
+
 @dataclass(frozen=True)
 class CoDelPolicy(QueuePolicy):
     """Deadline admission, plus a limit on the queueing delay once the queue is standing.
@@ -229,9 +241,12 @@ class CoDelPolicy(QueuePolicy):
         """The target for this job's queue: ``target_s``, or one job's drain time if that is longer."""
         return max(self.target_s, c.drain.wait_s(c.cost))
 
-    def observe(self, state: PolicyState, delay_s: float, now: float, target: float) -> None:
+    def observe(
+        self, state: PolicyState, delay_s: float, now: float, target: float, *, learning: bool = False
+    ) -> None:
         """Update the state with the queue's current delay (the wait of a job joining its tail);
-        ``target`` is :meth:`target` for the job at hand."""
+        ``target`` is :meth:`target` for the job at hand. ``learning``: the drain rate has seen
+        fewer than :data:`LEARNING_BATCHES` batches of jobs finish (:func:`learning`)."""
         if delay_s <= target:
             state.above_since = None
             # The delay limit itself keeps a standing queue near the target, and a lull of a few
@@ -245,10 +260,16 @@ class CoDelPolicy(QueuePolicy):
         if state.standing_since is not None:
             return
         above = now - state.above_since
-        if above >= self.early_s and delay_s - target < self.burst_rise * above:
+        if above >= self.early_s and (learning or delay_s - target < self.burst_rise * above):
             # A mild overload will not drain by itself, and the queue it built is only latency:
-            # hold it to the target at once.
-            state.standing_since, state.limit_s = now, target
+            # hold it to the target at once. While the rate is still learning (its first batches:
+            # short answers finish first, and the slowdown of a full batch is not yet drawn) the
+            # delay rises as the rate falls, not only as the queue grows, and a standing
+            # overload's onset looked like a burst (docs/benchmarks/policies.md). Held then to
+            # the target as it will be (a limit of 0 has no excess over it), not to the target at
+            # the rate not yet learnt: that one, a job's cost over the prior rate, can be seconds,
+            # and would decay over a half-life.
+            state.standing_since, state.limit_s = now, 0.0 if learning else target
         elif above >= self.interval_s:
             # A burst keeps the queue it built; the limit decays from there with the half-life.
             state.standing_since, state.limit_s = now, delay_s
@@ -267,7 +288,7 @@ class CoDelPolicy(QueuePolicy):
         target = self.target(c)
         # The queue's delay is what a job at its tail waits for: jobs held back by their tenant's
         # concurrency cap are not in it.
-        self.observe(state, c.drain.wait_s(c.view.tail_tokens), c.now, target)
+        self.observe(state, c.drain.wait_s(c.view.tail_tokens), c.now, target, learning=learning(c.drain))
         wait = c.drain.wait_s(c.view.ahead_tokens)
         limit = self.delay_limit(state, c.now, target)
         if wait > limit:

@@ -15,8 +15,11 @@ local function policy_state(st)
 end
 
 -- CoDelPolicy.observe; p = { target_s, interval_s, early_s, burst_rise, half_life_s }; target is
--- CoDelPolicy.target (target_s, or one job's drain time if longer).
-local function codel_observe(st, p, target, delay, now, now_s)
+-- CoDelPolicy.target (target_s, or one job's drain time if longer); learning, policy.learning (the
+-- drain rate has seen fewer than LEARNING_BATCHES batches of jobs finish: a queue above the
+-- target for early_s is held to it, since the delay's rise is partly the rate's own learning).
+local LEARNING_BATCHES = 2
+local function codel_observe(st, p, target, delay, now, now_s, learning)
   local interval, early, rise, half_life = p[2], p[3], p[4], p[5]
   local above_since, standing_since = st_num(st, 'pa', nil), st_num(st, 'ps', nil)
   if delay <= target then
@@ -33,9 +36,9 @@ local function codel_observe(st, p, target, delay, now, now_s)
   end
   if standing_since then return end
   local above = now - above_since
-  if above >= early and delay - target < rise * above then -- a mild overload: held to the target
+  if above >= early and (learning or delay - target < rise * above) then -- mild: held to the target
     st_set(st, 'ps', now_s)
-    st_set(st, 'pl', num(target))
+    if learning then st_set(st, 'pl', num(0)) else st_set(st, 'pl', num(target)) end
   elseif above >= interval then -- a burst keeps the queue it built
     st_set(st, 'ps', now_s)
     st_set(st, 'pl', num(delay))
@@ -62,7 +65,8 @@ end
 -- queue's tail; wait, the job's own; wait_one, one job's drain time; service, its own generation;
 -- promised, that generation at the pace admission promises (DrainRate.slow_service_s); alone, at
 -- the pace of a job with nothing ahead (what never fitting is judged by); budget,
--- the time to its deadline; measured, whether the drain rate is; rate, the drain rate;
+-- the time to its deadline; measured, whether the drain rate is; samples, its finished jobs;
+-- rate, the drain rate;
 -- promise_rate, the rate a wait is promised at (DrainRate.promise_rate);
 -- ahead_tokens; running, model_jobs, model_tokens and slots (cap and fifo); R the Retry-After bounds.
 local function policy_refuses(st, kind, p, now, now_s, q)
@@ -80,7 +84,9 @@ local function policy_refuses(st, kind, p, now, now_s, q)
     return nil
   elseif kind == 4 then -- CoDelPolicy
     local target = math.max(p[1], q.wait_one)
-    codel_observe(st, p, target, q.wait_model, now, now_s)
+    -- q.samples: the drain rate's finished jobs (absent: taken as learnt, the rule before it)
+    local learning = q.samples ~= nil and q.samples < LEARNING_BATCHES * math.max(q.slots, 1)
+    codel_observe(st, p, target, q.wait_model, now, now_s, learning)
     local limit = codel_limit(st, p, target, now)
     if limit and q.wait > limit then
       st_set(st, 'pr', now_s)
