@@ -139,6 +139,44 @@ def test_a_storm_of_preemptions_cuts_the_limit_to_what_runs_and_its_lookahead() 
     assert limiter.snapshot()["reason"] == "preemption"
 
 
+def _full_cache_growth(limiter: ConcurrencyLimit, clock: Clock, seconds: int) -> list[int]:
+    """The limit on each of ``seconds`` polls of an engine that runs all it is sent, its cache
+    full and nothing waiting: the limit binds and nothing says "fewer"."""
+    limits = []
+    for _ in range(seconds):
+        clock.advance(1)
+        limiter.on_engine_load(_load(limiter.limit, kv=0.99, preemptions=13))
+        limits.append(limiter.limit)
+    return limits
+
+
+def test_after_the_cache_shrank_a_full_cache_grows_one_at_a_time() -> None:
+    """A storm of preemptions (the cache shrank) cuts to what runs; a full cache that then
+    takes all it is sent grows one at a time for ``memory_s``, not by sqrt(n)/2: the cache holds
+    about what the storm left it, and a larger step overshot it (b64kv, cache halved, seed 8)."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=40, memory_s=60.0)
+    limiter.on_engine_load(_load(36, kv=0.99, preemptions=0))
+    clock.advance(1)
+    limiter.on_engine_load(_load(16, waiting=20, kv=0.99, preemptions=13))
+    assert limiter.limit == 19  # 16 and its lookahead
+    limits = _full_cache_growth(limiter, clock, 4)
+    assert limits == [19, 20, 21, 22]  # growth waits 2 s after the cut, then one a second
+    clock.advance(60)
+    limiter.on_engine_load(_load(limiter.limit, waiting=0, kv=0.5, preemptions=13))
+    before = limiter.limit
+    grown = _full_cache_growth(limiter, clock, 1)[0]
+    assert grown - before >= 2  # a minute later, the usual additive step again
+
+
+def test_a_full_cache_that_did_not_shrink_grows_by_the_usual_step() -> None:
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=19)
+    limiter.on_engine_load(_load(19, kv=0.99, preemptions=13))
+    limiter.phase = LimitPhase.STEADY  # past slow start, as the storm's cut left the other
+    assert _full_cache_growth(limiter, clock, 1) == [19 + math.floor(math.sqrt(19) / 2)]
+
+
 def test_a_kv_bound_engine_is_not_cut_to_a_passing_dip() -> None:
     """A full cache with a queue, while a mix of long answers holds fewer sequences for a poll
     or two: the limit stays at the most that ran lately (and its lookahead), not at the dip."""

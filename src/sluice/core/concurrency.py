@@ -253,6 +253,7 @@ class ConcurrencyLimit:
         self._min_queued_inflight: int | None = None
         self._last_ttft_cut = -math.inf
         self._last_probe = -math.inf
+        self._last_storm = -math.inf  # when preemptions last said the KV cache shrank
         self._first_tokens = False  # on_first_token is called: TTFTs come from it
         self._verified = 0  # the most in flight at which a stream started without waiting
         self._verified_since_change = 0  # the same, since the limit last changed
@@ -384,6 +385,8 @@ class ConcurrencyLimit:
         # Preemptions are the KV cache used to the full, which a KV-bound engine should be; only
         # a storm of them (PREEMPTION_STORM of the batch between two polls) is too much.
         storm = preempted and delta_preempted > max(1.0, PREEMPTION_STORM * running)
+        if storm:
+            self._last_storm = now
         if (queued or storm) and kv_bound and running > 0:
             # The KV cache bounds the engine, and how many sequences it holds moves with their
             # lengths (running dips while preempted ones wait to be readmitted): the limit follows
@@ -503,6 +506,17 @@ class ConcurrencyLimit:
             reason = "slow start"
         else:
             target = current + max(1.0, math.sqrt(current) / 2)
+            if (
+                now - self._last_storm < self._memory_s
+                and self._load is not None
+                and (self._load.kv_usage or 0) >= KV_HOLD
+            ):
+                # The cache shrank lately (a storm) and is full: it holds about what the storm
+                # left it, give or take its lengths, so it grows one at a time, as past a known
+                # capacity. Steps of sqrt(n)/2 on two polls with nothing waiting overshot what it
+                # holds, and the 10-s peak of what it ran then held the limit there for tens of
+                # seconds (b64kv, cache halved, seed 8: 22 -> 26 at 73 s, back to 22 at 101 s).
+                target = current + 1.0
             if self._known_capacity is not None:
                 target = min(target, float(self._known_capacity))
             reason = "additive increase"
