@@ -55,3 +55,24 @@ def test_a_burst_on_a_kv_short_engine_keeps_every_promise(monkeypatch: pytest.Mo
                 assert r.broken > 5 and set(r.causes) == {"wait, promised above a full batch's rate"}, (
                     r.causes
                 )
+
+
+def test_the_capacity_on_a_runs_own_jobs_is_measured_on_those_jobs() -> None:
+    """A standing overload's 60-s run serves a sample of the engine's answers; fed back to the
+    saturated engine, those jobs give its capacity on them: answers twice as long halve it, and the
+    run's goodput, against its own jobs' capacity, is at the engine's capacity (seed 3 of the family:
+    every slot busy the whole run, the served answers some percent longer than the engine's mean)."""
+    engine = draw_engine(3)
+    answers_s = saturated(engine)[0]
+    steady = loads(answers_s)["steady 1.8x"]
+    r = run(CoDelPolicy(), steady, 3, engine=engine, retriers=0.1)  # as the model runs it
+    assert len(r.served) > 1000 and all(prompt > 0 and answer > 0 for prompt, answer in r.served)
+    on_own = saturated(engine, jobs=r.served)[0]
+    assert on_own < answers_s  # the served answers run longer than the engine's draws
+    assert r.goodput_steady / on_own > 0.98 > r.goodput_steady / answers_s, (
+        r.goodput_steady,
+        on_own,
+        answers_s,
+    )
+    doubled = saturated(engine, jobs=[(p, 2 * a) for p, a in r.served])[0]
+    assert 0.4 * on_own < doubled < 0.6 * on_own
