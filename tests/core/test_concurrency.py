@@ -321,6 +321,40 @@ def test_blind_the_capacity_is_forgotten_only_by_a_stream_that_started_at_once(
         assert limiter.snapshot()["known_capacity"] == 7 and limiter.limit == 10
 
 
+def test_blind_a_cut_put_off_does_not_make_the_limit_a_probe_past_the_capacity() -> None:
+    """Blind, first tokens that waited just after a probe set a capacity under the limit, while
+    the cut waits out the interval; the limit there is no probe two past that capacity, so a
+    stream at it that started at once does not forget it (b64kv, step change, seed 7: the
+    capacity was forgotten so near the end of the phase and growth went 40 -> 49)."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=44, interval_s=1.0, reprobe_s=5.0)
+    limiter.on_first_token(1, 0.05)  # the baseline
+    clock.now = 0.5
+    limiter.on_first_token(39, 1.0)
+    clock.now = 1.0
+    limiter.on_first_token(39, 1.0)
+    limiter.on_first_token(39, 1.0)
+    assert limiter.limit == 38 and limiter.snapshot()["known_capacity"] == 38
+    clock.now = 5.5
+    limiter.on_first_token(38, 0.05)
+    clock.now = 6.0
+    limiter.on_dispatch(38)
+    limiter.on_first_token(38, 0.05)
+    assert limiter.limit == 39 and limiter.snapshot()["reason"] == "probe"
+    clock.now = 6.4
+    for _ in range(3):
+        limiter.on_first_token(38, 1.0)  # sent before the probe; they waited
+    clock.now = 6.5
+    limiter.on_first_token(38, 1.0)
+    # The capacity is 37 now; the cut to it waits for the interval after the probe.
+    assert limiter.limit == 39 and limiter.snapshot()["known_capacity"] == 37
+    clock.now = 11.5
+    limiter.on_dispatch(39)
+    limiter.on_first_token(39, 0.05)  # the limit's own stream started at once
+    assert limiter.limit == 40  # one probe
+    assert limiter.snapshot()["known_capacity"] == 37
+
+
 def test_a_kv_bound_engine_keeps_a_lookahead_waiting() -> None:
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=64)

@@ -254,6 +254,8 @@ class ConcurrencyLimit:
         self._last_ttft_cut = -math.inf
         self._last_probe = -math.inf
         self._last_storm = -math.inf  # when preemptions last said the KV cache shrank
+        # The limit when TTFT last set the known capacity (blind): a cut put off leaves it above.
+        self._limit_at_capacity = 0
         self._first_tokens = False  # on_first_token is called: TTFTs come from it
         self._verified = 0  # the most in flight at which a stream started without waiting
         self._verified_since_change = 0  # the same, since the limit last changed
@@ -492,7 +494,10 @@ class ConcurrencyLimit:
                 ran_more = self._peak_running > self._known_capacity
             else:
                 # Two past it: one stream that started at once may have met a sequence ending.
-                ran_more = self._started_at_once_since_change >= current >= self._known_capacity + 2
+                # Counted from the limit the capacity was found at, where that is higher (a cut
+                # put off, as a nudge or within the interval): the limit there is no probe.
+                past = max(self._known_capacity, self._limit_at_capacity)
+                ran_more = self._started_at_once_since_change >= current >= past + 2
             if self._reason == "probe" and ran_more:
                 self._known_capacity = None
             reason = "probe"
@@ -574,9 +579,11 @@ class ConcurrencyLimit:
                 # the limit ratchets down. (Cuts in a row, with no probe between, are the engine
                 # holding fewer: they go at the interval's pace.)
                 self._last_congestion = now
+                self._limit_at_capacity = self.limit
                 return
             self._last_ttft_cut = now
             self._decrease(target, "ttft queueing", now)
+            self._limit_at_capacity = self.limit
 
     def _set(self, value: float, reason: str, now: float) -> None:
         self._value = float(self._clamp(value)) if value >= self.floor else float(self.floor)
