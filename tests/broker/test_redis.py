@@ -754,6 +754,21 @@ async def test_a_pipelined_transaction_runs_whole_and_alone(broker: RedisBroker)
     assert await batch.call(("ZRANGE", key, 0, -1)) == ["a", "c"]
 
 
+async def test_a_model_queue_state_is_kept_a_hashtable(broker: RedisBroker, clock: FakeClock) -> None:
+    """admit.lua stores one value longer than hash-max-listpack-value in the model's state hash, so
+    that Redis keeps it a hashtable: as a listpack every field read scans the whole hash, and each
+    cycle reads some 40 of its fields. The value outlives the queue's work, and costs no decision."""
+    raw = broker._redis
+    state = broker.keys.state("m")
+    job = make_job(clock, model="m")
+    await broker.admit(job)
+    assert await raw.object("encoding", state) == "hashtable"
+    assert len(await raw.hget(state, "ht")) > 64
+    assert await broker.claim("w", ["m"], timeout=1.0) is not None
+    await broker.finish(job.id, "w", JobState.SUCCEEDED, result={})
+    assert await raw.object("encoding", state) == "hashtable"
+
+
 @pytest.mark.parametrize(
     "fit",
     [

@@ -73,7 +73,8 @@ class QueueKeys:
         """Hash: a model's queue state, read and written in one call by the scripts. Per class ``<c>``
         (escaped): ``j:<c>`` jobs, ``k:<c>`` tokens, ``c:<c>`` credit, ``v:<c>`` virtual time,
         ``s:<c>`` sequence; per class and tenant: ``t:<c>:<tenant>`` start tag and ``f:<c>:<tenant>``
-        finish tag. Mirrored in Lua."""
+        finish tag; per tenant list, ``w:<tq key>`` the cost queued in it; ``ht``, a long value that
+        keeps the hash in Redis's hashtable encoding (admit.lua says why). Mirrored in Lua."""
         return f"{self.prefix}qs:{part(model)}"
 
     def tenant(self, tenant: str) -> str:

@@ -43,10 +43,10 @@
 -- the memory broker's _view): the classes above, and in the job's class its tenant's jobs and
 -- those of other tenants that start before it (work_before); they and runnable_tokens leave out
 -- the jobs other tenants hold back by their concurrency caps (ClassScheduler.held_back).
--- victim_tokens is the cost of the newest job of the heaviest backlog of the class ('' for none):
--- when a bound is reached and evicting it makes room, that job ends as failed and this one is
--- queued (admission.check_bounds). next_free is the reservation book before this refusal ('' for
--- none): a queue's refusal reserves the capacity its Retry-After names (admission.reserve, in the
+-- victim_tokens is the cost of the newest job of the heaviest backlog of the class ('' for none,
+-- and when no bound is reached, as nothing then reads it): when a bound is reached and evicting
+-- it makes room, that job ends as failed and this one is queued (admission.check_bounds).
+-- next_free is the reservation book before this refusal ('' for none): a queue's refusal reserves the capacity its Retry-After names (admission.reserve, in the
 -- state hash's field 'rv'), so that the refusals of a burst get distinct times, spread over the
 -- capacity that frees; a refusal of the tenant's own limits reserves nothing. slow is how slow a
 -- job gets, per cost unit (DrainRate.slow): the deadline check promises a job its generation at
@@ -195,27 +195,60 @@ if tpm then
   end
 end
 
-local fields = class_fields(classes)
-fields[#fields + 1] = f_vtime(cls)
-fields[#fields + 1] = f_tag(cls, tenant)
-fields[#fields + 1] = f_finish(cls, tenant)
-fields[#fields + 1] = f_seq(cls)
-if policy_kind == 4 then -- only codel keeps state
-  for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
+-- The class's backlogged tenants other than this one, in heap order (stale entries too: their
+-- lists are empty), first: their fair-queue fields come in the same HMGET as the state's own.
+-- (Blocks of do ... end keep the main function under Lua's 200 local variables.)
+local others, others_tq = {}, {}
+local st
+do
+  -- the state hash's field that keeps it a hashtable (below), and its value, over 64 bytes
+  local F_ENCODING = 'ht'
+  local ENCODING_NOTE = 'a value over hash-max-listpack-value: this hash stays a hashtable (admit.lua)'
+  local seen = { [tenant] = true }
+  for _, member in ipairs(redis.call('ZRANGE', sched_k, 0, -1)) do
+    local other = string.sub(member, 16)
+    if not seen[other] then
+      seen[other] = true
+      others[#others + 1], others_tq[#others + 1] = other, tq_key(P, model, cls, other)
+    end
+  end
+  local fields = class_fields(classes)
+  fields[#fields + 1] = f_vtime(cls)
+  fields[#fields + 1] = f_tag(cls, tenant)
+  fields[#fields + 1] = f_finish(cls, tenant)
+  fields[#fields + 1] = f_seq(cls)
+  fields[#fields + 1] = f_work(tq_k)
+  fields[#fields + 1] = F_ENCODING
+  if policy_kind == 4 then -- only codel keeps state
+    for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
+  end
+  if #others <= 1000 then -- an HMGET of ~3,000 fields at most (Lua's unpack has a limit)
+    for i, other in ipairs(others) do
+      fields[#fields + 1] = f_work(others_tq[i])
+      fields[#fields + 1] = f_tag(cls, other)
+    end
+  end -- else they are read one by one as the loop meets them
+  st = st_open(state_k, fields)
+  -- A hash of a few dozen fields is a listpack to Redis, read by a scan of every field for each
+  -- field read (about 5.5 k instructions a field at 45 fields, against 2.5 k in a hashtable,
+  -- measured with callgrind); the scripts read and write some 40 fields of it per cycle. One
+  -- value longer than hash-max-listpack-value (64 bytes by default) makes it a hashtable for good.
+  if not st.v[F_ENCODING] then st_set(st, F_ENCODING, ENCODING_NOTE) end
 end
-local st = st_open(state_k, fields)
 local policy_before = { '', '', '', '' }
 if policy_kind == 4 then policy_before = policy_state(st) end
 
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
-local above = true
-for _, c in ipairs(classes) do
-  local j, k = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
-  model_jobs, model_tokens = model_jobs + j, model_tokens + k
-  if c == cls then
-    class_jobs, class_tokens, above = j, k, false
-  elseif above then
-    ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + k
+do
+  local above = true
+  for _, c in ipairs(classes) do
+    local j, k = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
+    model_jobs, model_tokens = model_jobs + j, model_tokens + k
+    if c == cls then
+      class_jobs, class_tokens, above = j, k, false
+    elseif above then
+      ahead_jobs, ahead_tokens = ahead_jobs + j, ahead_tokens + k
+    end
   end
 end
 
@@ -256,50 +289,50 @@ for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
   end
 end
 
--- scheduler.work_before: the jobs and tokens of a backlog (n jobs of w tokens, its head at tag,
--- of cost hc and weight hw) that start before a job whose start tag is `start`.
-local function work_before(n, w, tag, hc, hw, start)
-  if n == 0 or tag > start then return 0, 0 end
-  local span = w / hw
-  if n == 1 or tag + span <= start then return n, w end
-  local k = math.min(math.max(math.ceil((start - tag) * n / span - 1e-9), 1), n)
-  if k == n then return n, w end
-  return k, hc + math.floor((w - hc) * (k - 1) / (n - 1) + 0.5)
-end
-
--- Python's order of str: by code point, which is UTF-8's byte order (Lua's < follows the locale).
-local function name_after(a, b)
-  for i = 1, math.min(#a, #b) do
-    local x, y = string.byte(a, i), string.byte(b, i)
-    if x ~= y then return x > y end
-  end
-  return #a > #b
-end
-
--- The head job's cost and weight of a tenant list.
-local function head_of(tq)
-  local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, 0)), 'cost', 'weight')
-  return tonumber(h[1]), tonumber(h[2]) or 1.0
-end
-
 -- FairQueue.start_tag of this job, then every other backlog of its class (FairQueue.backlogs).
-local vtime = st_num(st, f_vtime(cls), 0)
-local own = redis.call('LLEN', tq_k)
-local start
-if own > 0 then
-  local _, hw = head_of(tq_k)
-  start = st_num(st, f_tag(cls, tenant), vtime) + st_num(st, f_work(tq_k), 0) / hw
-  ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + st_num(st, f_work(tq_k), 0)
-else
-  start = math.max(vtime, st_num(st, f_finish(cls, tenant), vtime))
-end
-local victim, victim_n, victim_w = nil, 0, 0
-local seen = { [tenant] = true }
-for _, member in ipairs(redis.call('ZRANGE', sched_k, 0, -1)) do
-  local other = string.sub(member, 16)
-  if not seen[other] then
-    seen[other] = true
-    local tq = tq_key(P, model, cls, other)
+-- own: the jobs of this job's tenant queued in its class; victim: the tenant of the heaviest other
+-- backlog, of victim_n jobs.
+local own, victim, victim_n = 0, nil, 0
+do
+  -- scheduler.work_before: the jobs and tokens of a backlog (n jobs of w tokens, its head at tag,
+  -- of cost hc and weight hw) that start before a job whose start tag is `start`.
+  local function work_before(n, w, tag, hc, hw, start)
+    if n == 0 or tag > start then return 0, 0 end
+    local span = w / hw
+    if n == 1 or tag + span <= start then return n, w end
+    local k = math.min(math.max(math.ceil((start - tag) * n / span - 1e-9), 1), n)
+    if k == n then return n, w end
+    return k, hc + math.floor((w - hc) * (k - 1) / (n - 1) + 0.5)
+  end
+
+  -- Python's order of str: by code point, which is UTF-8's byte order (Lua's < follows the locale).
+  local function name_after(a, b)
+    for i = 1, math.min(#a, #b) do
+      local x, y = string.byte(a, i), string.byte(b, i)
+      if x ~= y then return x > y end
+    end
+    return #a > #b
+  end
+
+  -- The head job's cost and weight of a tenant list.
+  local function head_of(tq)
+    local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, 0)), 'cost', 'weight')
+    return tonumber(h[1]), tonumber(h[2]) or 1.0
+  end
+
+  local vtime = st_num(st, f_vtime(cls), 0)
+  own = redis.call('LLEN', tq_k)
+  local start
+  if own > 0 then
+    local _, hw = head_of(tq_k)
+    start = st_num(st, f_tag(cls, tenant), vtime) + st_num(st, f_work(tq_k), 0) / hw
+    ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + st_num(st, f_work(tq_k), 0)
+  else
+    start = math.max(vtime, st_num(st, f_finish(cls, tenant), vtime))
+  end
+  local victim_w = 0
+  for i, other in ipairs(others) do
+    local tq = others_tq[i]
     local n = redis.call('LLEN', tq)
     if n > 0 then
       local w, tag = st_num(st, f_work(tq), 0), st_num(st, f_tag(cls, other), 0)
@@ -318,11 +351,6 @@ for _, member in ipairs(redis.call('ZRANGE', sched_k, 0, -1)) do
       end
     end
   end
-end
-local victim_id, victim_cost = nil, nil
-if victim and victim_n >= own + 2 then
-  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), -1)
-  victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
 end
 
 local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e', 'h:' .. model,
@@ -355,10 +383,14 @@ end
 
 -- admission.check_bounds: over a bound, the newest job of the heaviest backlog gives way if that
 -- makes room, else the job is refused, with the time the first excess takes to drain.
+-- The victim's job is read only over a bound (nothing else looks at it).
 local evict = false
 local excess = over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
 if excess <= 0 then excess = over(class_max_jobs, class_max_tokens, class_jobs, class_tokens) end
-if excess > 0 and victim_cost then
+local victim_id, victim_cost = nil, nil
+if excess > 0 and victim and victim_n >= own + 2 then
+  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), -1)
+  victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
   evict = over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost) <= 0
     and over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost) <= 0
 end
@@ -406,7 +438,8 @@ else
     running = running, model_jobs = model_jobs, model_tokens = model_tokens, slots = slots,
     wait = wait, wait_model = runnable_tokens / rate, wait_one = cost / rate, service = service,
     promised = promised, alone = alone,
-    budget = deadline - now, measured = samples > 0, rate = rate, ahead_tokens = ahead_tokens,
+    budget = deadline - now, measured = samples > 0, samples = samples, rate = rate,
+    ahead_tokens = ahead_tokens,
     promise_rate = promise_rate,
     R = retry_bounds,
   })
@@ -451,15 +484,17 @@ tenant_store(rl, rs, tl, ts)
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
 -- 'kb' names the buckets the job was charged to, which finish settles.
-local record = { 'state', 'queued', 'seq', 1,
-  'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}' }
-if limits_given then
-  table.insert(record, 'kb')
-  table.insert(record, bucket)
+do
+  local record = { 'state', 'queued', 'seq', 1,
+    'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}' }
+  if limits_given then
+    table.insert(record, 'kb')
+    table.insert(record, bucket)
+  end
+  for i = record_at, #ARGV do record[#record + 1] = ARGV[i] end
+  redis.call('HSET', job_k, unpack(record))
+  fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
 end
-for i = record_at, #ARGV do record[#record + 1] = ARGV[i] end
-redis.call('HSET', job_k, unpack(record))
-fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
 st_flush(st)
 redis.call('ZADD', deadline_k, deadline, id)
 if idem_ttl > 0 then
