@@ -1,0 +1,18 @@
+"""The memory broker packs an ended job's events with marshal, and with JSON what marshal cannot take."""
+
+import enum
+
+from sluice.broker.memory import _pack, _unpack
+
+
+class _Kind(enum.StrEnum):
+    A = "a"
+
+
+def test_packed_events_round_trip_and_fall_back_to_json() -> None:
+    plain = [["token", {"choices": [{"index": 0, "delta": {"content": "x"}}]}]]
+    assert isinstance(_pack(plain), bytes) and _unpack(_pack(plain)) == plain
+    # A str subclass (an enum member) is not marshal's: the events go as JSON text, read back plain.
+    odd = [["retry", {"reason": _Kind.A}]]
+    packed = _pack(odd)
+    assert isinstance(packed, str) and _unpack(packed) == [["retry", {"reason": "a"}]]
