@@ -93,18 +93,25 @@ class TokenChunks:
         return self._head + _dumps(rest)[1:]
 
 
-def _plain_encoder() -> Any:
-    """json.dumps' C encoder with its default options, made once (json.dumps makes one per call),
-    without the check for circular references: what it encodes was decoded from JSON (an engine's
-    chunk, a broker's event), which cannot refer to itself. None where json has no C encoder."""
+def _c_encoder(*, ascii: bool, item_sep: str, key_sep: str, allow_nan: bool) -> Any:
+    """json.dumps' C encoder with these options, made once (json.dumps makes one per call), without
+    the check for circular references: what it encodes was decoded from JSON (an engine's chunk, a
+    broker's event, a request body), which cannot refer to itself. None where json has no C
+    encoder, or one that takes other arguments (``c_make_encoder`` is CPython's private API): the
+    callers then use json.dumps itself."""
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return None
     default = json.JSONEncoder().default  # raises json.dumps' TypeError for what is not JSON
-    return make(None, default, json.encoder.encode_basestring_ascii, None, ": ", ", ", False, False, True)
+    strings = json.encoder.encode_basestring_ascii if ascii else json.encoder.encode_basestring
+    try:
+        return make(None, default, strings, None, key_sep, item_sep, False, False, allow_nan)
+    except TypeError:
+        return None
 
 
-_PLAIN = _plain_encoder()
+#: json.dumps with its default options (the token chunks a client is sent)
+_PLAIN = _c_encoder(ascii=True, item_sep=", ", key_sep=": ", allow_nan=True)
 
 
 def _dumps(value: dict[str, Any]) -> str:
@@ -114,18 +121,9 @@ def _dumps(value: dict[str, Any]) -> str:
     return "".join(_PLAIN(value, 0))
 
 
-def _compact_encoder() -> Any:
-    """The C encoder of ``json.dumps(value, ensure_ascii=False, separators=(",", ":"),
-    allow_nan=False)``, made once, without the check for circular references (what it encodes was
-    decoded from JSON: a request body, an assembled answer). None where json has no C encoder."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return None
-    default = json.JSONEncoder().default  # raises json.dumps' TypeError for what is not JSON
-    return make(None, default, json.encoder.encode_basestring, None, ":", ",", False, False, False)
-
-
-_COMPACT = _compact_encoder()
+#: json.dumps(ensure_ascii=False, separators=(",", ":"), allow_nan=False): the engine request's
+#: body and a whole answer, as starlette's JSONResponse renders one
+_COMPACT = _c_encoder(ascii=False, item_sep=",", key_sep=":", allow_nan=False)
 
 
 def compact_json(value: dict[str, Any]) -> bytes:

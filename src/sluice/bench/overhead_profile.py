@@ -30,15 +30,19 @@ def py_spy(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
     try:
         yield
     finally:
-        try:
-            _, err = proc.communicate(timeout=seconds + 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            print(
-                f"py-spy failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}", file=sys.stderr
-            )
+        _wait_tool(proc, seconds, "py-spy")
+
+
+def _wait_tool(proc: subprocess.Popen[bytes], seconds: float, name: str) -> None:
+    """Wait for a recording tool that runs ``seconds`` (killed 30 s past them), and say on stderr
+    if it failed: a run goes on without its recording rather than stopping."""
+    try:
+        _, err = proc.communicate(timeout=seconds + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if proc.returncode != 0:
+        print(f"{name} failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}", file=sys.stderr)
 
 
 #: The system calls ``perf_syscalls`` counts: those a gateway writes and reads its sockets with.
@@ -65,13 +69,7 @@ def perf_syscalls(pid: int, seconds: float, path: Path | None) -> Iterator[None]
     try:
         yield
     finally:
-        try:
-            _, err = proc.communicate(timeout=seconds + 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            print(f"perf failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}", file=sys.stderr)
+        _wait_tool(proc, seconds, "perf")
 
 
 def syscall_counts(path: Path) -> dict[str, int]:
