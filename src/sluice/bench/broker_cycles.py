@@ -20,6 +20,7 @@ Needs ``redis-server`` on the PATH (or at ``$SLUICE_TEST_REDIS_SERVER``), and RQ
 
 Usage: python -m sluice.bench.broker_cycles [--jobs 20000] [--admitters 1] [--claimers 2] [--concurrency 32]
        python -m sluice.bench.broker_cycles --instructions [--side redis|client|both] [--ops 1000]
+       python -m sluice.bench.broker_cycles --instructions --lua-costs
 """
 
 from __future__ import annotations
@@ -541,6 +542,11 @@ def main() -> int:
     )
     parser.add_argument("--ops", type=int, default=1000, help="operations per phase with --instructions")
     parser.add_argument("--keep", type=Path, help="with --instructions: copy the callgrind dumps here")
+    parser.add_argument(
+        "--lua-costs",
+        action="store_true",
+        help="with --instructions: what pieces of a script cost in redis-server, by the state's encoding",
+    )
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
     parser.add_argument("--_folder", help=argparse.SUPPRESS)
@@ -604,7 +610,93 @@ def main() -> int:
     return 0
 
 
+# --- what the pieces of a script cost (callgrind) --------------------------------------------------
+#
+# Each snippet runs N times by EVALSHA on a queue state shaped like the benchmark's (8 tenants of
+# 125 jobs, a state hash of 45 fields with names under 64 bytes), once with the state hash a
+# listpack and once a hashtable; printed: instructions per EVALSHA over an empty script's.
+
+_LUA_TENANTS = 8
+_LUA_SNIPPETS: dict[str, str] = {
+    "empty script": "return 0",
+    "LLEN of a tenant list, x8": "for i = 1, 8 do redis.call('LLEN', KEYS[i]) end",
+    "LINDEX 0 of a tenant list, x8": "for i = 1, 8 do redis.call('LINDEX', KEYS[i], 0) end",
+    "HGET of a state field, x8": "for i = 1, 8 do redis.call('HGET', KEYS[9], ARGV[i]) end",
+    "HMGET of 24 state fields, x1": "redis.call('HMGET', KEYS[9], unpack(ARGV, 1, 24))",
+    "HMGET of a job's cost and weight, x8": (
+        "for i = 1, 8 do redis.call('HMGET', ARGV[24 + i], 'cost', 'weight') end"
+    ),
+    "a .. b of two strings, x24": "local t = {} for i = 1, 24 do t[i] = 'w:' .. KEYS[1 + i % 8] end",
+    "tonumber of a 17-digit number, x8": "for i = 1, 8 do tonumber('123.45678901234567') end",
+    "string.match of 3 numbers and tonumber, x8": (
+        "for i = 1, 8 do local a, b, c = string.match('125 28 1', '^(%d+) (%S+) (%S+)$')"
+        " tonumber(a) tonumber(b) tonumber(c) end"
+    ),
+    "cmsgpack.unpack of 4 values, x8": (
+        "local h = cmsgpack.pack(125, 28, 1, 'id') for i = 1, 8 do cmsgpack.unpack(h) end"
+    ),
+}
+
+
+def lua_costs(calls: int = 300) -> dict[str, dict[str, float]]:
+    """Instructions per EVALSHA of each snippet over the empty script's, by the state's encoding."""
+    from redis import Redis
+
+    prefix = "sluice:"
+    lists = [f"{prefix}tq:{MODEL}:normal:{t}" for t in TENANTS[:_LUA_TENANTS]]
+    state = f"{prefix}qs:{MODEL}"
+    # the state hash: the fields of three classes, codel's, and per tenant its tags and work
+    classes = ("high", "normal", "low")
+    fields: dict[Any, Any] = {f"{f}:{c}": "12345.678901234567" for c in classes for f in "jkcv"}
+    fields |= {f"s:{c}": "1234" for c in classes}
+    fields |= {f: "1764620000.1234567" for f in ("pa", "ps", "pl", "pr", "rv")}
+    # a head job's record: its cost and weight, and 18 more fields of a record's size
+    job_fields: dict[Any, Any] = {"cost": 28, "weight": "1.0"}
+    job_fields |= {f"x{k}": "v" * 20 for k in range(18)}
+    for tq, tenant in zip(lists, TENANTS, strict=False):
+        fields |= {f"t:normal:{tenant}": "123.45678901234567", f"f:normal:{tenant}": "123.4567890123456"}
+        fields[f"w:{tq}"] = "3500"
+    names = [f"w:{tq}" for tq in lists] + [f"t:normal:{t}" for t in TENANTS[:_LUA_TENANTS]]
+    names += [f"f:normal:{t}" for t in TENANTS[:_LUA_TENANTS]]
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="sluice-callgrind-") as tmp:
+        folder = Path(tmp)
+        with callgrind_redis(True, folder) as (url, pid):
+            r = Redis.from_url(url)
+            counter = Counter(pid, folder)
+            for encoding in ("listpack", "hashtable"):
+                r.flushall()
+                heads: list[str] = []
+                for i, tq in enumerate(lists):
+                    ids = [f"job-{i}-{j:03d}" for j in range(125)]
+                    r.rpush(tq, *ids)
+                    heads.append(f"{prefix}job:{ids[0]}")
+                    r.hset(heads[-1], mapping=job_fields)
+                r.hset(state, mapping=fields)
+                if encoding == "hashtable":
+                    r.hset(state, "ht", "x" * 65)  # a value over hash-max-listpack-value
+                assert r.object("encoding", state).decode() == encoding
+                keys, argv = [*lists, state], [*names[:24], *heads]
+                for name, body in _LUA_SNIPPETS.items():
+                    sha = r.script_load(body)
+                    r.evalsha(sha, len(keys), *keys, *argv)
+                    totals: dict[str, int] = {}
+                    with counter.phase(totals, name):
+                        for _ in range(calls):
+                            r.evalsha(sha, len(keys), *keys, *argv)
+                    out.setdefault(name, {})[encoding] = totals[name] / calls
+    empty = out.pop("empty script")
+    return {name: {e: v - empty[e] for e, v in by.items()} for name, by in out.items()}
+
+
 def instructions_main(args: argparse.Namespace) -> int:
+    if args.lua_costs:
+        costs = lua_costs()
+        print("| snippet | state hash a listpack | a hashtable |")
+        print("|---|---:|---:|")
+        for name, by in costs.items():
+            print(f"| {name} | {by['listpack']:,.0f} | {by['hashtable']:,.0f} |")
+        return 0
     if args._child:  # the client side, run under callgrind by count_instructions
         totals = asyncio.run(_count_phases(args._child, args.ops, Counter(os.getpid(), Path(args._folder))))
         Path(args._out).write_text("".join(f"{name} {v}\n" for name, v in totals.items()))
