@@ -21,7 +21,8 @@ Signals, strongest first:
    waiting (llm-d's lookahead buffer: the engine admits them as sequences end, and the cache
    stays full), with no known capacity (growth is held back while the full cache has a queue).
    A few preemptions are a full cache; a storm (:data:`PREEMPTION_STORM` of the batch between
-   two polls) says it holds fewer now: what runs, plus the lookahead. An engine that says how
+   two polls) says it holds fewer now: what runs, plus the lookahead (and for ``memory_s`` after
+   it a full cache grows one at a time: it holds about what the storm left). An engine that says how
    many it can run at all (llama-server's slots) is never sent more.
 2. **Time per output token** against its objective, where one is set: above it, the limit drops
    by the gradient ``objective / tpot`` (bounded to halve at most, as in Netflix's Gradient2), or
@@ -576,8 +577,9 @@ class ConcurrencyLimit:
                 # A nudge of a request or two, soon after the last, while probes go on between
                 # the cuts: the engine's capacity moving with its sequences' lengths (a KV-bound
                 # engine), which probes follow up only one each ``reprobe_s``; cut as slowly, or
-                # the limit ratchets down. (Cuts in a row, with no probe between, are the engine
-                # holding fewer: they go at the interval's pace.)
+                # the limit ratchets down. (Cuts with no probe in 2 x ``reprobe_s`` are the
+                # engine holding fewer: they go at the interval's pace. The probe need not come
+                # between the cuts: asking that lost up to 3.6 % of the answers blind on b64kv.)
                 self._last_congestion = now
                 self._limit_at_capacity = self.limit
                 return
