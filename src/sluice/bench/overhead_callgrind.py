@@ -1,0 +1,166 @@
+"""Instructions per request of ``sluice serve`` under valgrind's callgrind: a count that does not
+move with the machine's other load, unlike CPU time on a shared machine.
+
+Starts the simulator (256 slots, 10-ms steps: however slow valgrind makes the gateway, each token
+arrives on its own) and ``sluice serve`` in front of it under ``valgrind --tool=callgrind``, sends
+10 warm-up requests of each kind, then measures, one request at a time: an idle gateway over 10 s
+(its upkeep ticks and engine polls, in instructions a second), then ``--requests`` short
+non-streaming chat requests, streamed ones of 8 tokens and of 64 tokens. The counters are zeroed
+(``callgrind_control -z``) before each group and dumped (``-d``) 1.5 s after its last request (the
+memory broker's upkeep packs the group's events inside its count); the idle rate times the group's
+wall time is subtracted. Two trees compare by running this on each at the same time, through
+``PYTHONPATH``.
+
+Usage: python -m sluice.bench.overhead_callgrind OUTDIR [--requests 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sluice.bench.cli import free_port
+
+ENGINE = ["--max-num-seqs", "256", "--base-step-ms", "10", "--per-seq-ms", "0", "--prefill-ms-per-token", "0"]
+#: (group, max_tokens, stream)
+GROUPS = (("short", 8, False), ("stream8", 8, True), ("stream64", 64, True))
+IDLE_S = 10.0
+
+
+def _body(tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "sim", "messages": [{"role": "user", "content": "hello"}]}
+    body["max_tokens"] = tokens
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, tokens: int, stream: bool) -> None:
+    if stream:
+        async with client.stream("POST", url + "/v1/chat/completions", json=_body(tokens, True)) as r:
+            async for _ in r.aiter_bytes():
+                pass
+        return
+    r = await client.post(url + "/v1/chat/completions", json=_body(tokens, False))
+    assert r.status_code == 200, r.text
+
+
+def _total_instructions(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no total in {path}")
+
+
+class Counted:
+    """The gateway under callgrind: zero its counters, dump them, read the dump's total."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+
+    def _control(self, flag: str) -> None:
+        subprocess.run(["callgrind_control", flag, str(self.pid)], capture_output=True, check=True)
+
+    async def zero(self) -> None:
+        await asyncio.to_thread(self._control, "-z")
+
+    async def dump(self, name: str) -> int:
+        before = set(self.out.glob("cg.*"))
+        await asyncio.to_thread(self._control, "-d")
+        for _ in range(200):
+            new = set(self.out.glob("cg.*")) - before
+            if new:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError("callgrind wrote no dump")
+        await asyncio.sleep(0.5)  # written whole
+        path = sorted(new)[-1]
+        target = self.out / f"{name}.cg"
+        path.rename(target)
+        return _total_instructions(target)
+
+
+async def measure(url: str, counted: Counted, requests: int) -> dict[str, float]:
+    """Instructions per request of each group (the idle gateway's subtracted), and per second idle."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        for _ in range(1200):
+            try:
+                if (await client.get(url + "/readyz")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+        else:
+            raise RuntimeError("the gateway did not come up")
+        for _, tokens, stream in GROUPS:
+            for _ in range(10):
+                await _one(client, url, tokens, stream)
+        await asyncio.sleep(1.5)  # the warm-up's events packed
+        await counted.zero()
+        await asyncio.sleep(IDLE_S)
+        idle_rate = await counted.dump("idle") / IDLE_S
+        result = {"idle_per_s": idle_rate}
+        for name, tokens, stream in GROUPS:
+            await asyncio.sleep(1.5)
+            await counted.zero()
+            started = time.monotonic()
+            for _ in range(requests):
+                await _one(client, url, tokens, stream)
+            await asyncio.sleep(1.5)
+            total = await counted.dump(name)
+            result[name] = (total - idle_rate * (time.monotonic() - started)) / requests
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.bench.overhead_callgrind",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out", type=Path, help="a folder for callgrind's dumps")
+    parser.add_argument("--requests", type=int, default=50)
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    sim_port, gw_port = free_port(), free_port()
+    cli = [sys.executable, "-m", "sluice.cli"]
+    sim = subprocess.Popen(
+        [*cli, "sim", "--model", "sim", "--port", str(sim_port), *ENGINE],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gateway_args = ["serve", "--backend", f"http://127.0.0.1:{sim_port}", "--port", str(gw_port)]
+    gateway_args += ["--max-concurrency", "256", "--log-level", "warning"]
+    with (out / "valgrind.log").open("w") as log:
+        gateway = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p", *cli, *gateway_args],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    try:
+        result = asyncio.run(measure(f"http://127.0.0.1:{gw_port}", Counted(gateway.pid, out), args.requests))
+    finally:
+        gateway.terminate()
+        sim.terminate()
+        gateway.wait(60)
+        sim.wait(10)
+    print(f"idle: {result['idle_per_s'] / 1e6:.3f} M instructions a second")
+    for name, _, _ in GROUPS:
+        print(f"{name}: {result[name] / 1e6:.3f} M instructions per request, the idle rate subtracted")
+    per_token = (result["stream64"] - result["stream8"]) / 56
+    print(f"per extra streamed token: {per_token / 1e3:.1f} k instructions")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
