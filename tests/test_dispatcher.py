@@ -429,3 +429,17 @@ async def test_an_address_where_nothing_ever_listens_fails_its_jobs_after_the_gr
     assert done.attempts == 2  # counted once the grace was over, up to the job's max_attempts
     # Tries within the grace were not counted: more tries than attempts were made.
     assert nothing.refused > 2 and nothing.served == 0
+
+
+class NeverUp(ModelBackend):
+    """An address where nothing ever listened: its model list cannot be read either."""
+
+    async def discover_models(self) -> list[str]:
+        raise BackendError("cannot list the engine's models", retryable=True, reached=False)
+
+
+async def test_an_engine_that_never_answered_gets_no_grace() -> None:
+    wrong = NeverUp("wrong", ["m"], refuse_first=10**9)
+    done = await unreachable_run(wrong, grace_s=60.0)
+    assert done.state is JobState.FAILED and done.attempts == 2
+    assert wrong.refused == 2  # each refused try counted: a wrong address fails as fast as before

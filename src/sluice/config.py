@@ -501,10 +501,10 @@ class Settings(_Strict):
     unreached_grace_s: float = Field(
         default=60.0,
         ge=0,
-        description="for how long tries that could not connect to any engine (one restarting, a pod "
-        "rescheduled) are not counted among a job's attempts (seconds): a restart that takes this long "
-        "fails none of the jobs waiting for it, an address where nothing listens fails them after it; "
-        "the job's deadline bounds the wait either way",
+        description="for how long tries that could not connect to an engine that answered before (one "
+        "restarting) are not counted among a job's attempts (seconds): a restart that takes this long "
+        "fails none of the jobs waiting for it, an engine that stays gone fails them after it (one that "
+        "never answered, a wrong address, gets no grace); the job's deadline bounds the wait either way",
     )
     result_ttl_s: float = Field(
         default=_BROKER.result_ttl_s,

@@ -83,10 +83,11 @@ class Dispatcher:
         heartbeat_s: how often leases are renewed and the capacity re-registered; well under the
             broker's lease.
         retry_backoff_s: pause before a failed attempt is retried, doubled each time.
-        unreached_grace_s: for how long tries that could not open a connection to any engine
-            (an engine restarting, a pod rescheduled) are not counted as the job's attempts: a
-            restart that outlasts a few ejection backoffs does not fail the jobs waiting for it,
-            and an address where nothing will ever listen still fails them after this long.
+        unreached_grace_s: for how long tries that could not open a connection to an engine that
+            answered before (one restarting) are not counted as the job's attempts: a restart that
+            outlasts a few ejection backoffs does not fail the jobs waiting for it, and an engine
+            that stays gone fails them after this long. An engine that never answered (a wrong
+            address) gets no grace.
         routing: ``predicted`` (soonest predicted completion, engines weighted by speed) or
             ``least_loaded`` (the largest free fraction of the limit).
         prefix_affinity: jobs sharing a prompt prefix go to its home engine while load allows.
@@ -426,9 +427,11 @@ class Dispatcher:
                     self._release(held)
                     held = None
                     retry_at = self._retry_at(job, attempts) if exc.retryable else None
-                    # A try that never reached the engine (no connection) is not an attempt for a
-                    # while: the job waits out an engine's restart (its deadline still bounds it).
-                    if exc.reached:
+                    # A try that never reached an engine known to be up before (no connection: it
+                    # restarts) is not an attempt for a while: the job waits out the restart (its
+                    # deadline still bounds it). An engine that never answered, a wrong address,
+                    # gets no grace: its jobs fail as fast as before.
+                    if exc.reached or not engine.described:
                         unreached_since = None
                     elif unreached_since is None:
                         unreached_since = self.clock()
