@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.cli import free_port
+from sluice.bench.spawn import stop_process
 from sluice.broker.base import Broker, BrokerSettings
 from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Bounds, QueueLimits
@@ -121,12 +122,7 @@ def redis_server(*, aof: bool = False) -> Iterator[str]:
                 time.sleep(0.01)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc)
 
 
 # --- the Sluice loops -----------------------------------------------------------------------------
@@ -402,12 +398,7 @@ def callgrind_redis(under_callgrind: bool, folder: Path) -> Iterator[tuple[str, 
             time.sleep(0.1)
         yield url, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, 30)
 
 
 async def _count_phases(url: str, ops: int, counter: Counter, concurrency: int = 32) -> dict[str, int]:

@@ -26,6 +26,7 @@ import httpx
 
 from sluice.bench.cli import choose_port, port_number
 from sluice.bench.experiment import DOCS_IMG, bench, checkout_root, copy_plot, measured_capacity, sluice
+from sluice.bench.spawn import stop_process
 
 __all__ = ["main"]
 
@@ -54,12 +55,7 @@ def engine(out: Path, port: int | None = None) -> Iterator[str]:
                 time.sleep(0.2)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, 30)
 
 
 def experiment(

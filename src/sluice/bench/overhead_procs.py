@@ -22,6 +22,7 @@ import httpx
 from sluice.bench.broker_cycles import redis_server
 from sluice.bench.cli import free_port
 from sluice.bench.overhead_load import MODEL
+from sluice.bench.spawn import stop_process
 
 #: Where a group says what it left out (no redis-server, no LiteLLM).
 Note = Callable[[str], None]
@@ -46,13 +47,7 @@ class Spawner:
         return self.start(name, [sys.executable, "-m", "sluice.cli", *args])
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
 
     def stop_all(self) -> None:
         for proc in reversed(self._procs):

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ __all__ = [
     "spawn_sim",
     "spawn_sluice",
     "stop",
+    "stop_process",
 ]
 
 
@@ -89,6 +91,18 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
     except TimeoutError:
         proc.kill()
         await proc.wait()
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """:func:`stop` for a process started without asyncio: SIGTERM, then SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 async def spawn_listener(
