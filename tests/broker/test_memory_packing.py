@@ -2,7 +2,7 @@
 
 import enum
 
-from sluice.broker.memory import _pack, _unpack
+from sluice.broker.memory_record import pack_events, unpack_events
 
 
 class _Kind(enum.StrEnum):
@@ -11,8 +11,8 @@ class _Kind(enum.StrEnum):
 
 def test_packed_events_round_trip_and_fall_back_to_json() -> None:
     plain = [["token", {"choices": [{"index": 0, "delta": {"content": "x"}}]}]]
-    assert isinstance(_pack(plain), bytes) and _unpack(_pack(plain)) == plain
+    assert isinstance(pack_events(plain), bytes) and unpack_events(pack_events(plain)) == plain
     # A str subclass (an enum member) is not marshal's: the events go as JSON text, read back plain.
     odd = [["retry", {"reason": _Kind.A}]]
-    packed = _pack(odd)
-    assert isinstance(packed, str) and _unpack(packed) == [["retry", {"reason": "a"}]]
+    packed = pack_events(odd)
+    assert isinstance(packed, str) and unpack_events(packed) == [["retry", {"reason": "a"}]]

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import heapq
 import json
-import marshal
 import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from sluice.broker.base import (
     QueueBreakdown,
     TenantDepth,
 )
+from sluice.broker.memory_record import JobRecord
 from sluice.broker.signal import Signal
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
@@ -44,100 +44,9 @@ from sluice.core.scheduler import Backlog, ClassScheduler, Entry
 from sluice.views import job_view
 
 MAINTAIN_INTERVAL_S = 0.1
-#: how long after its end a job's events are packed (:meth:`_Record.pack`): its live readers have
+#: how long after its end a job's events are packed (:meth:`JobRecord.pack`): its live readers have
 #: read them by then
 PACK_AFTER_S = 1.0
-
-
-@dataclass(slots=True)
-class _Record:
-    """A job and its event stream.
-
-    The events stay the objects they were published as while the job runs and shortly after it
-    ends, so that the readers that follow it live (the relay to a streaming client) take them as
-    they are, with nothing encoded or decoded in between: Redis needs bytes, one process does not.
-    Readers share them and must not change them. A second after the end they are packed into one
-    ``marshal`` string of bytes (:meth:`pack`), all but the terminal event: bytes are invisible to
-    the garbage collector, and a busy gateway holds hundreds of thousands of token events for the
-    result TTL (as dicts they made GC pauses of 0.2 s). marshal rather than JSON: it packs a
-    64-token stream's events in 12 µs against json.dumps' 74 (the pack was 5 % of a streamed
-    request's gateway CPU), and gives the values back as they were published; events that marshal
-    cannot take (a ``str`` subclass such as an enum member) are packed as JSON, as all were
-    before. The terminal event stays an object: its result is the job's own (``job.result``), kept
-    once.
-    """
-
-    job: Job
-    #: the events from index ``packed_count`` on, (type, data) as published
-    events: list[tuple[EventType, Any]] = field(default_factory=list)
-    #: the events before ``packed_count``, as one list of [type, data]: marshal's bytes, or a JSON
-    #: text where marshal could not take them (:func:`_pack`); None until packed
-    packed: bytes | str | None = None
-    packed_count: int = 0
-    #: whether the terminal event was published
-    ended_stream: bool = False
-    #: the live readers waiting for the next event, each on a future of its own: woken by the
-    #: next event (:meth:`notify`); a reader that stopped waiting (cancelled, timed out) leaves its
-    #: future done, and the next event drops it
-    readers: list[asyncio.Future[None]] = field(default_factory=list)
-    #: the end of the job only: waiters for the outcome do not wake for every token
-    ended: Signal = field(default_factory=Signal)
-    #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
-    #: tenant); None when it came with no limits
-    bucket: str | None = None
-    #: the model's running jobs just after this one started, itself included (the drain rate
-    #: learns from it how a job slows as the batch fills; Redis keeps it in the job's ``rb``)
-    running_at_start: int = 0
-
-    def next_event(self) -> asyncio.Future[None]:
-        """A future the next event sets. A bare future rather than an ``asyncio.Event`` per event
-        (what :class:`Signal` makes): a token's wake-up is on every streamed token's path, and the
-        Event, its ``wait`` coroutine and its own future cost more than the future alone."""
-        future = asyncio.get_running_loop().create_future()
-        self.readers.append(future)
-        return future
-
-    def notify(self) -> None:
-        readers, self.readers = self.readers, []
-        for future in readers:
-            if not future.done():
-                future.set_result(None)
-
-    @property
-    def count(self) -> int:
-        return self.packed_count + len(self.events)
-
-    def since(self, start: int) -> list[tuple[EventType, Any]]:
-        """The events from index ``start`` (0-based) on."""
-        if start >= self.packed_count:
-            return self.events[start - self.packed_count :]
-        assert self.packed is not None
-        old = [(EventType(t), d) for t, d in _unpack(self.packed)[start:]]
-        return old + self.events
-
-    def pack(self) -> None:
-        """Pack every event but the terminal one into the JSON text (see the class)."""
-        keep = 1 if self.ended_stream else 0
-        fresh = self.events[: len(self.events) - keep]
-        if not fresh:
-            return
-        old = _unpack(self.packed) if self.packed is not None else []
-        self.packed = _pack([*old, *([t.value, d] for t, d in fresh)])
-        self.packed_count += len(fresh)
-        self.events = self.events[len(fresh) :]
-
-
-def _pack(events: list[list[Any]]) -> bytes | str:
-    """``events`` as marshal's bytes, or as JSON where marshal cannot take some value in them."""
-    try:
-        return marshal.dumps(events)
-    except ValueError:  # a subclass of a builtin type (an enum member): JSON takes it as its value
-        return json.dumps(events, separators=(",", ":"))
-
-
-def _unpack(packed: bytes | str) -> list[list[Any]]:
-    value: list[list[Any]] = marshal.loads(packed) if isinstance(packed, bytes) else json.loads(packed)
-    return value
 
 
 @dataclass
@@ -176,7 +85,7 @@ class MemoryBroker(Broker):
 
     def __init__(self, settings: BrokerSettings | None = None) -> None:
         super().__init__(settings or BrokerSettings())
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, JobRecord] = {}
         self._queues: dict[str, ClassScheduler] = {}
         self._drain: dict[str, DrainRate] = {}
         self._policy_state: dict[str, PolicyState] = {}
@@ -251,7 +160,7 @@ class MemoryBroker(Broker):
                     total[model] = total.get(model, 0) + n
         return total
 
-    def _emit(self, rec: _Record, type: EventType, data: dict[str, Any]) -> None:
+    def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
         rec.events.append((type, data))
         if type in TERMINAL_EVENTS:
             rec.ended_stream = True
@@ -306,7 +215,7 @@ class MemoryBroker(Broker):
             if t.max_concurrent is not None and t.running >= t.max_concurrent
         }
 
-    def _settle(self, rec: _Record, state: JobState, error: JobError | None = None) -> None:
+    def _settle(self, rec: JobRecord, state: JobState, error: JobError | None = None) -> None:
         """Put a job in a terminal state and publish its terminal event."""
         job = rec.job
         self._move(job, state)
@@ -364,7 +273,7 @@ class MemoryBroker(Broker):
         limiter.take(job.cost, now)
         tenant.queued += 1
         job.state = JobState.QUEUED
-        rec = self._records[job.id] = _Record(job, bucket=None if limits is None else limits.bucket_id)
+        rec = self._records[job.id] = JobRecord(job, bucket=None if limits is None else limits.bucket_id)
         self._tenant_jobs.setdefault(job.tenant, {})[job.id] = job.created_at
         q.push(job.priority, self._entry(job))
         heapq.heappush(self._deadlines, (job.deadline, job.id))
@@ -376,7 +285,7 @@ class MemoryBroker(Broker):
         self._work.notify()
         return Admission(job, False, ok.position, ok.estimated_start_s, limiter.status(now))
 
-    def _charged_limiter(self, rec: _Record) -> TenantLimiter | None:
+    def _charged_limiter(self, rec: JobRecord) -> TenantLimiter | None:
         """The buckets a job was charged to, if they are still kept."""
         t = self._tenants.get(rec.job.tenant)
         if t is None or rec.bucket is None:

@@ -1,0 +1,107 @@
+"""The memory broker's record of one job: the job, its event stream (live objects while it runs,
+packed once it has ended) and the readers waiting on it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import marshal
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.broker.base import EventType
+from sluice.broker.signal import Signal
+from sluice.core.job import Job
+
+__all__ = ["JobRecord", "pack_events", "unpack_events"]
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """A job and its event stream.
+
+    The events stay the objects they were published as while the job runs and shortly after it
+    ends, so that the readers that follow it live (the relay to a streaming client) take them as
+    they are, with nothing encoded or decoded in between: Redis needs bytes, one process does not.
+    Readers share them and must not change them. A second after the end they are packed into one
+    ``marshal`` string of bytes (:meth:`pack`), all but the terminal event: bytes are invisible to
+    the garbage collector, and a busy gateway holds hundreds of thousands of token events for the
+    result TTL (as dicts they made GC pauses of 0.2 s). marshal rather than JSON: it packs a
+    64-token stream's events in 12 µs against json.dumps' 74 (the pack was 5 % of a streamed
+    request's gateway CPU), and gives the values back as they were published; events that marshal
+    cannot take (a ``str`` subclass such as an enum member) are packed as JSON, as all were
+    before. The terminal event stays an object: its result is the job's own (``job.result``), kept
+    once.
+    """
+
+    job: Job
+    #: the events from index ``packed_count`` on, (type, data) as published
+    events: list[tuple[EventType, Any]] = field(default_factory=list)
+    #: the events before ``packed_count``, as one list of [type, data]: marshal's bytes, or a JSON
+    #: text where marshal could not take them (:func:`pack_events`); None until packed
+    packed: bytes | str | None = None
+    packed_count: int = 0
+    #: whether the terminal event was published
+    ended_stream: bool = False
+    #: the live readers waiting for the next event, each on a future of its own: woken by the
+    #: next event (:meth:`notify`); a reader that stopped waiting (cancelled, timed out) leaves its
+    #: future done, and the next event drops it
+    readers: list[asyncio.Future[None]] = field(default_factory=list)
+    #: the end of the job only: waiters for the outcome do not wake for every token
+    ended: Signal = field(default_factory=Signal)
+    #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
+    #: tenant); None when it came with no limits
+    bucket: str | None = None
+    #: the model's running jobs just after this one started, itself included (the drain rate
+    #: learns from it how a job slows as the batch fills; Redis keeps it in the job's ``rb``)
+    running_at_start: int = 0
+
+    def next_event(self) -> asyncio.Future[None]:
+        """A future the next event sets. A bare future rather than an ``asyncio.Event`` per event
+        (what :class:`Signal` makes): a token's wake-up is on every streamed token's path, and the
+        Event, its ``wait`` coroutine and its own future cost more than the future alone."""
+        future = asyncio.get_running_loop().create_future()
+        self.readers.append(future)
+        return future
+
+    def notify(self) -> None:
+        readers, self.readers = self.readers, []
+        for future in readers:
+            if not future.done():
+                future.set_result(None)
+
+    @property
+    def count(self) -> int:
+        return self.packed_count + len(self.events)
+
+    def since(self, start: int) -> list[tuple[EventType, Any]]:
+        """The events from index ``start`` (0-based) on."""
+        if start >= self.packed_count:
+            return self.events[start - self.packed_count :]
+        assert self.packed is not None
+        old = [(EventType(t), d) for t, d in unpack_events(self.packed)[start:]]
+        return old + self.events
+
+    def pack(self) -> None:
+        """Pack every event but the terminal one (see the class)."""
+        keep = 1 if self.ended_stream else 0
+        fresh = self.events[: len(self.events) - keep]
+        if not fresh:
+            return
+        old = unpack_events(self.packed) if self.packed is not None else []
+        self.packed = pack_events([*old, *([t.value, d] for t, d in fresh)])
+        self.packed_count += len(fresh)
+        self.events = self.events[len(fresh) :]
+
+
+def pack_events(events: list[list[Any]]) -> bytes | str:
+    """``events`` as marshal's bytes, or as JSON where marshal cannot take some value in them."""
+    try:
+        return marshal.dumps(events)
+    except ValueError:  # a subclass of a builtin type (an enum member): JSON takes it as its value
+        return json.dumps(events, separators=(",", ":"))
+
+
+def unpack_events(packed: bytes | str) -> list[list[Any]]:
+    value: list[list[Any]] = marshal.loads(packed) if isinstance(packed, bytes) else json.loads(packed)
+    return value
