@@ -9,14 +9,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from sluice.bench.fleet_engines import EngineSpec
 from sluice.bench.load import parse_prometheus
-
-if TYPE_CHECKING:  # a type only: fleet imports this module, not the other way round
-    from sluice.bench.fleet import EngineSpec
 
 # The engines' metrics are read this often: a queue that lasts less than this may go unseen.
 SAMPLE_S = 0.5
