@@ -40,6 +40,16 @@ def one_write(transport: Recorded) -> OneWrite:
     return OneWrite(transport, asyncio.get_running_loop())  # type: ignore[arg-type]
 
 
+async def head_sent() -> tuple[Recorded, OneWrite]:
+    """A stream's answer whose head has gone out at the end of its turn, as its tokens find it."""
+    transport = Recorded()
+    out = one_write(transport)
+    out.write(b"HEAD")
+    await next_turn()
+    assert transport.writes == [b"HEAD"]
+    return transport, out
+
+
 async def test_a_whole_answer_goes_out_in_one_write_at_once() -> None:
     transport = Recorded()
     out = one_write(transport)
@@ -52,10 +62,7 @@ async def test_a_whole_answer_goes_out_in_one_write_at_once() -> None:
 
 
 async def test_a_streams_head_goes_out_at_the_end_of_its_turn_and_a_lone_token_at_once() -> None:
-    transport = Recorded()
-    out = one_write(transport)
-    out.write(b"HEAD")
-    await next_turn()
+    transport, out = await head_sent()
     assert transport.writes == [b"HEAD"]
     out.write(b"token 1")
     assert transport.writes == [b"HEAD", b"token 1"]  # the first of its turn: not delayed
@@ -65,10 +72,7 @@ async def test_a_streams_head_goes_out_at_the_end_of_its_turn_and_a_lone_token_a
 
 
 async def test_tokens_that_come_together_go_out_first_at_once_then_the_rest_in_one_write() -> None:
-    transport = Recorded()
-    out = one_write(transport)
-    out.write(b"HEAD")
-    await next_turn()
+    transport, out = await head_sent()
     out.write(b"a")
     out.write(b"b")
     out.write(b"c")
@@ -79,10 +83,7 @@ async def test_tokens_that_come_together_go_out_first_at_once_then_the_rest_in_o
 
 
 async def test_a_close_writes_what_was_gathered_first_and_nothing_is_written_after() -> None:
-    transport = Recorded()
-    out = one_write(transport)
-    out.write(b"HEAD")
-    await next_turn()
+    transport, out = await head_sent()
     out.write(b"last token")
     out.write(b"end")
     out.close()
