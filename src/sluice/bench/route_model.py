@@ -28,9 +28,11 @@ import heapq
 import itertools
 import random
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sluice.bench.limit_model import table
 from sluice.core.concurrency import ConcurrencyLimit, StreamSample
 from sluice.core.health import speed_weights
 from sluice.core.routing import Candidate, Router
@@ -151,7 +153,7 @@ def run(cfg: Config, mode: str) -> Outcome:
     for j in jobs:
         heapq.heappush(events, (j.arrival, next(seq), "arrive", j.rid))
         heapq.heappush(events, (j.arrival + cfg.patience_s, next(seq), "deadline", j.rid))
-    queue: list[_Job] = []
+    queue: deque[_Job] = deque()  # FIFO: a list's pop(0) is O(n) once the queue grows past capacity
 
     def pick() -> _Engine | None:
         weights = (
@@ -175,12 +177,12 @@ def run(cfg: Config, mode: str) -> Outcome:
     def dispatch() -> None:
         while queue:
             if queue[0].done:
-                queue.pop(0)
+                queue.popleft()
                 continue
             engine = pick()
             if engine is None:
                 return
-            job = queue.pop(0)
+            job = queue.popleft()
             job.engine, job.sent_at = engine.name, now
             job.inflight_at_send = len(engine.inflight) + 1
             engine.model.submit(job.rid, job.prompt, job.output, now)
@@ -314,10 +316,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             print(" | ".join(rows[-1]), flush=True)
     print()
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(table(rows, HEADER))
 
 
 if __name__ == "__main__":
