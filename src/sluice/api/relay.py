@@ -350,10 +350,18 @@ def sse_event(data: str, *, event: str | None = None, id: str | None = None) -> 
     with ``sep="\n"``: what :class:`EventStream` sends as it is when a payload is bytes."""
     head = ""
     if id is not None:
-        head = "id: " + _LINE_BREAK.sub("", id) + "\n"
+        head = "id: " + _one_line(id) + "\n"
     if event is not None:
-        head += "event: " + _LINE_BREAK.sub("", event) + "\n"
+        head += "event: " + _one_line(event) + "\n"
     return head.encode() + sse_frame(data)
+
+
+def _one_line(text: str) -> str:
+    """``text`` without its line breaks; an id or event type has none, and is not scanned by the
+    regex then (this runs for every token of a job's or a response's event stream)."""
+    if "\n" not in text and "\r" not in text:
+        return text
+    return _LINE_BREAK.sub("", text)
 
 
 def ping_frame() -> bytes:
