@@ -213,11 +213,14 @@ class DrainRate:
         full batch are its short answers, which flatten it just as the queue forms, the more so
         the more the jobs' times spread; where they all take the same, there is no such bias and
         the line is followed. :attr:`slowdown` when never told a fill."""
+        return self._promise_slowdown(self.spread)
+
+    def _promise_slowdown(self, spread: float) -> float:
         fit = self.slowdown
         if self.fills == 0:
             return fit
         bound = min(max(1.0 / max(self.fill, 1e-3), fit), MAX_FILL_SLOWDOWN)
-        return fit * math.pow(bound / fit, min(EXTRAPOLATION_SHARE * self.spread, 1.0))
+        return fit * math.pow(bound / fit, min(EXTRAPOLATION_SHARE * spread, 1.0))
 
     @property
     def spread(self) -> float:
@@ -232,27 +235,35 @@ class DrainRate:
         """How much longer than its mean a queue's wait is promised: :data:`WAIT_MARGIN_Z`
         standard errors of the rate, a mean over about ``2 / weight`` jobs (fewer before that
         many finished) whose times vary by :attr:`spread`."""
+        return self._wait_margin(self.spread)
+
+    def _wait_margin(self, spread: float) -> float:
         if not self.samples:
             return 1.0
         w = self.weight
         jobs = min(self.samples, (2.0 - w) / w)
-        return 1.0 + WAIT_MARGIN_Z * self.spread / math.sqrt(jobs)
+        return 1.0 + WAIT_MARGIN_Z * spread / math.sqrt(jobs)
 
     @property
     def batch_rate(self) -> float:
         """The drain rate of a full batch at :attr:`promise_slowdown` (cost units per second): the
         capacity admission expects to grant, which the Retry-After book spreads its times over
         (``admission.reserve``); the prior before any measurement."""
+        return self._batch_rate(self.spread)
+
+    def _batch_rate(self, spread: float) -> float:
         if not self.samples:
             return self.rate
-        return max(self.per_slot / self.promise_slowdown * max(self.slots, 1), 1e-3)
+        return max(self.per_slot / self._promise_slowdown(spread) * max(self.slots, 1), 1e-3)
 
     @property
     def promise_rate(self) -> float:
         """The drain rate a job's wait is promised at: :attr:`batch_rate` less
         :attr:`wait_margin`. Only the deadline check reads it: codel's view of the queue and the
-        position and start a client is told stay at the mean rate."""
-        return max(self.batch_rate / self.wait_margin, 1e-3)
+        position and start a client is told stay at the mean rate. The deadline check reads it
+        on every admission with a deadline: :attr:`spread` is read once for both of its parts."""
+        spread = self.spread
+        return max(self._batch_rate(spread) / self._wait_margin(spread), 1e-3)
 
     def promised_wait_s(self, tokens_ahead: int) -> float:
         """The wait a job behind ``tokens_ahead`` is promised (:attr:`promise_rate`)."""
