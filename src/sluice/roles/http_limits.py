@@ -153,10 +153,8 @@ class OneWrite:
         """Write what is held or gathered, if anything; the next write is a turn's first again."""
         head, self._head = self._head, None
         gathered, self._gathered = self._gathered, None
-        if gathered:
-            data = b"".join(gathered) if head is None else head + b"".join(gathered)
-        else:
-            data = head or b""
+        # A held head and gathered writes never meet: the turn's second write takes the head with it.
+        data = head if head is not None else b"".join(gathered) if gathered else b""
         if data and not self.transport.is_closing():
             self.transport.write(data)
 
