@@ -258,9 +258,9 @@ def test_a_probe_the_engine_did_not_run_does_not_forget_its_capacity() -> None:
     assert limiter.snapshot()["known_capacity"] == 8
 
 
-def test_blind_a_probe_past_the_capacity_goes_on_only_once_a_stream_at_it_started_at_once() -> None:
-    """Blind (TTFT only), a slow engine's few streams may show no queue either way: one probe
-    past the TTFT-inferred capacity, then none until a stream sent at it started without waiting."""
+def _blind_at_inferred_capacity() -> tuple[Clock, ConcurrencyLimit]:
+    """A blind (TTFT only) limiter whose first tokens came at a 0.04 s baseline, then waited in
+    the engine at 8 streams: the capacity inferred from them is 7, and so is the limit."""
     clock = Clock()
     limiter = ConcurrencyLimit(clock=clock, initial=8, reprobe_s=5.0)
     for _ in range(5):
@@ -270,12 +270,27 @@ def test_blind_a_probe_past_the_capacity_goes_on_only_once_a_stream_at_it_starte
         clock.advance(0.1)
         limiter.on_sample(_sample(8, ttft=1.0))  # waited in the engine
     assert limiter.limit == 7 and limiter.snapshot()["known_capacity"] == 7
+    return clock, limiter
+
+
+def _quiet(
+    clock: Clock, limiter: ConcurrencyLimit, seconds: float, started_at: int, ttft: float = 0.04
+) -> None:
+    """``seconds`` of a stream every 0.25 s, each dispatched at the limit, that started with
+    ``started_at`` in flight and had its first token in ``ttft``."""
+    for _ in range(int(seconds / 0.25)):
+        clock.advance(0.25)
+        limiter.on_dispatch(limiter.limit)
+        limiter.on_sample(_sample(started_at, ttft=ttft))
+
+
+def test_blind_a_probe_past_the_capacity_goes_on_only_once_a_stream_at_it_started_at_once() -> None:
+    """Blind (TTFT only), a slow engine's few streams may show no queue either way: one probe
+    past the TTFT-inferred capacity, then none until a stream sent at it started without waiting."""
+    clock, limiter = _blind_at_inferred_capacity()
 
     def quiet(seconds: float, started_at: int = 1) -> None:
-        for _ in range(int(seconds / 0.25)):
-            clock.advance(0.25)
-            limiter.on_dispatch(limiter.limit)
-            limiter.on_sample(_sample(started_at, ttft=0.04))
+        _quiet(clock, limiter, seconds, started_at)
 
     quiet(6)
     assert limiter.limit == 8 and limiter.snapshot()["reason"] == "probe"
@@ -293,21 +308,10 @@ def test_blind_the_capacity_is_forgotten_only_by_a_stream_that_started_at_once(
     baseline forgets the capacity; one that came three steps late (under the four steps that
     count as queued: a slot freed just after it came) does not, and growth stays one probe at a
     time."""
-    clock = Clock()
-    limiter = ConcurrencyLimit(clock=clock, initial=8, reprobe_s=5.0)
-    for _ in range(5):
-        clock.advance(0.1)
-        limiter.on_sample(_sample(1, ttft=0.04))
-    for _ in range(12):
-        clock.advance(0.1)
-        limiter.on_sample(_sample(8, ttft=1.0))  # waited in the engine
-    assert limiter.limit == 7 and limiter.snapshot()["known_capacity"] == 7
+    clock, limiter = _blind_at_inferred_capacity()
 
     def quiet(seconds: float, started_at: int, ttft: float = 0.04) -> None:
-        for _ in range(int(seconds / 0.25)):
-            clock.advance(0.25)
-            limiter.on_dispatch(limiter.limit)
-            limiter.on_sample(_sample(started_at, ttft=ttft))
+        _quiet(clock, limiter, seconds, started_at, ttft)
 
     quiet(6, started_at=7)
     quiet(6, started_at=8)
