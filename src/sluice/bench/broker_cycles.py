@@ -86,14 +86,36 @@ def make_job(i: int) -> Job:
     )
 
 
+def _wait_for_ping(
+    proc: subprocess.Popen[bytes], url: str, *, within_s: float, socket_timeout_s: float, poll_s: float
+) -> None:
+    """Return once the redis-server ``proc`` answers PING at ``url``; raise if it exits first or
+    stays silent ``within_s`` seconds."""
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    client = Redis.from_url(url, socket_timeout=socket_timeout_s)
+    try:
+        deadline = time.monotonic() + within_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}")
+            with contextlib.suppress(RedisError):
+                if client.ping():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer PING within {within_s:g} s")
+            time.sleep(poll_s)
+    finally:
+        client.close()
+
+
 @contextlib.contextmanager
 def redis_server(*, aof: bool = False) -> Iterator[str]:
     """A throw-away ``redis-server`` on a free port, its data in a temporary folder; yields its URL.
 
     ``aof``: append-only file with ``appendfsync everysec``, the durable setup the docs quote.
     """
-    from redis import Redis
-    from redis.exceptions import RedisError
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -110,16 +132,7 @@ def redis_server(*, aof: bool = False) -> Iterator[str]:
         args = [REDIS_SERVER, *(x for name, value in opts.items() for x in (f"--{name}", value))]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
-                with contextlib.suppress(RedisError):
-                    if Redis.from_url(url, socket_timeout=0.5).ping():
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not answer PING within 10 s")
-                time.sleep(0.01)
+            _wait_for_ping(proc, url, within_s=10, socket_timeout_s=0.5, poll_s=0.01)
             yield url
         finally:
             stop_process(proc)
@@ -375,8 +388,6 @@ class Counter:
 
 @contextlib.contextmanager
 def callgrind_redis(under_callgrind: bool, folder: Path) -> Iterator[tuple[str, int]]:
-    from redis import Redis
-    from redis.exceptions import RedisError
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -386,16 +397,8 @@ def callgrind_redis(under_callgrind: bool, folder: Path) -> Iterator[tuple[str, 
         args = [*VALGRIND, f"--callgrind-out-file={folder}/callgrind.%p", *args]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {proc.returncode}")
-            with contextlib.suppress(RedisError):
-                if Redis.from_url(url, socket_timeout=2).ping():
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not answer PING within 120 s")
-            time.sleep(0.1)
+        # Under callgrind redis-server starts many times slower: a longer bound, a longer poll.
+        _wait_for_ping(proc, url, within_s=120, socket_timeout_s=2, poll_s=0.1)
         yield url, proc.pid
     finally:
         stop_process(proc, 30)
