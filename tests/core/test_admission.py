@@ -309,28 +309,20 @@ def test_a_wait_is_promised_at_the_promise_rate_and_the_start_told_at_the_mean()
     assert drain.promise_rate < 0.7 * drain.rate
     service = drain.slow_service_s(100)
     budget = 30.0
+
+    def behind(tokens: int) -> Admitted:
+        """A job of 100 with ``tokens`` of jobs of 100 queued ahead, due in ``budget``."""
+        queue = view(tokens // 100, tokens)
+        return check(
+            cost=100, priority="normal", now=0, deadline=budget, view=queue, limits=QueueLimits(), drain=drain
+        )
+
     ahead = int((budget - service) * drain.rate * 0.9)  # fits at the mean, with a tenth to spare
     with pytest.raises(Refused) as info:
-        check(
-            cost=100,
-            priority="normal",
-            now=0,
-            deadline=budget,
-            view=view(ahead // 100, ahead),
-            limits=QueueLimits(),
-            drain=drain,
-        )
+        behind(ahead)
     assert info.value.code == "deadline_unmeetable" and info.value.should_retry
     assert info.value.retry_after_s == pytest.approx(drain.wait_s(ahead))  # the queue ahead started
     fits_ahead = (budget - service) * drain.promise_rate
     shorter = int(fits_ahead * 0.9)
-    ok = check(
-        cost=100,
-        priority="normal",
-        now=0,
-        deadline=budget,
-        view=view(shorter // 100, shorter),
-        limits=QueueLimits(),
-        drain=drain,
-    )
+    ok = behind(shorter)
     assert ok.estimated_start_s == pytest.approx(drain.wait_s(shorter))
