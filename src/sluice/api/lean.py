@@ -19,7 +19,6 @@ validation, and the six middleware layers each ``send`` went through.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -38,7 +37,7 @@ from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, Schedul
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.core.job import Endpoint
-from sluice.protocol import error_body, loads
+from sluice.protocol import compact_json, error_body, loads
 
 log = logging.getLogger("sluice.gateway")
 
@@ -70,16 +69,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-#: What JSONResponse renders with (the same text), made once: ``json.dumps`` with options builds
-#: an encoder on every call, a visible share of a refusal.
-_ERROR_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 _JSON_TYPE = (b"content-type", b"application/json")
 
 
 async def send_error(send: Send, error: APIError) -> None:
     """``error`` as its JSON answer (the bytes and headers ``error.response()`` makes, without
     building the Response), with its ``x-request-id`` (the job's where there is one)."""
-    body = _ERROR_JSON(error_body(error.message, error.type, error.code, error.param)).encode()
+    # compact_json: what JSONResponse renders, by an encoder made once (a refusal's visible share).
+    body = compact_json(error_body(error.message, error.type, error.code, error.param))
     named = error.headers()
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
     headers.append((b"content-length", str(len(body)).encode()))
