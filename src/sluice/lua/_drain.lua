@@ -10,9 +10,8 @@ local function fill_fit(text)
 end
 
 -- DrainRate.slowdown: how much slower a job runs in a full batch than at the fill the rate was
--- measured at (1 when never told a fill).
-local function fill_slowdown(text, ridge, max_slowdown)
-  local g = fill_fit(text)
+-- measured at (1 when never told a fill), from the six numbers fill_fit read.
+local function fit_slowdown(g, ridge, max_slowdown)
   if #g < 6 or g[6] == 0 or g[3] <= 0 then return 1.0 end
   local var = math.max(g[4] - g[2] * g[2], 0)
   local cov = g[5] - g[2] * g[3]
@@ -21,6 +20,11 @@ local function fill_slowdown(text, ridge, max_slowdown)
   local at_full = g[3] + slope * (1 - g[2])
   if at_fill <= 0 then return max_slowdown end
   return math.min(math.max(at_full / at_fill, 1), max_slowdown)
+end
+
+-- fit_slowdown of a 'g:' field's text.
+local function fill_slowdown(text, ridge, max_slowdown)
+  return fit_slowdown(fill_fit(text), ridge, max_slowdown)
 end
 
 -- DrainRate.spread: how much a job's time per cost unit varies, relative to the mean (0 before any
@@ -32,10 +36,9 @@ end
 
 -- DrainRate.promise_slowdown: fill_slowdown moved toward the most a full batch can slow a job
 -- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE) times the spread (at
--- most all the way), on a log scale.
-local function promise_slowdown(text, ridge, max_slowdown, share, spread)
-  local fit = fill_slowdown(text, ridge, max_slowdown)
-  local g = fill_fit(text)
+-- most all the way), on a log scale. g: fill_fit's numbers, fit: fit_slowdown's of them (admit
+-- has both already: the field is parsed once an admission).
+local function promise_slowdown(g, fit, max_slowdown, share, spread)
   if #g < 6 or g[6] == 0 then return fit end
   local bound = math.min(math.max(1 / math.max(g[1], 1e-3), fit), max_slowdown)
   return fit * math.pow(bound / fit, math.min(share * spread, 1))

@@ -364,7 +364,8 @@ if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the 
 end
 
 -- DrainRate.rate and slot_rate, in a full batch (DrainRate.slowdown)
-local slowdown = fill_slowdown(fill, fill_ridge, max_slowdown)
+local fill_numbers = fill_fit(fill)
+local slowdown = fit_slowdown(fill_numbers, fill_ridge, max_slowdown)
 local slot_rate = drain_prior
 if samples > 0 then slot_rate = per_slot / slowdown end
 local rate = math.max(slot_rate * math.max(slots, 1), 1e-3)
@@ -401,7 +402,7 @@ local wait = ahead_tokens / rate -- DrainRate.wait_s
 local batch_rate, promise_rate = rate, rate
 if samples > 0 then
   local spread = time_spread(per_slot, slow, samples)
-  local slowdown_promised = promise_slowdown(fill, fill_ridge, max_slowdown, extrapolation, spread)
+  local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread)
   batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
   promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
     margin_z), 1e-3)
