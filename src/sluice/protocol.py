@@ -90,7 +90,7 @@ class TokenChunks:
     def encode(self, data: Mapping[str, Any]) -> str:
         rest = {k: v for k, v in data.items() if k not in _OWN}
         rest["choices"] = data.get("choices") or []
-        return self._head + _dumps(rest)[1:]
+        return self._head + plain_json(rest)[1:]
 
 
 def _c_encoder(*, ascii: bool, item_sep: str, key_sep: str, allow_nan: bool) -> Any:
@@ -114,8 +114,10 @@ def _c_encoder(*, ascii: bool, item_sep: str, key_sep: str, allow_nan: bool) -> 
 _PLAIN = _c_encoder(ascii=True, item_sep=", ", key_sep=": ", allow_nan=True)
 
 
-def _dumps(value: dict[str, Any]) -> str:
-    """``json.dumps(value)`` for a dict, the same characters (and errors, a loop apart)."""
+def plain_json(value: dict[str, Any]) -> str:
+    """``json.dumps(value)`` for a dict, the same characters (and errors, a loop apart), without a
+    JSONEncoder made per call: for what is sent once per token (a chunk, a job's or a response's
+    event)."""
     if _PLAIN is None:
         return json.dumps(value)
     return "".join(_PLAIN(value, 0))

@@ -5,7 +5,6 @@ Every job belongs to the tenant whose key created it; anyone else gets 404, as f
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -28,6 +27,7 @@ from sluice.api.relay import (
 )
 from sluice.api.schemas import JobRequest, SubmitRequest
 from sluice.core.job import Endpoint, Job, JobState
+from sluice.protocol import plain_json
 from sluice.views import job_view
 
 router = APIRouter(tags=["jobs"])
@@ -178,7 +178,7 @@ async def job_events(request: Request, job_id: str, who: Who) -> EventStreamResp
     async def stream() -> AsyncIterator[bytes]:
         try:
             async for event in bounded(events, gw.settings.max_stream_s):
-                yield sse_event(json.dumps(event.data), event=event.type.value, id=str(event.id))
+                yield sse_event(plain_json(event.data), event=event.type.value, id=str(event.id))
         except KeyRevoked:
             return  # a reconnect (EventSource does it by itself) gets the 401
         finally:

@@ -14,7 +14,6 @@ docs/responses.md.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -47,6 +46,7 @@ from sluice.core.job import Endpoint, Job, JobState
 from sluice.core.request import RequestRejected
 from sluice.core.response_request import RECORD_KEY, chat_plan, follow_up, job_id_of
 from sluice.core.responses import ResponseEvents, response_object
+from sluice.protocol import plain_json
 
 router = APIRouter(tags=["responses"])
 
@@ -152,7 +152,7 @@ async def _history(gw: Gateway, who: Caller, previous: str | None) -> list[dict[
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return sse_event(json.dumps(event), event=event["type"], id=str(event["sequence_number"]))
+    return sse_event(plain_json(event), event=event["type"], id=str(event["sequence_number"]))
 
 
 async def _stream(
