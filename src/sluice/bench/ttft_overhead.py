@@ -24,6 +24,7 @@ import time
 import httpx
 
 from sluice.bench.cli import free_port
+from sluice.bench.spawn import stop_process
 
 BODY = {"model": "sim", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
 
@@ -116,5 +117,4 @@ if __name__ == "__main__":
         asyncio.run(main(args.requests, sim, passthrough, gateway))
     finally:
         for proc in procs:
-            proc.terminate()
-            proc.wait(10)
+            stop_process(proc)
