@@ -100,6 +100,12 @@ class Candidate:
         return self.inflight < self.limit and self.weight > 0
 
 
+def _least_loaded(c: Candidate) -> tuple[float, int, str]:
+    """Least-loaded's order, which also breaks the soonest completion's ties: the largest free
+    fraction of the limit (scaled by weight), then fewest in flight, then name."""
+    return (-(c.limit - c.inflight) / c.limit * c.weight, c.inflight, c.name)
+
+
 def _digest(text: str) -> int:
     """A stable 64-bit hash of ``text`` (the same in every process and on every run)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -347,11 +353,7 @@ class Router:
             return None
         known = [c.seconds_per_token for c in open_ if c.seconds_per_token is not None]
         if not known:
-            best = min(
-                open_,
-                key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, c.inflight, c.name),
-            )
-            return best.name
+            return min(open_, key=_least_loaded).name
         presumed = statistics.median(known)
 
         def when(c: Candidate) -> float:
@@ -370,5 +372,4 @@ class Router:
         # prefills share a step), and following a difference smaller than the noise piles work
         # on whichever engine the noise said was fast.
         tied = [c for c in open_ if times[c.name] <= soonest * (1 + PREDICTION_TIE)]
-        best = min(tied, key=lambda c: (-(c.limit - c.inflight) / c.limit * c.weight, c.inflight, c.name))
-        return best.name
+        return min(tied, key=_least_loaded).name
