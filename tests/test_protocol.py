@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from sluice import protocol
 from sluice.core.job import Endpoint, Job
 from sluice.protocol import (
     Assembler,
@@ -1116,3 +1117,22 @@ def test_compact_json_raises_what_json_dumps_raises(value: Any, error: type[Exce
         json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
     with pytest.raises(error):
         compact_json(value)
+
+
+def test_without_a_c_encoder_the_encoders_fall_back_to_json_dumps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A C encoder that takes other arguments (c_make_encoder is CPython's private API), or none.
+    def other_signature(*args: Any) -> Any:
+        raise TypeError("takes other arguments")
+
+    monkeypatch.setattr(json.encoder, "c_make_encoder", other_signature)
+    assert protocol._c_encoder(ascii=True, item_sep=", ", key_sep=": ", allow_nan=True) is None
+    monkeypatch.setattr(json.encoder, "c_make_encoder", None)
+    assert protocol._c_encoder(ascii=False, item_sep=",", key_sep=":", allow_nan=False) is None
+    monkeypatch.setattr(protocol, "_PLAIN", None)
+    monkeypatch.setattr(protocol, "_COMPACT", None)
+    value = COMPACT_CASES[1]
+    assert protocol.plain_json(value) == json.dumps(value)
+    compact = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    assert compact_json(value) == compact
+    with pytest.raises(ValueError):
+        compact_json({"a": float("nan")})
