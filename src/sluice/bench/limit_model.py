@@ -39,7 +39,7 @@ import itertools
 import random
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from sluice.core.concurrency import ConcurrencyLimit, EngineLoad, StreamSample
@@ -335,6 +335,21 @@ def plateau(fixed: dict[int, Outcome], start: float, end: float, tolerance: floa
 GOODPUT_WINDOW_S = 10.0
 
 
+def _windows(start: float, end: float, window_s: float) -> Iterator[float]:
+    """The starts of the windows of ``window_s`` within [start, end], one second apart."""
+    t = start
+    while t + window_s <= end + 1e-9:
+        yield t
+        t += 1.0
+
+
+def _phases(cfg: Config) -> list[tuple[float, float]]:
+    """The run's phases: [0, change) and [change, end), or the whole run when nothing changes."""
+    if cfg.change_at_s is None:
+        return [(0.0, cfg.duration_s)]
+    return [(0.0, cfg.change_at_s), (cfg.change_at_s, cfg.duration_s)]
+
+
 def converge_goodput_s(
     adaptive: Outcome,
     reference: Outcome,
@@ -349,13 +364,8 @@ def converge_goodput_s(
     whichever is more: ``b8`` finishes about 8 in 10 s) of the ``reference`` run's (the phase's
     best fixed limit) over the same window, on the same arrivals. None: the last window of the
     phase still falls short."""
-    starts: list[float] = []
-    t = start
-    while t + window_s <= end + 1e-9:
-        starts.append(t)
-        t += 1.0
     converged: float | None = start
-    for t in starts:
+    for t in _windows(start, end, window_s):
         ok = phase_good(adaptive, t, t + window_s) >= _bar(phase_good(reference, t, t + window_s), tolerance)
         if not ok:
             converged = None
@@ -379,14 +389,12 @@ def converge_envelope_s(
     the windows of equally good limits spread by is the noise, and only a window below all of
     them counts as short. None: the last window of the phase still falls short."""
     converged: float | None = start
-    t = start
-    while t + window_s <= end + 1e-9:
+    for t in _windows(start, end, window_s):
         floor = min(phase_good(m, t, t + window_s) for m in members)
         if phase_good(adaptive, t, t + window_s) < floor:
             converged = None
         elif converged is None:
             converged = t
-        t += 1.0
     return None if converged is None else converged - start
 
 
@@ -450,8 +458,7 @@ class Figures:
 def figures(row: Row, o: Outcome, cfg: Config) -> Figures:
     """The figures of one of the row's adaptive runs (``row.adaptive`` or ``row.blind``)."""
     _, best = row.best
-    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
-    phases = [(0.0, change)] + ([(change, cfg.duration_s)] if cfg.change_at_s is not None else [])
+    phases = _phases(cfg)
     settled: list[int] = []
     band: list[float] = []
     bands: list[Plateau] = []
@@ -487,14 +494,14 @@ def _secs(v: float | None) -> str:
     return "never" if v is None else f"{v:.0f}"
 
 
-def _fmt_row(row: Row, cfg: Config) -> list[str]:
+def _fmt_row(row: Row, arms: tuple[Figures, Figures]) -> list[str]:
+    """The row's cells, from :func:`figures` of its adaptive and its blind run."""
     limit, best = row.best
     cells = [row.engine, str(row.batch), f"{limit}", f"{best.goodput:.2f}", str(best.max_waiting)]
-    first = figures(row, row.adaptive, cfg)
-    bands = "/".join(f"{p.low}-{p.high}" for p in first.plateau if p is not None)
+    # The plateaus are the fixed limits', the same in both arms' figures.
+    bands = "/".join(f"{p.low}-{p.high}" for p in arms[0].plateau if p is not None)
     cells.append(bands)
-    for o in (row.adaptive, row.blind):
-        f = figures(row, o, cfg)
+    for f in arms:
         cells += [
             f"{f.goodput:.2f} ({f.share:.1f} %)",
             f"{f.settled[0]}/{f.settled[1]}",
@@ -555,10 +562,8 @@ def goodput_noise(row: Row, cfg: Config) -> tuple[int, int]:
     within 2 % of each phase's best (at most 12 above it), how many it reads as not converged
     at once, and how many it judged. A limit held from the first second has nothing to converge
     to; what the measure reads there is its noise."""
-    change = cfg.change_at_s if cfg.change_at_s is not None else cfg.duration_s
-    phases = [(0.0, change)] + ([(change, cfg.duration_s)] if cfg.change_at_s is not None else [])
     late = judged = 0
-    for start, end in phases:
+    for start, end in _phases(cfg):
         p = plateau(row.fixed, start, end)
         for n in range(p.low, min(p.high, p.best + 12) + 1):
             if n == p.best:
@@ -643,10 +648,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 tpot_objective_s=args.tpot_objective,
             )
             row = compare(name, cfg)
-            per_seed.append((seed, figures(row, row.adaptive, cfg), figures(row, row.blind, cfg)))
+            arms = (figures(row, row.adaptive, cfg), figures(row, row.blind, cfg))
+            per_seed.append((seed, *arms))
             noise = goodput_noise(row, cfg)
             late, judged = late + noise[0], judged + noise[1]
-            cells = _fmt_row(row, cfg)
+            cells = _fmt_row(row, arms)
             rows.append(cells if args.seeds == 1 else [f"{name}#{seed}", *cells[1:]])
             print(" | ".join(rows[-1]), flush=True)
         summaries.append(summary(name, per_seed, (late, judged)))
