@@ -357,13 +357,14 @@ def _control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
 
 
-def _dump_total(folder: Path, pid: int, number: int) -> int:
-    """The instructions in dump ``number`` of process ``pid`` (the cost since the previous dump)."""
+def _dump_total(folder: Path, pid: int, number: int, key: str = "totals:") -> int:
+    """The instructions in dump ``number`` of process ``pid``: ``totals:`` the cost since the
+    previous dump, ``summary:`` since the last zeroing (-z)."""
     dump = folder / f"callgrind.{pid}.{number}"
     for _ in range(600):  # callgrind_control answers before the file is whole
         text = dump.read_text(errors="replace") if dump.exists() else ""
         for line in text.splitlines():
-            if line.startswith("totals:"):  # 'summary:' counts from the start, zeroed at -z
+            if line.startswith(key):
                 return int(line.split()[1])
         time.sleep(0.1)
     raise RuntimeError(f"no total in {dump}")
