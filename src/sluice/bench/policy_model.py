@@ -672,18 +672,21 @@ def main() -> None:
             pct = [100 * (r.goodput_steady if load == "steady" else r.goodput) / c for c, r in results]
             # The standing overload's goodput against the capacity on the jobs each run served
             # (a spike's are chosen by the deadline, short prompts first: not a sample).
-            own = {
-                s: 100
-                * (r.goodput_steady if load == "steady" else r.goodput)
-                / saturated(engines[s], jobs=r.served)[0]
-                for s, (_, r) in zip(seeds, results, strict=True)
-                if r.served and load == "steady"
-            }
+            on_served = (
+                {
+                    s: 100 * r.goodput_steady / saturated(engines[s], jobs=r.served)[0]
+                    for s, (_, r) in zip(seeds, results, strict=True)
+                    if r.served
+                }
+                if load == "steady"
+                else {}
+            )
             waste = [100 * r.wasted_share for _, r in results]
             fast = sum(
                 1 for s, (_, r) in zip(seeds, results, strict=True) if s in possible and r.ok_p99 <= 5.0
             )
-            met = sum(1 for p in pct if p >= (98.0 if load == "steady" else 73.0))
+            target = 98.0 if load == "steady" else 73.0
+            met = sum(1 for p in pct if p >= target)
             retries = sum(r.retries for _, r in results)
             retry_ok = 100 * sum(r.retries_ok for _, r in results) / retries if retries else math.nan
             print(
@@ -696,13 +699,13 @@ def main() -> None:
                 f"| {sum(r.broken for _, r in results)} of {sum(r.admitted for _, r in results)} "
                 f"| {retry_ok:.0f} % of {retries} | {sum(r.told_not_to for _, r in results)} |"
             )
-            target = 98.0 if load == "steady" else 73.0
-            below = ", ".join(f"{s}: {p:.1f} %" for s, p in own.items() if p < target) or "none"
-            if own:
+            below = ", ".join(f"{s}: {p:.1f} %" for s, p in on_served.items() if p < target) or "none"
+            if on_served:
                 matched.append(
-                    f"- {policy.name}: {_spread(list(own.values()), '{:.0f} %')} "
-                    f"(worst {min(own.values()):.1f} %; "
-                    f"{sum(1 for p in own.values() if p >= target)} of {len(own)} at target; below: {below})"
+                    f"- {policy.name}: {_spread(list(on_served.values()), '{:.0f} %')} "
+                    f"(worst {min(on_served.values()):.1f} %; "
+                    f"{sum(1 for p in on_served.values() if p >= target)} of {len(on_served)} at target; "
+                    f"below: {below})"
                 )
             by_cause: Counter[str] = Counter()
             for _, r in results:
