@@ -169,7 +169,12 @@ def test_syscall_counts_read_perfs_csv(tmp_path: Path) -> None:
     assert overhead_profile.syscall_counts(record) == {"write": 60346, "writev": 0, "read": 13583}
 
 
-def test_syscalls_without_a_record_count_nothing() -> None:
+def test_syscalls_without_a_record_count_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # perf "installed", and any process start recorded: without a record none may start.
+    started: list[list[str]] = []
+    monkeypatch.setattr(overhead_profile.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(overhead_profile.subprocess, "Popen", lambda argv, **_: started.append(argv))
     with overhead_profile.perf_syscalls(1, 1.0, None):
-        pass  # no perf started, nothing to wait for
+        pass
+    assert started == []
     assert overhead.parse_args(["--syscalls", "d"]).syscalls == Path("d")
