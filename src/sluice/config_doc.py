@@ -21,7 +21,8 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from sluice.config import (
+from sluice.config import Settings
+from sluice.config_tables import (
     AliasConfig,
     AliasTarget,
     BackendConfig,
@@ -29,7 +30,6 @@ from sluice.config import (
     KeyConfig,
     ModelConfig,
     PoolConfig,
-    Settings,
 )
 from sluice.roles.flags import ALL_GROUPS
 

@@ -17,7 +17,7 @@ from sluice.api.auth import Caller, admin, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
 from sluice.api.openapi import ADMIN, errors
-from sluice.config import KeyGrant
+from sluice.config_tables import KeyGrant
 from sluice.views import job_view
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(*ADMIN))

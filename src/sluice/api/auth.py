@@ -12,7 +12,8 @@ from starlette.requests import HTTPConnection
 
 from sluice.api.errors import APIError
 from sluice.broker.base import Broker
-from sluice.config import KeyConfig, Settings
+from sluice.config import Settings
+from sluice.config_tables import KeyConfig
 from sluice.core.ratelimit import TenantLimits
 
 

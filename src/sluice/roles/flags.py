@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.broker.redis_topology import SCHEMES
-from sluice.config import BackendConfig, ConfigError, Settings, load_settings
+from sluice.config import ConfigError, Settings, load_settings
+from sluice.config_tables import BackendConfig
 
 
 @dataclass(frozen=True)

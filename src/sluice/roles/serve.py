@@ -25,7 +25,8 @@ import uvicorn
 
 from sluice import aio, drain, runtime
 from sluice.broker.memory import MemoryBroker
-from sluice.config import BackendConfig, ConfigError, Settings
+from sluice.config import ConfigError, Settings
+from sluice.config_tables import BackendConfig
 from sluice.dispatcher import Dispatcher
 from sluice.logs import setup_logging
 from sluice.roles import flags
