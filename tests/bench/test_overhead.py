@@ -4,8 +4,11 @@ with numbers that add up (no timing assertions: the figures are the benchmark's,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,31 @@ def test_syscalls_without_a_record_count_nothing(monkeypatch: pytest.MonkeyPatch
         pass
     assert started == []
     assert overhead.parse_args(["--syscalls", "d"]).syscalls == Path("d")
+
+
+def test_a_rows_syscalls_ride_on_its_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """perf's counts become the row's own calls per response (in the row's JSON), not an option."""
+    record = tmp_path / "spied.txt"
+
+    @contextlib.contextmanager
+    def perf(pid: int, seconds: float, path: Path | None) -> Iterator[None]:
+        if path is not None:  # counted only with the gateway's pid
+            assert path == record
+            path.write_text("300,,syscalls:sys_enter_write,1,1,,\n90,,syscalls:sys_enter_read,1,1,,\n")
+        yield
+
+    tally = overhead_load.Tally(answered=[0.01] * 40, refused=[0.001] * 20, tokens=320)
+    window = overhead_load.Window(tally, 2.0, {"gateway": 1.0}, {"gateway": 1.5})
+    monkeypatch.setattr(overhead, "perf_syscalls", perf)
+    monkeypatch.setattr(overhead, "closed_loop", lambda *args: window)
+    options = overhead.Options(seconds=2.0, warmup_s=1.0, syscalls=tmp_path)
+    rows: list[overhead_report.Row] = []
+    load = overhead_load.Load(4, 8, stream=False)
+    row = overhead._measure(rows, "closed", "spied", "cmd", ["u"], load, {}, options, profile_pid=7)
+    # 30 responses a second over the 3 s of warm-up and window: 90 responses.
+    assert row.syscalls_per_response == pytest.approx({"write": 300 / 90, "read": 1.0})
+    assert rows == [row]
+    assert row.as_dict()["syscalls_per_response"] == row.syscalls_per_response
+    assert "syscalls_per_response" not in {f.name for f in dataclasses.fields(options)}
+    unspied = overhead._measure(rows, "closed", "plain", "cmd", ["u"], load, {}, options, profile_pid=None)
+    assert unspied.syscalls_per_response is None

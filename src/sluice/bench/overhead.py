@@ -47,7 +47,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,6 @@ class Options:
     plot: bool = False
     py_spy: Path | None = None
     syscalls: Path | None = None
-    #: per row that ``syscalls`` counted: each system call's calls per response (filled by the run)
-    syscalls_per_response: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # -- the groups -------------------------------------------------------------------------------------
@@ -127,16 +125,16 @@ def _measure(
     with py_spy(profile_pid or 0, span_s, record), perf_syscalls(profile_pid or 0, span_s, counted):
         window = closed_loop(urls, load, options.warmup_s, options.seconds, roles)
     row = make_row(group, name, command, load, window)
-    rows.append(row)
     print(f"  {name}: {row.answers_per_s:,.0f} answers/s, {row.refusals_per_s:,.0f} refusals/s", flush=True)
     if counted is not None and counted.exists():
         # perf counts through the warm-up and the window; the responses of both are estimated at
         # the window's rate.
         responses = (row.answers_per_s + row.refusals_per_s) * span_s
         per = {k: v / responses for k, v in syscall_counts(counted).items() if responses > 0}
-        options.syscalls_per_response[name] = per
+        row = replace(row, syscalls_per_response=per)
         shown = ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v)
         print(f"  {name}: system calls per response: {shown}", flush=True)
+    rows.append(row)
     return row
 
 
@@ -360,16 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in notes:
         print(line)
     result = {
-        "options": {
-            k: str(v) if isinstance(v, Path) else v
-            for k, v in asdict(options).items()
-            if k != "syscalls_per_response"
-        },
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
         "cpus": os.cpu_count(),
         "rows": [r.as_dict() for r in rows],
         "per_token_us": per_token_us(rows),
         "refusal_ms": refusal_ms(rows),
-        "syscalls_per_response": options.syscalls_per_response,
         "notes": notes,
     }
     path = options.out / f"{options.label}.json"

@@ -35,6 +35,9 @@ class Row:
     role (``gateway``: the process or processes in front of the engine; ``workers``; ``redis``;
     ``engine``; ``load``: the load generator), None where it could not be read. ``load_average``:
     the machine's 1, 5 and 15 minute load averages as the window began.
+    ``syscalls_per_response``: with ``--syscalls``, each counted system call's calls per response
+    (over the warm-up and the window, the responses of both taken at the window's rate); None where
+    none were counted.
     """
 
     group: str
@@ -55,6 +58,7 @@ class Row:
     refusal_p99_ms: float | None
     cpu_s: dict[str, float | None]
     load_average: tuple[float, float, float]
+    syscalls_per_response: dict[str, float] | None = None
 
     @property
     def answers_per_s(self) -> float:
