@@ -6,24 +6,19 @@ tenant that created a batch sees it."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, StringConstraints
 
-# The module, not its names: sluice.batches imports the API's parts, so it may still be loading
-# when this module is (whichever of the two a program imports first).
-import sluice.batches as runs
 from sluice.api.auth import Who
+from sluice.api.batch_records import ENDPOINTS, BatchRunning, batch_object, new_batch, window_seconds
 from sluice.api.errors import APIError
 from sluice.api.files import batch_store, caller_file
 from sluice.api.gateway import gateway
 from sluice.api.openapi import KEYED, errors
 from sluice.filestore.base import TERMINAL_BATCH_STATUSES, new_batch_id
-
-if TYPE_CHECKING:
-    from sluice.batches import BatchRunner
 
 router = APIRouter(tags=["batches"])
 
@@ -42,8 +37,8 @@ class BatchRequest(BaseModel):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
-def runner(request: Request) -> BatchRunner:
-    found: BatchRunner = request.app.state.batches
+def runner(request: Request) -> BatchRunning:
+    found: BatchRunning = request.app.state.batches
     return found
 
 
@@ -51,14 +46,14 @@ def runner(request: Request) -> BatchRunner:
 async def create(request: Request, body: BatchRequest, who: Who) -> JSONResponse:
     """Create a batch from an uploaded file; it starts in ``validating``."""
     settings = gateway(request).settings
-    if body.endpoint not in runs.ENDPOINTS:
+    if body.endpoint not in ENDPOINTS:
         raise APIError(
             400,
-            f"Unsupported endpoint '{body.endpoint}'; use one of {', '.join(runs.ENDPOINTS)}.",
+            f"Unsupported endpoint '{body.endpoint}'; use one of {', '.join(ENDPOINTS)}.",
             "invalid_value",
             param="endpoint",
         )
-    window = runs.window_seconds(body.completion_window)
+    window = window_seconds(body.completion_window)
     if body.completion_window not in settings.batch_completion_windows or window is None:
         allowed = ", ".join(f"'{w}'" for w in settings.batch_completion_windows)
         raise APIError(
@@ -76,7 +71,7 @@ async def create(request: Request, body: BatchRequest, who: Who) -> JSONResponse
             "invalid_value",
             param="input_file_id",
         )
-    record = runs.new_batch(
+    record = new_batch(
         new_batch_id(),
         who,
         input_file_id=meta.id,
@@ -88,7 +83,7 @@ async def create(request: Request, body: BatchRequest, who: Who) -> JSONResponse
     )
     await store.put_batch(record)
     runner(request).poke()
-    return JSONResponse(await runs.batch_object(store, record))
+    return JSONResponse(await batch_object(store, record))
 
 
 async def _own(request: Request, batch_id: str, tenant: str) -> dict[str, Any]:
@@ -101,7 +96,7 @@ async def _own(request: Request, batch_id: str, tenant: str) -> dict[str, Any]:
 @router.get("/v1/batches/{batch_id}", responses=errors(*KEYED, 404))
 async def retrieve(request: Request, batch_id: str, who: Who) -> JSONResponse:
     record = await _own(request, batch_id, who.tenant)
-    return JSONResponse(await runs.batch_object(batch_store(request), record))
+    return JSONResponse(await batch_object(batch_store(request), record))
 
 
 @router.get("/v1/batches", responses=errors(*KEYED, 400))
@@ -114,7 +109,7 @@ async def list_batches(
     """The caller's batches, newest first; the next page starts ``after`` this one's last id."""
     store = batch_store(request)
     page = await store.list_batches(who.tenant, limit=limit, after=after)
-    data = [await runs.batch_object(store, item) for item in page.items]
+    data = [await batch_object(store, item) for item in page.items]
     return JSONResponse(
         {
             "object": "list",
@@ -141,4 +136,4 @@ async def cancel(request: Request, batch_id: str, who: Who) -> JSONResponse:
         )
     await store.request_cancel(batch_id, time.time())
     runner(request).poke()
-    return JSONResponse(await runs.batch_object(store, record))
+    return JSONResponse(await batch_object(store, record))

@@ -10,20 +10,18 @@ tenant that uploaded a file (or whose batch wrote it) sees it; another tenant's 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from sluice.api.auth import Caller, Who
+from sluice.api.batch_records import BatchRunning
 from sluice.api.errors import APIError
 from sluice.api.gateway import gateway
 from sluice.api.openapi import KEYED, errors
 from sluice.filestore.base import BatchStore, FileMeta, new_file_id
-
-if TYPE_CHECKING:
-    from sluice.batches import BatchRunner
 
 router = APIRouter(tags=["files"])
 
@@ -37,7 +35,7 @@ PURPOSES = ("batch",)
 
 def batch_store(request: Request) -> BatchStore:
     """The app's store, or 503 when this process cannot use it (another owns its directory)."""
-    runner: BatchRunner = request.app.state.batches
+    runner: BatchRunning = request.app.state.batches
     if runner.store.unavailable is not None:
         raise APIError(503, f"The Batch API is off here: {runner.store.unavailable}.", "batches_unavailable")
     return runner.store

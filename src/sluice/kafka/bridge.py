@@ -29,11 +29,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from sluice.api.auth import Caller
+from sluice.api.batch_records import ENDPOINTS
 from sluice.api.errors import APIError
 from sluice.api.gateway import OWN_FIELDS, Gateway
 from sluice.api.relay import failure
 from sluice.api.schemas import ChatRequest, CompletionRequest
-from sluice.batches import ENDPOINTS, idempotency_key
+from sluice.batches import idempotency_key
 from sluice.core.job import Endpoint, Job, JobState
 
 log = logging.getLogger("sluice.kafka")
