@@ -50,6 +50,7 @@ from typing import Literal, TypeGuard
 
 from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import Broker, EventType
+from sluice.broker.outage import OutageLog
 from sluice.core.concurrency import EngineLoad, StreamSample
 from sluice.core.errors import deadline_error, internal_error
 from sluice.core.health import speed_weights
@@ -59,7 +60,6 @@ from sluice.core.output_lengths import OutputLengths
 from sluice.core.routing import Candidate, Router, prefix_key
 from sluice.fleet import Engine, Fleet, PoolSpec
 from sluice.metrics import Metrics
-from sluice.outage import OutageLog
 from sluice.protocol import Assembler
 
 log = logging.getLogger("sluice.worker")

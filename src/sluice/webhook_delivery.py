@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from sluice.broker.base import Broker
+from sluice.broker.outage import OutageLog
 from sluice.core.job import Job
-from sluice.outage import OutageLog
 from sluice.views import job_view
 from sluice.webhooks import DeliveryAttempt, WebhookSender
 

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from sluice import runtime
+from sluice.broker.outage import OutageLog
 from sluice.config import load_settings
-from sluice.outage import OutageLog
 from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
 from tests.helpers import FakeClock, wait_until

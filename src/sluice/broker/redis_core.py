@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from sluice.broker.base import Broker, BrokerSettings, BrokerUnavailable
+from sluice.broker.outage import OutageLog
 from sluice.broker.redis_codec import to_json
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, stop_task
 from sluice.broker.redis_keys import QueueKeys
@@ -46,7 +47,6 @@ from sluice.core.errors import (
     unfinishable_error,
     worker_lost_error,
 )
-from sluice.outage import OutageLog
 
 log = logging.getLogger("sluice.broker.redis")
 

@@ -24,9 +24,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import KeyT, StreamIdT
 
 from sluice.broker.base import Event, EventType
+from sluice.broker.outage import OutageLog
 from sluice.broker.redis_keys import EVENT_DATA, EVENT_TYPE, WAKE_FIELD
 from sluice.broker.signal import Signal
-from sluice.outage import OutageLog
 
 log = logging.getLogger(__name__)
 
