@@ -45,13 +45,15 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal, TypeGuard
+from dataclasses import replace
+from typing import Literal
 
+from sluice import attempt
+from sluice.attempt import Hold
 from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import Broker, EventType
 from sluice.broker.outage import OutageLog
-from sluice.core.concurrency import EngineLoad, StreamSample
+from sluice.core.concurrency import EngineLoad
 from sluice.core.errors import deadline_error, internal_error
 from sluice.core.health import speed_weights
 from sluice.core.job import Job, JobError, JobState
@@ -65,8 +67,6 @@ from sluice.protocol import Assembler
 log = logging.getLogger("sluice.worker")
 
 CLAIM_WAIT_S = 1.0
-#: an engine's answer that says it is full (its limit should come down), not broken
-OVERLOAD_STATUS = frozenset({429, 503})
 #: the longest an engine's load report may take before it is skipped this round
 LOAD_TIMEOUT_S = 1.0
 
@@ -373,7 +373,7 @@ class Dispatcher:
             if self._waiting.pop(job_id, None) is not None:
                 self._capacity.set()
 
-    async def _acquire(self, job: Job, exclude: Collection[str] = ()) -> _Hold | None:
+    async def _acquire(self, job: Job, exclude: Collection[str] = ()) -> Hold | None:
         """Wait for an engine with room for the job and reserve it; None once its deadline passes.
         An alias's target is drawn once per attempt."""
         self._waiting.setdefault(job.id, job)
@@ -391,15 +391,15 @@ class Dispatcher:
             self._waiting.pop(job.id, None)
             self._capacity.set()  # claims held back behind this job may go on
 
-    def _reserve(self, engine: Engine, job: Job, target: str) -> _Hold:
+    def _reserve(self, engine: Engine, job: Job, target: str) -> Hold:
         # The width is kept: the limit (and so a wide job's width) may change while it runs.
-        hold = _Hold(engine, engine.width(job), job.cost, target)
+        hold = Hold(engine, engine.width(job), job.cost, target)
         engine.inflight += hold.width
         engine.inflight_tokens += hold.cost
         engine.health.on_dispatch(time.monotonic())
         return hold
 
-    def _release(self, hold: _Hold) -> None:
+    def _release(self, hold: Hold) -> None:
         hold.engine.inflight -= hold.width
         hold.engine.inflight_tokens -= hold.cost
         self._capacity.set()
@@ -410,7 +410,7 @@ class Dispatcher:
         attempts = job.attempts
         unreached_since: float | None = None  # since when tries found no engine to connect to
         tried: set[str] = set()
-        held: _Hold | None = None
+        held: Hold | None = None
         backend: Backend | None = None
         try:
             held = await self._acquire(job)
@@ -421,7 +421,7 @@ class Dispatcher:
                     async with asyncio.timeout(max(remaining, 0)):
                         assembler = await self._generate(job, held)
                 except BackendError as exc:
-                    self._note_failure(engine, exc)
+                    attempt.note_failure(engine, exc)
                     tried.add(engine.name)
                     label = engine.label
                     self._release(held)
@@ -439,7 +439,7 @@ class Dispatcher:
                         self.clock() - unreached_since >= self.unreached_grace_s
                     )
                     if retry_at is None or (counted and attempts >= job.max_attempts):
-                        error = _job_error(exc, attempts)
+                        error = attempt.job_error(exc, attempts)
                         await self._finish(job, JobState.FAILED, attempts, backend, error=error)
                         return
                     await self.broker.publish(
@@ -451,7 +451,7 @@ class Dispatcher:
                     if held is None:
                         # The deadline came before a backend could take the job again: what
                         # stopped it is the engine's failure.
-                        error = _job_error(exc, attempts)
+                        error = attempt.job_error(exc, attempts)
                         await self._finish(job, JobState.FAILED, attempts, backend, error=error)
                         return
                     if counted:
@@ -515,101 +515,15 @@ class Dispatcher:
         at = self.clock() + max(backoff, ejected)
         return at if at < job.deadline else None
 
-    async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> _Hold | None:
+    async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> Hold | None:
         await asyncio.sleep(max(retry_at - self.clock(), 0.0))
         return await self._acquire(job, exclude=tried)
 
-    async def _generate(self, job: Job, hold: _Hold) -> Assembler:
-        """Run one attempt on the held engine; what it measured of the stream feeds the engine's
-        limit and speed."""
-        engine = hold.engine
-        assembler = Assembler(job)
-        # The engine is asked for its own model name (an alias's target), the client answered in
-        # the name it asked for.
-        sent = (
-            job
-            if job.body.get("model") == hold.target
-            else replace(job, body={**job.body, "model": hold.target})
-        )
-        inflight = engine.inflight
-        started = time.monotonic()
-        # At once, not a whole answer later: the limit binds (slow start grows from it).
-        engine.limiter.on_dispatch(inflight)
-        first: float | None = None
-        chunks = 0
-        stream = engine.backend.stream(sent)
-        try:
-            async for data in stream:
-                choices = assembler.add(data)
-                if choices:
-                    if first is None:
-                        first = time.monotonic()
-                        if job.stream_tokens:
-                            # queueing inside the engine shows in the first token, not the end
-                            engine.limiter.on_first_token(inflight, first - started)
-                    chunks += 1
-                    await self.broker.publish(job.id, EventType.TOKEN, assembler.event(choices))
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        self._observe(engine, job, assembler, inflight, started, first, chunks)
-        return assembler
-
-    def _observe(
-        self,
-        engine: Engine,
-        job: Job,
-        assembler: Assembler,
-        inflight: int,
-        started: float,
-        first: float | None,
-        chunks: int,
-    ) -> None:
-        """Feed the engine's limit a finished stream: its first token's time and the mean time of
-        each token after it, per sequence (a whole answer, not streamed, gives only the mean time
-        per token over all of it)."""
-        ended = time.monotonic()
-        usage = assembler.final_usage() or {}
-        out = usage.get("completion_tokens")
-        prompt = usage.get("prompt_tokens")
-        output_tokens = out if _count(out) else chunks
-        prompt_tokens = prompt if _count(prompt) else job.prompt_tokens
-        per_sequence = output_tokens / max(job.sequences, 1)
-        ttft: float | None = None
-        tpot: float | None = None
-        if job.stream_tokens and first is not None:
-            ttft = first - started
-            engine.observe_ttft(ttft)
-            if per_sequence >= 2:
-                tpot = (ended - first) / (per_sequence - 1)
-        elif per_sequence >= 2:
-            tpot = (ended - started) / per_sequence
-        before = engine.limit
-        engine.limiter.on_sample(
-            StreamSample(
-                inflight=inflight,
-                ttft_s=ttft,
-                tpot_s=tpot,
-                output_tokens=output_tokens,
-                prompt_tokens=prompt_tokens,
-            )
-        )
-        if engine.limit != before:
+    async def _generate(self, job: Job, hold: Hold) -> Assembler:
+        assembler, limit_moved = await attempt.generate(self.broker, job, hold)
+        if limit_moved:
             self._capacity.set()
-
-    def _note_failure(self, engine: Engine, exc: BackendError) -> None:
-        now = time.monotonic()
-        if not exc.retryable:
-            # The engine answered (it refused the request itself): it is up, and a probe is over.
-            engine.health.on_success(now)
-            return
-        engine.failures += 1
-        if exc.status in OVERLOAD_STATUS:
-            engine.limiter.on_overload()
-        if exc.status != 429:  # "too many" is a full engine, not a broken one
-            engine.health.on_failure(now)
-        else:
-            engine.health.probe_in_flight = False
-        log.warning("backend %s failed: %s", engine.name, exc.detail)
+        return assembler
 
     async def _finish(
         self,
@@ -748,31 +662,6 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await self.broker.register(self.worker_id, self.capacity())
                 await self.broker.describe_models(self.worker_id, self.model_info())
-
-
-@dataclass(frozen=True, slots=True)
-class _Hold:
-    """A job's reservation on an engine: what it took, and the engine model it asks for."""
-
-    engine: Engine
-    #: slots taken (kept: the engine's limit, and so a wide job's width, may change meanwhile)
-    width: int
-    #: tokens of the engine's budget taken
-    cost: int
-    #: the engine model name the attempt asks for (an alias's draw, else the job's model)
-    target: str
-
-
-def _count(value: object) -> TypeGuard[int]:
-    """Whether a usage field is a count (an int, not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _job_error(exc: BackendError, attempts: int = 1) -> JobError:
-    """The job's error for the engine's failure; after several attempts it says how many (the
-    client is then told not to retry: Sluice did)."""
-    message = exc.message if attempts <= 1 else f"{exc.message} (gave up after {attempts} attempts)"
-    return JobError(message, exc.type, exc.code, exc.param)
 
 
 def log_outcome(job: Job) -> None:
