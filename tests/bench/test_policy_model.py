@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from sluice.bench.policy_model import ARTICLE, capacity, draw_engine, loads, run, saturated
-from sluice.core import capacity as capacity_rules
+from sluice.core.capacity import EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 
 
@@ -33,21 +31,32 @@ def test_the_family_draws_engines_of_every_shape() -> None:
     assert draw_engine(7) == draw_engine(7)
 
 
-def test_a_burst_on_a_kv_short_engine_keeps_every_promise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_burst_on_a_kv_short_engine_keeps_every_promise() -> None:
     """Two engines of the family (50 slots, answers that stop early, a KV cache short of a full
     batch) on the article's spike: with the promise at the rate of a full batch's worst case and
-    the rate's error (capacity.promise_rate), no admitted job ends past its deadline; promised at
-    the fitted line's mean rate, as before, 11 and 16 did, each because its wait was promised at a
-    rate above what the engine drains in a full batch."""
+    the rate's error (DrainRate.promise_rate_behind), no admitted job ends past its deadline;
+    promised at the fitted line's mean rate, as before (the promise's constants at 0, passed to
+    the run's drain rate), 11 and 16 did, each because its wait was promised at a rate above what
+    the engine drains in a full batch."""
     for promise in ("now", "before"):
-        if promise == "before":
-            monkeypatch.setattr(capacity_rules, "EXTRAPOLATION_SHARE", 0.0)
-            monkeypatch.setattr(capacity_rules, "WAIT_MARGIN_Z", 0.0)
+        share, z = (EXTRAPOLATION_SHARE, WAIT_MARGIN_Z) if promise == "now" else (0.0, 0.0)
+
+        def drain(slots: int, share: float = share, z: float = z) -> DrainRate:
+            return DrainRate(slots=slots, weigh_per_slot=True, extrapolation_share=share, wait_margin_z=z)
+
         for seed in (10, 13):
             engine = draw_engine(seed)
             answers_s, _, full_rate = saturated(engine)
             spike = loads(answers_s)["spike 0.55x-5.5x"]
-            r = run(CoDelPolicy(), spike, seed, engine=engine, retriers=0.1, full_rate=full_rate)
+            r = run(
+                CoDelPolicy(),
+                spike,
+                seed,
+                engine=engine,
+                retriers=0.1,
+                drain_factory=drain,
+                full_rate=full_rate,
+            )
             assert r.admitted > 500 and r.goodput / answers_s > 0.7, (promise, seed, r)
             if promise == "now":
                 assert r.broken == 0 and not r.causes, (seed, r.causes)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sluice.core.capacity import DrainRate
@@ -141,3 +143,42 @@ def test_a_promised_wait_leaves_room_for_the_rates_error() -> None:
     assert few.promised_wait_s(1000) == pytest.approx(1000 / few.promise_rate)
     assert few.promised_wait_s(1000) > few.wait_s(1000) * few.wait_margin * 0.99
     assert DrainRate(slots=4).wait_margin == 1.0  # nothing measured: the prior, as it was
+
+
+def test_a_wait_behind_few_jobs_leaves_room_for_their_own_spread() -> None:
+    """The jobs queued ahead are a sample too: behind k of them the margin adds their mean's error
+    (variance spread² / k) to the rate's. Behind a long queue it is the rate's error alone; behind
+    few it is wider; where every job takes the same there is none either way. An admission passes
+    down the slowdown it read once, and the promise is the same as when the rate reads it."""
+    spread, same = (DrainRate(slots=4, weigh_per_slot=True) for _ in range(2))
+    for i in range(3000):
+        spread.observe(100, 0.2 if i % 2 else 1.8, running=4)
+        same.observe(100, 1.0, running=4)
+    rate_error = spread.wait_margin - 1.0
+    jobs = min(spread.samples, (2.0 - spread.weight) / spread.weight)
+    for k in (1, 10, 100):
+        margin = spread.batch_rate / spread.promise_rate_behind(k) - 1.0
+        assert margin == pytest.approx(rate_error * math.sqrt(1 + jobs / k), rel=1e-6)
+    assert spread.promise_rate_behind(1) < spread.promise_rate_behind(100) < spread.promise_rate
+    assert spread.promise_rate_behind(0) == spread.promise_rate  # no jobs ahead: no such term
+    assert spread.promise_rate_behind(10_000) == pytest.approx(spread.promise_rate, rel=0.01)
+    assert same.promise_rate_behind(1) == pytest.approx(same.batch_rate, rel=0.02)
+    assert spread.promised_wait_s(1000, 10) == pytest.approx(1000 / spread.promise_rate_behind(10))
+    slowdown = spread.slowdown
+    assert spread.promised_wait_s(1000, 10, slowdown=slowdown) == spread.promised_wait_s(1000, 10)
+    assert spread.wait_s(1000, slowdown=slowdown) == spread.wait_s(1000)
+    assert spread.slow_service_s(100, slowdown=slowdown) == spread.slow_service_s(100)
+
+
+def test_the_promises_constants_are_the_rates_own() -> None:
+    """A what-if of the promise's constants is a rate made with them, not the module's changed:
+    at 0 the promise is the mean at the fitted line, and the default rate is unchanged beside it."""
+    plain, flat = (
+        DrainRate(slots=8, weigh_per_slot=True),
+        DrainRate(slots=8, weigh_per_slot=True, extrapolation_share=0.0, wait_margin_z=0.0),
+    )
+    for i in range(600):
+        for d in (plain, flat):
+            d.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
+    assert flat.promise_rate_behind(5) == pytest.approx(flat.rate)
+    assert plain.promise_rate_behind(5) < 0.7 * plain.rate

@@ -190,7 +190,7 @@ class _Job:
     # What admission promised it, for counting broken promises by cause (:func:`_cause`).
     promised_wait: float = 0.0  # the wait the deadline check allowed for (DrainRate.promised_wait_s)
     promised_service: float = 0.0  # and its own generation (DrainRate.slow_service_s)
-    promise_rate: float = 0.0  # the rate that wait was promised at (DrainRate.promise_rate)
+    promise_rate: float = 0.0  # the rate that wait was promised at (DrainRate.promise_rate_behind)
     slowest_seen: float = 0.0  # the most seconds per cost unit any job finished before it took
     preempted: int = 0  # times the engine preempted it (KV cache short)
     refused_code: str = ""  # why it was refused, if it was
@@ -345,10 +345,10 @@ def run(
                     push(now + r.retry_after_s, "retry", job)
                 continue
             job.outcome, job.admitted = "queued", True
-            ahead = c.view.ahead_tokens
-            job.promised_wait = drain.promised_wait_s(ahead) if drain.measured else 0.0
+            ahead, ahead_jobs = c.view.ahead_tokens, c.view.ahead_jobs
+            job.promised_wait = drain.promised_wait_s(ahead, ahead_jobs) if drain.measured else 0.0
             job.promised_service = drain.slow_service_s(c.cost, behind_queue=ahead > 0)
-            job.promise_rate, job.slowest_seen = drain.promise_rate, slowest
+            job.promise_rate, job.slowest_seen = drain.promise_rate_behind(ahead_jobs), slowest
             queue.append(job)
             queued_cost += cost(job)
             push(job.deadline, "giveup", job)
@@ -616,9 +616,17 @@ def main() -> None:
         help="standard errors of the rate a promised wait leaves room for (capacity.WAIT_MARGIN_Z)",
     )
     args = ap.parse_args()
-    # What-ifs of the promise's two constants: the core reads them at each call.
-    capacity_rules.EXTRAPOLATION_SHARE = args.extrapolation
-    capacity_rules.WAIT_MARGIN_Z = args.margin_z
+
+    def drain_factory(slots: int) -> DrainRate:
+        """The drain rate of each run, with the promise's constants of ``--extrapolation`` and
+        ``--margin-z`` (the brokers' are capacity's)."""
+        return DrainRate(
+            slots=slots,
+            weigh_per_slot=True,
+            extrapolation_share=args.extrapolation,
+            wait_margin_z=args.margin_z,
+        )
+
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}
     policies: list[QueuePolicy] = []
     for name in args.policy or list(POLICIES):
@@ -665,6 +673,7 @@ def main() -> None:
                             engine=engines[s],
                             retriers=args.retriers,
                             share=args.share,
+                            drain_factory=drain_factory,
                             full_rate=floors[s][2],
                         ),
                     )

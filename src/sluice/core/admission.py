@@ -233,14 +233,27 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
     )
 
 
-def check_deadline(*, cost: int, now: float, deadline: float, view: QueueView, drain: DrainRate) -> Admitted:
-    """Can the job finish before its deadline: the work queued ahead at the rate a wait is promised
-    at (``DrainRate.promise_rate``: a full batch's, with room for the rate's own error), then its
-    own generation at the pace admission promises (``DrainRate.slow_service_s``: as slow as most
-    jobs have been, not the mean), so that a job admitted is one that finishes in time."""
-    wait = drain.wait_s(view.ahead_tokens)
-    promised_wait = drain.promised_wait_s(view.ahead_tokens)
-    service = drain.slow_service_s(cost, behind_queue=view.ahead_tokens > 0)
+def check_deadline(
+    *,
+    cost: int,
+    now: float,
+    deadline: float,
+    view: QueueView,
+    drain: DrainRate,
+    slowdown: float | None = None,
+) -> Admitted:
+    """Can the job finish before its deadline: the work queued ahead at the rate a wait behind
+    those jobs is promised at (``DrainRate.promise_rate_behind``: a full batch's, with room for
+    the rate's own error and for the jobs ahead's), then its own generation at the pace admission
+    promises (``DrainRate.slow_service_s``: as slow as most jobs have been, not the mean), so that
+    a job admitted is one that finishes in time. ``slowdown``: ``drain.slowdown`` when the caller
+    has read it already; it is read once an admission, for the wait, the promise and the job's
+    own time alike (the fit is not cached on the rate, which every finished job changes)."""
+    if slowdown is None:
+        slowdown = drain.slowdown
+    wait = drain.wait_s(view.ahead_tokens, slowdown=slowdown)
+    promised_wait = drain.promised_wait_s(view.ahead_tokens, view.ahead_jobs, slowdown=slowdown)
+    service = drain.slow_service_s(cost, behind_queue=view.ahead_tokens > 0, slowdown=slowdown)
     budget = deadline - now
     # Before the first measurement the rate is a guess: only the bounds protect the queue then.
     if drain.measured and promised_wait + service > budget:

@@ -49,9 +49,10 @@ MAX_FILL_SLOWDOWN = 4.0
 #: the short ones, which flatten it just when a queue forms; the more the jobs' times spread, the
 #: more it is flattened so (docs/policies.md). Where every job takes the same, the line is followed.
 EXTRAPOLATION_SHARE = 0.5
-#: Standard errors of the drain rate that the wait a job is promised leaves room for
-#: (:attr:`DrainRate.wait_margin`): a rate is the mean of the last few batches of jobs, and on a few
-#: slots with long-tailed answers a mean of fifty jobs is off by a quarter often enough.
+#: Standard errors that the wait a job is promised leaves room for (:meth:`DrainRate.wait_margin`):
+#: of the drain rate, a mean of the last few batches of jobs (on a few slots with long-tailed
+#: answers a mean of fifty jobs is off by a quarter often enough), and of the jobs queued ahead,
+#: whose answers are a sample of their own (how long they take is not known until they end).
 WAIT_MARGIN_Z = 2.0
 #: Whether the brokers' drain rates weigh a job at ``alpha`` per slot (:attr:`DrainRate.weight`).
 #: Both brokers read it (lua/finish.lua is told it at each call), so that the
@@ -86,6 +87,9 @@ class DrainRate:
             how a job slows as the batch fills (:attr:`slowdown`).
         fills: the finished jobs measured with their fill.
         weigh_per_slot: the moving averages weigh a job at ``alpha`` per slot (else at ``alpha``).
+        extrapolation_share, wait_margin_z: the promise's constants (:data:`EXTRAPOLATION_SHARE`,
+            :data:`WAIT_MARGIN_Z`, which the brokers use; ``sluice.bench.policy_model`` sets others
+            for its what-ifs).
     """
 
     prior_per_slot: float = 50.0
@@ -102,6 +106,8 @@ class DrainRate:
     fit_ut: float = 0.0
     fills: int = 0
     weigh_per_slot: bool = WEIGHT_PER_SLOT
+    extrapolation_share: float = EXTRAPOLATION_SHARE
+    wait_margin_z: float = WAIT_MARGIN_Z
 
     def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
         """One finished job: its cost, the seconds it took, and (when the broker knows it) how
@@ -174,33 +180,47 @@ class DrainRate:
     @property
     def slot_rate(self) -> float:
         """A slot's rate in a full batch (:attr:`slowdown`), or the prior before any measurement."""
-        return self.per_slot / self.slowdown if self.samples else self.prior_per_slot
+        return self.slot_rate_at(self.slowdown)
+
+    def slot_rate_at(self, slowdown: float) -> float:
+        """:attr:`slot_rate` at a :attr:`slowdown` the caller has read already (an admission reads
+        it once, for its wait, its promise and its own time alike)."""
+        return self.per_slot / slowdown if self.samples else self.prior_per_slot
 
     @property
     def rate(self) -> float:
         """Cost units per second the whole model drains; never zero, so divisions stay finite."""
-        return max(self.slot_rate * max(self.slots, 1), 1e-3)
+        return self.rate_at(self.slowdown)
+
+    def rate_at(self, slowdown: float) -> float:
+        """:attr:`rate` at a :attr:`slowdown` read already (:meth:`slot_rate_at`)."""
+        return max(self.slot_rate_at(slowdown) * max(self.slots, 1), 1e-3)
 
     def service_s(self, cost: int) -> float:
         """Expected time one job of this cost occupies a slot in a full batch."""
         return cost / max(self.slot_rate, 1e-3)
 
-    def slow_service_s(self, cost: int, *, behind_queue: bool = True) -> float:
+    def slow_service_s(self, cost: int, *, behind_queue: bool = True, slowdown: float | None = None) -> float:
         """The time a job of this cost is promised: at the :data:`SLOW_QUANTILE` of the time per
         cost unit seen, never less than the mean (before any measurement, :meth:`service_s`).
 
         Behind a queue (``behind_queue``) the batch is full, and the job is promised its time at
-        the full batch's pace (:attr:`slowdown`). With nothing queued ahead it starts at once, in a
-        batch not yet full, and is promised its time at the pace measured: were the slowdown
-        applied there too, a slowdown estimated too high would refuse every job as never fitting,
-        and with nothing admitted nothing would finish to correct it."""
+        the full batch's pace (:attr:`slowdown`; ``slowdown``: that one, read already by the
+        caller). With nothing queued ahead it starts at once, in a batch not yet full, and is
+        promised its time at the pace measured: were the slowdown applied there too, a slowdown
+        estimated too high would refuse every job as never fitting, and with nothing admitted
+        nothing would finish to correct it."""
         if not self.samples:
             return self.service_s(cost)
-        slowdown = self.slowdown if behind_queue else 1.0
+        if not behind_queue:
+            slowdown = 1.0
+        elif slowdown is None:
+            slowdown = self.slowdown
         return max(cost * self.slow * slowdown, cost * slowdown / max(self.per_slot, 1e-3))
 
-    def wait_s(self, tokens_ahead: int) -> float:
-        return tokens_ahead / self.rate
+    def wait_s(self, tokens_ahead: int, *, slowdown: float | None = None) -> float:
+        """The mean wait behind ``tokens_ahead`` (``slowdown``: :attr:`slowdown`, read already)."""
+        return tokens_ahead / (self.rate if slowdown is None else self.rate_at(slowdown))
 
     @property
     def promise_slowdown(self) -> float:
@@ -213,14 +233,13 @@ class DrainRate:
         full batch are its short answers, which flatten it just as the queue forms, the more so
         the more the jobs' times spread; where they all take the same, there is no such bias and
         the line is followed. :attr:`slowdown` when never told a fill."""
-        return self._promise_slowdown(self.spread)
+        return self._promise_slowdown(self.spread, self.slowdown)
 
-    def _promise_slowdown(self, spread: float) -> float:
-        fit = self.slowdown
+    def _promise_slowdown(self, spread: float, fit: float) -> float:
         if self.fills == 0:
             return fit
         bound = min(max(1.0 / max(self.fill, 1e-3), fit), MAX_FILL_SLOWDOWN)
-        return fit * math.pow(bound / fit, min(EXTRAPOLATION_SHARE * spread, 1.0))
+        return fit * math.pow(bound / fit, min(self.extrapolation_share * spread, 1.0))
 
     @property
     def spread(self) -> float:
@@ -232,48 +251,62 @@ class DrainRate:
 
     @property
     def wait_margin(self) -> float:
-        """How much longer than its mean a queue's wait is promised: :data:`WAIT_MARGIN_Z`
-        standard errors of the rate, a mean over about ``2 / weight`` jobs (fewer before that
-        many finished) whose times vary by :attr:`spread`."""
-        return self._wait_margin(self.spread)
+        """How much longer than its mean a long queue's wait is promised: :data:`WAIT_MARGIN_Z`
+        standard errors of the rate, a mean over about ``2 / weight`` finished jobs (fewer before
+        that many finished) whose times vary by :attr:`spread`. Behind a few jobs the margin is
+        wider (:meth:`promise_rate_behind`): they are a sample of their own."""
+        return self._wait_margin(self.spread, 0)
 
-    def _wait_margin(self, spread: float) -> float:
+    def _wait_margin(self, spread: float, jobs_ahead: int) -> float:
         if not self.samples:
             return 1.0
         w = self.weight
         jobs = min(self.samples, (2.0 - w) / w)
-        return 1.0 + WAIT_MARGIN_Z * spread / math.sqrt(jobs)
+        own = 1.0 / jobs_ahead if jobs_ahead > 0 else 0.0
+        return 1.0 + self.wait_margin_z * spread * math.sqrt(1.0 / jobs + own)
 
     @property
     def batch_rate(self) -> float:
         """The drain rate of a full batch at :attr:`promise_slowdown` (cost units per second): the
         capacity admission expects to grant, which the Retry-After book spreads its times over
         (``admission.reserve``); the prior before any measurement."""
-        return self._batch_rate(self.spread)
+        return self._batch_rate(self.spread, self.slowdown)
 
-    def _batch_rate(self, spread: float) -> float:
+    def _batch_rate(self, spread: float, fit: float) -> float:
         if not self.samples:
-            return self.rate
-        return max(self.per_slot / self._promise_slowdown(spread) * max(self.slots, 1), 1e-3)
+            return self.rate_at(fit)
+        return max(self.per_slot / self._promise_slowdown(spread, fit) * max(self.slots, 1), 1e-3)
 
     @property
     def promise_rate(self) -> float:
-        """The drain rate a job's wait is promised at: :attr:`batch_rate` less
-        :attr:`wait_margin`. Only the deadline check reads it: codel's view of the queue and the
-        position and start a client is told stay at the mean rate. The deadline check reads it
-        on every admission with a deadline: :attr:`spread` is read once for both of its parts."""
-        spread = self.spread
-        return max(self._batch_rate(spread) / self._wait_margin(spread), 1e-3)
+        """The rate a long queue's wait is promised at: :meth:`promise_rate_behind` a queue whose
+        own jobs' spread averages out, the rate's error alone."""
+        return self.promise_rate_behind(0)
 
-    def promised_wait_s(self, tokens_ahead: int) -> float:
-        """The wait a job behind ``tokens_ahead`` is promised (:attr:`promise_rate`)."""
-        return tokens_ahead / self.promise_rate
+    def promise_rate_behind(self, jobs_ahead: int, *, slowdown: float | None = None) -> float:
+        """The drain rate the wait behind ``jobs_ahead`` jobs is promised at: :attr:`batch_rate`
+        less a margin of :data:`WAIT_MARGIN_Z` standard errors of two means whose times vary by
+        :attr:`spread`: the rate's (:attr:`wait_margin`), and the jobs ahead's, a sample of their
+        own whose answers are not known until they end (its variance ``spread² / jobs_ahead``; 0
+        jobs: none). ``slowdown``: :attr:`slowdown`, when the caller has read it already (an
+        admission reads it once). Only the deadline check reads it: codel's view of the queue
+        and the position and start a client is told stay at the mean rate."""
+        spread = self.spread  # read once for both of the rate's parts
+        fit = self.slowdown if slowdown is None else slowdown
+        return max(self._batch_rate(spread, fit) / self._wait_margin(spread, jobs_ahead), 1e-3)
+
+    def promised_wait_s(
+        self, tokens_ahead: int, jobs_ahead: int = 0, *, slowdown: float | None = None
+    ) -> float:
+        """The wait a job behind ``tokens_ahead`` in ``jobs_ahead`` jobs is promised
+        (:meth:`promise_rate_behind`; ``slowdown`` as there)."""
+        return tokens_ahead / self.promise_rate_behind(jobs_ahead, slowdown=slowdown)
 
 
 def promise_args() -> list[str]:
     """What ``lua/_drain.lua``'s promise needs besides the model's fields (admit.lua is told it
     after the queue policy's numbers): the constants of :attr:`DrainRate.promise_slowdown` and
-    :attr:`DrainRate.wait_margin`, the rate's ``alpha`` and whether it is weighed per slot."""
+    :meth:`DrainRate.promise_rate_behind`, the rate's ``alpha`` and whether it is weighed per slot."""
     return [
         repr(EXTRAPOLATION_SHARE),
         repr(WAIT_MARGIN_Z),

@@ -130,8 +130,10 @@ def _admitted(c: Candidate, evict: bool) -> Admitted:
     return Admitted(c.view.ahead_jobs, c.drain.wait_s(c.view.ahead_tokens), evict)
 
 
-def _deadline(c: Candidate, evict: bool) -> Admitted:
-    ok = check_deadline(cost=c.cost, now=c.now, deadline=c.deadline, view=c.view, drain=c.drain)
+def _deadline(c: Candidate, evict: bool, slowdown: float | None = None) -> Admitted:
+    ok = check_deadline(
+        cost=c.cost, now=c.now, deadline=c.deadline, view=c.view, drain=c.drain, slowdown=slowdown
+    )
     return dataclasses.replace(ok, evict=evict)
 
 
@@ -237,9 +239,10 @@ class CoDelPolicy(QueuePolicy):
         if not self.half_life_s > 0:
             raise ValueError("codel needs half_life_s > 0")
 
-    def target(self, c: Candidate) -> float:
-        """The target for this job's queue: ``target_s``, or one job's drain time if that is longer."""
-        return max(self.target_s, c.drain.wait_s(c.cost))
+    def target(self, c: Candidate, *, slowdown: float | None = None) -> float:
+        """The target for this job's queue: ``target_s``, or one job's drain time if that is longer
+        (``slowdown``: ``c.drain.slowdown``, when read already)."""
+        return max(self.target_s, c.drain.wait_s(c.cost, slowdown=slowdown))
 
     def observe(
         self, state: PolicyState, delay_s: float, now: float, target: float, *, learning: bool = False
@@ -285,11 +288,14 @@ class CoDelPolicy(QueuePolicy):
         evict = check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         # Before the first job finishes the rate is the configured prior: a guess, but the onset of
         # an overload is exactly when the interval must start counting.
-        target = self.target(c)
+        # The batch's slowdown, read once for this admission's every wait (a fit of five numbers).
+        slowdown = c.drain.slowdown
+        target = self.target(c, slowdown=slowdown)
         # The queue's delay is what a job at its tail waits for: jobs held back by their tenant's
         # concurrency cap are not in it.
-        self.observe(state, c.drain.wait_s(c.view.tail_tokens), c.now, target, learning=learning(c.drain))
-        wait = c.drain.wait_s(c.view.ahead_tokens)
+        delay = c.drain.wait_s(c.view.tail_tokens, slowdown=slowdown)
+        self.observe(state, delay, c.now, target, learning=learning(c.drain))
+        wait = c.drain.wait_s(c.view.ahead_tokens, slowdown=slowdown)
         limit = self.delay_limit(state, c.now, target)
         if wait > limit:
             state.refused_at = c.now
@@ -301,7 +307,7 @@ class CoDelPolicy(QueuePolicy):
                 # When the work queued ahead now has started: the queue is then younger than you.
                 clamp_retry_after(wait),
             )
-        return _deadline(c, evict)
+        return _deadline(c, evict, slowdown)
 
     def lua_args(self) -> list[str]:
         nums = (self.target_s, self.interval_s, self.early_s, self.burst_rise, self.half_life_s)
