@@ -13,7 +13,7 @@ import pytest
 from sluice.backends.base import Backend
 from sluice.config import ConfigError, load_settings
 from sluice.core.job import Job
-from sluice.fleet import Engine, Fleet, PoolSpec, resolve_system
+from sluice.fleet import TTFT_SMOOTHING, Engine, Fleet, PoolSpec, resolve_system, smoothed_ttft
 from sluice.runtime import build_fleet
 from tests.helpers import make_job
 
@@ -215,3 +215,16 @@ def test_settings_build_the_fleet() -> None:
 def test_bad_pools_are_refused_clearly(pool: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_settings(overrides={"pools": [pool]}, environ={})
+
+
+def test_an_engines_ttft_is_smoothed_by_the_shared_rule() -> None:
+    """The dispatcher's engines and the routing model fold a TTFT by one function: the first
+    sample is taken whole, each later one moves the value TTFT_SMOOTHING of the way to it."""
+    assert smoothed_ttft(None, 0.8) == 0.8
+    assert smoothed_ttft(1.0, 2.0) == pytest.approx(1.0 + TTFT_SMOOTHING)
+    engine = Engine(StubBackend("e", "http://e", ["m"]), "p", "e", PoolSpec("p").limiter())
+    folded: float | None = None
+    for sample in (0.5, 2.0, 0.1, 0.1):
+        engine.observe_ttft(sample)
+        folded = smoothed_ttft(folded, sample)
+        assert engine.ttft_s == folded

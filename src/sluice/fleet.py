@@ -98,6 +98,13 @@ BackendFactory = Callable[[PoolSpec, str, str], Backend]
 TTFT_SMOOTHING = 0.2
 
 
+def smoothed_ttft(previous: float | None, sample: float) -> float:
+    """An engine's smoothed time to first token once ``sample`` is folded in (``previous``: the
+    smoothed value so far, None before the first sample). The one rule for the dispatcher's
+    engines (:meth:`Engine.observe_ttft`) and the routing model's."""
+    return sample if previous is None else previous + TTFT_SMOOTHING * (sample - previous)
+
+
 #: what an engine's limit is: ``configured`` (a fixed ``max_concurrency``) or ``learned`` (its
 #: adaptive ConcurrencyLimit, under its ceiling if one is set)
 LIMIT_CONFIGURED = "configured"
@@ -214,7 +221,7 @@ class Engine:
         }
 
     def observe_ttft(self, ttft_s: float) -> None:
-        self.ttft_s = ttft_s if self.ttft_s is None else self.ttft_s + TTFT_SMOOTHING * (ttft_s - self.ttft_s)
+        self.ttft_s = smoothed_ttft(self.ttft_s, ttft_s)
 
 
 @dataclass(frozen=True)
