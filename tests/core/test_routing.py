@@ -222,12 +222,69 @@ def test_memory_is_bounded() -> None:
     assert len(router._last) == 10
 
 
-def test_affinity_off_ignores_the_prefix() -> None:
+def test_affinity_off_sends_a_new_prefix_to_the_soonest_engine() -> None:
     router = Router(affinity=False)
     engines = [cand("a", inflight=5, spt=0.02), cand("b", inflight=0, spt=0.02)]
     assert {router.pick(engines, prompt_tokens=1, output_tokens=1, prefix=f"p{i}") for i in range(20)} == {
         "b"
     }
+
+
+def test_without_affinity_a_prefix_goes_back_to_the_engine_caching_it() -> None:
+    """Prefill-heavy answers (0.8 s of TTFT, 32 tokens of 20 ms): the engine a conversation's last
+    turn went to skips its prefill, so it finishes sooner there though it is busier; without the
+    prefix the freer engine wins."""
+    router = Router(affinity=False)
+    idle = [cand("a", spt=0.02, ttft=0.8), cand("b", spt=0.02, ttft=0.8)]
+    assert router.pick(idle, prompt_tokens=2800, output_tokens=32, prefix="conv") == "a"
+    busier_a = [cand("a", inflight=2, spt=0.02, ttft=0.8), cand("b", inflight=1, spt=0.02, ttft=0.8)]
+    assert router.pick(busier_a, prompt_tokens=2800, output_tokens=32, prefix=None) == "b"
+    assert router.pick(busier_a, prompt_tokens=2800, output_tokens=32, prefix="conv") == "a"
+    assert predicted_completion(
+        busier_a[0], prompt_tokens=2800, output_tokens=32, cached=True
+    ) == pytest.approx(32 * 0.02 * (1 + 3 / 8))
+
+
+def test_the_cached_engine_wins_a_tie_and_loses_past_it() -> None:
+    router = Router(affinity=False)
+    # No prefill measured: the predictions differ by load alone, 10 % apart, a tie; the engine
+    # caching the prefix wins it, where least-loaded's order would take the freer one.
+    router.pick([cand("a", spt=0.02), cand("b", spt=0.02)], prompt_tokens=1, output_tokens=32, prefix="p")
+    tied = [cand("a", inflight=2, spt=0.02), cand("b", inflight=1, spt=0.02)]
+    assert router.pick(tied, prompt_tokens=1, output_tokens=32, prefix="other") == "b"
+    assert router.pick(tied, prompt_tokens=1, output_tokens=32, prefix="p") == "a"
+    # Long answers and a short prefill: the saved prefill does not make up for six more in flight.
+    loaded = [cand("a", inflight=6, spt=0.02, ttft=0.1), cand("b", spt=0.02, ttft=0.1)]
+    assert router.pick(loaded, prompt_tokens=100, output_tokens=200, prefix="p") == "b"
+    # ... and the prefix is now remembered where it went.
+    assert router._last["p"] == "b"
+
+
+def test_without_speeds_the_cache_does_not_change_least_loaded() -> None:
+    router = Router(affinity=False)
+    router.pick([cand("a"), cand("b")], prompt_tokens=1, output_tokens=1, prefix="p")
+    engines = [cand("a", inflight=2), cand("b", inflight=1)]
+    assert router.pick(engines, prompt_tokens=1, output_tokens=1, prefix="p") == "b"
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 9), min_size=3, max_size=3), st.sampled_from("pqr")), max_size=40
+    ),
+    st.booleans(),
+)
+@settings(max_examples=100, deadline=None)
+def test_a_remembered_prefix_never_sends_a_job_to_a_full_engine(
+    picks: list[tuple[list[int], str]], affinity: bool
+) -> None:
+    router = Router(affinity=affinity)
+    for loads, prefix in picks:
+        engines = [
+            cand(n, inflight=f, limit=8, spt=0.02, ttft=0.5) for n, f in zip("abc", loads, strict=True)
+        ]
+        pick = router.pick(engines, prompt_tokens=100, output_tokens=32, prefix=prefix)
+        room = {c.name for c in engines if c.inflight < c.limit}
+        assert pick in room if room else pick is None
 
 
 def test_bigger_engine_gets_its_share() -> None:

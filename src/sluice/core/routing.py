@@ -9,7 +9,9 @@ Two rules, one per kind of job:
   speed is not measured yet is taken to be as fast as the median measured one; when none is
   measured, the rule is the free fraction of each engine's limit (least loaded). Predictions
   within :data:`PREDICTION_TIE` of the soonest are a tie, broken by that same rule: the
-  measurements are noisier than that (docs/routing.md).
+  measurements are noisier than that (docs/routing.md). A job with a prefix key is predicted
+  with no prefill on the engine its prefix's last job went to (that engine's prefix cache holds
+  it), and wins a tie there.
 * **Prefix affinity.** Requests that share a prompt prefix (a system prompt, a conversation, the
   client's ``prompt_cache_key`` or ``user``: :func:`prefix_key`) should land on the same engine,
   whose prefix cache then skips their shared prefill. That is consistent hashing with bounded
@@ -160,13 +162,20 @@ def prefix_key(body: Mapping[str, Any]) -> str | None:
 
 
 def predicted_completion(
-    c: Candidate, *, prompt_tokens: int, output_tokens: int, seconds_per_token: float | None = None
+    c: Candidate,
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    seconds_per_token: float | None = None,
+    cached: bool = False,
 ) -> float | None:
     """Seconds until a job sent to ``c`` now would finish, or None if its speed is unknown.
 
     ``seconds_per_token`` stands in for the engine's own when that is None (a presumed speed).
-    The queueing part: none while the engine is under its limit; beyond it, the job waits for
-    the sequences ahead of it to finish, one of the engine's job times per ``limit`` of them.
+    ``cached``: the engine holds the job's prompt prefix in its cache (its prefix's last job went
+    there), so the prefill is skipped and only the decode is predicted. The queueing part: none
+    while the engine is under its limit; beyond it, the job waits for the sequences ahead of it
+    to finish, one of the engine's job times per ``limit`` of them.
     The result is divided by the health weight (a slow-flagged engine looks that much later).
     """
     spt = c.seconds_per_token if c.seconds_per_token is not None else seconds_per_token
@@ -178,11 +187,14 @@ def predicted_completion(
     # load, so of two engines of one speed the idler one wins.)
     fill = min(c.inflight + 1, limit) / limit
     spt_after = spt * (1 + LOAD_SENSITIVITY * fill)
-    # The engine's prefills share its steps too: every sequence admitted stalls the batch.
-    prefill = (c.ttft_s if c.ttft_s is not None else 0.0) * (1 + LOAD_SENSITIVITY * fill)
-    # prompt_tokens is not used beyond the measured TTFT: the engine's recent prefill is the best
-    # estimate Sluice has of this one (a cached prefix makes it shorter, which affinity exploits).
+    # The engine's prefills share its steps too: every sequence admitted stalls the batch. On the
+    # engine that caches the job's prefix, the prefill is skipped (all but the few tokens added
+    # since its last job there). Elsewhere the engine's recent TTFT is the best estimate Sluice
+    # has; prompt_tokens is not used beyond it. On chat traffic that TTFT is mostly how much of
+    # recent prompts missed a cache: without the prefix, following it scattered conversations
+    # (docs/routing.md, "Where predicted completion lost").
     del prompt_tokens
+    prefill = 0.0 if cached or c.ttft_s is None else c.ttft_s * (1 + LOAD_SENSITIVITY * fill)
     service = prefill + max(output_tokens, 1) * spt_after
     ahead = c.inflight - limit + 1
     queueing = ahead * service / limit if ahead > 0 else 0.0
@@ -226,7 +238,8 @@ class Router:
 
     Args:
         affinity: send jobs with a prefix to the prefix's home engine (bounded loads); off, every
-            job goes to the soonest predicted completion.
+            job goes to the soonest predicted completion (which counts the cache hit on a
+            prefix's last engine).
         load_factor: the bound, c >= 1 in the paper: an engine may hold at most
             ``ceil(load_factor x its share of the load)`` (with this job) before a prefix homed on
             it spills to the next engine on the ring. 1.25 keeps most keys home (the paper's
@@ -243,7 +256,9 @@ class Router:
             spilled once has its cache on the engine it spilled to, not on its ring home: its
             next job goes there while that engine is within its bound, and only otherwise
             walks the ring. Without it, a conversation whose first turn spilled pays the whole
-            prefill again on its second, at home.
+            prefill again on its second, at home. With affinity or without, the soonest
+            predicted completion takes that engine to skip the job's prefill (with 0, it knows
+            of no engine that would).
     """
 
     def __init__(
@@ -308,15 +323,20 @@ class Router:
         prefix: str | None,
     ) -> str | None:
         """The engine to send the job to, or None when no candidate has room
-        (``inflight >= limit`` for all, or none has a positive weight)."""
+        (``inflight >= limit`` for all, or none has a positive weight). ``prefix``: the job's
+        prompt prefix key (:func:`prefix_key`), None if it has none: with affinity, its home;
+        either way, the engine its last job went to caches it, which the soonest predicted
+        completion counts (and the engine chosen is remembered)."""
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
-        if not self.affinity or prefix is None:
+        if prefix is None:
             return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
-        name = self.home(candidates, prefix)
+        name = self.home(candidates, prefix) if self.affinity else None
         if name is None:
-            name = self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+            name = self.soonest(
+                open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached=self._last.get(prefix)
+            )
         if name is not None and self.remember > 0:
             self._last[prefix] = name
             self._last.move_to_end(prefix)
@@ -342,12 +362,19 @@ class Router:
         return None
 
     def soonest(
-        self, candidates: Sequence[Candidate], *, prompt_tokens: int, output_tokens: int
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached: str | None = None,
     ) -> str | None:
         """The candidate with room where the job is predicted to finish first; predictions within
         :data:`PREDICTION_TIE` of the soonest are a tie, broken as least-loaded breaks it: the
-        largest free fraction of the limit (scaled by weight), then fewest in flight, then name.
-        With no speed measured anywhere, that rule alone."""
+        largest free fraction of the limit (scaled by weight), then fewest in flight, then name;
+        but ``cached``, the engine holding the job's prefix in its cache, wins a tie it is in
+        (and is predicted without prefill). With no speed measured anywhere, least-loaded's rule
+        alone."""
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
@@ -362,6 +389,7 @@ class Router:
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 seconds_per_token=presumed,
+                cached=c.name == cached,
             )
             return t if t is not None else math.inf
 
@@ -372,4 +400,8 @@ class Router:
         # prefills share a step), and following a difference smaller than the noise piles work
         # on whichever engine the noise said was fast.
         tied = [c for c in open_ if times[c.name] <= soonest * (1 + PREDICTION_TIE)]
+        # Of engines in the tie, the one caching the prefix does the job with the least work (no
+        # prefill), and choosing it follows no noise: the prefix names it, not a measurement.
+        if cached is not None and any(c.name == cached for c in tied):
+            return cached
         return min(tied, key=_least_loaded).name
