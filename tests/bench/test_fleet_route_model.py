@@ -3,7 +3,20 @@ its own rule (which engine gets the work), not how fast anything is."""
 
 from __future__ import annotations
 
-from sluice.bench.route_model import FLEETS, Config, arrivals, fleet_capacity, main, run
+import itertools
+
+from sluice.bench.prefix_routing import EngineArgs, Workload
+from sluice.bench.route_model import (
+    FLEETS,
+    ChatConfig,
+    Config,
+    arrivals,
+    chat_turns,
+    fleet_capacity,
+    main,
+    run,
+    run_chat,
+)
 
 TINY = Config(fleet="mixed", load=0.25, duration_s=30.0, patience_s=30.0, seed=2)
 
@@ -38,3 +51,36 @@ def test_the_command_prints_a_table(capsys) -> None:  # type: ignore[no-untyped-
     main(["--loads", "0.3", "--seeds", "1", "--duration", "10"])
     out = capsys.readouterr().out
     assert "| load | mode |" in out and "| 0.3 | least-loaded |" in out and "| 0.3 | predicted |" in out
+
+
+CHAT = ChatConfig(
+    Workload(systems=2, system_tokens=300, doc_tokens=1500, turns=3, conversations=12, rate=4.0),
+    EngineArgs(engines=3, prefix_cache_tokens=32_768),
+)
+
+
+def test_the_chat_workload_resends_each_conversation_and_the_cache_sees_it() -> None:
+    starts, _, turns = chat_turns(CHAT)
+    assert len(starts) == len(turns) == 12
+    for conversation in turns:
+        # Each turn resends the one before it: its blocks start with all of the previous turn's.
+        for before, after in itertools.pairwise(conversation):
+            assert after.prompt > before.prompt
+            assert after.blocks[: len(before.blocks)] == before.blocks
+        assert len({t.prefix for t in conversation}) == 1
+    outcomes = {mode: run_chat(CHAT, mode) for mode in ("least-loaded", "predicted", "affinity")}
+    # Every turn is answered in every mode, and the engines are asked for the same prompt tokens:
+    # only where the turns went differs.
+    assert {(o.answered, o.requests) for o in outcomes.values()} == {(36, 36)}
+    assert len({o.cache_queries for o in outcomes.values()}) == 1
+    # A turn sent back to the engine of the turn before finds its conversation cached there:
+    # predicted completion counts that cache, least-loaded does not.
+    assert outcomes["predicted"].cache_hits > outcomes["least-loaded"].cache_hits
+    assert outcomes["affinity"].cache_hits > outcomes["least-loaded"].cache_hits
+
+
+def test_the_chat_command_prints_its_table(capsys) -> None:  # type: ignore[no-untyped-def]
+    main(["--workload", "chat", "--seeds", "1", "--conversations", "4", "--turns", "2"])
+    out = capsys.readouterr().out
+    assert "| mode | hit rate |" in out
+    assert all(f"| {mode} |" in out for mode in ("least-loaded", "predicted", "affinity"))
