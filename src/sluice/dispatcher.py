@@ -269,8 +269,9 @@ class Dispatcher:
         self, job: Job, target: str, prefix: str | None, exclude: Collection[str] = ()
     ) -> Engine | None:
         """The engine for the job's next attempt on engine model ``target`` (its prompt prefix
-        key ``prefix``, None without affinity), or None while none serving it has room. Engines in
-        ``exclude`` (tried already) only when no other fits."""
+        key ``prefix``, None when the router has no use for it: least-loaded without affinity),
+        or None while none serving it has room. Engines in ``exclude`` (tried already) only when
+        no other fits."""
         now = time.monotonic()
         ahead = self._ahead(job)  # an engine a job waits for goes to it first
         engines = [
@@ -384,8 +385,10 @@ class Dispatcher:
         An alias's target is drawn once per attempt."""
         self._waiting.setdefault(job.id, job)
         target = self._targets[job.id] = self.fleet.choose(job.model)
-        # Hashed once per attempt, not at every wake-up while the job waits for room.
-        prefix = prefix_key({**job.body, "model": target}) if self.router.affinity else None
+        # Hashed once per attempt, not at every wake-up while the job waits for room. Predicted
+        # completion reads it too (a prefix's last engine skips its prefill: docs/routing.md).
+        uses_prefix = self.router.affinity or self.routing == "predicted"
+        prefix = prefix_key({**job.body, "model": target}) if uses_prefix else None
         try:
             while self.clock() < job.deadline:
                 engine = self._pick(job, target, prefix, exclude)
