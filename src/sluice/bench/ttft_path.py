@@ -1,0 +1,192 @@
+"""Sluice's own steps on the first token's path, in one process, in a figure that the machine's
+other load does not move: the Python calls (function and C-function calls, counted by a profile
+hook) that run between two points of the path, whatever task runs them; and the wall-clock time
+of the same steps, from a second pass without the hook (noisy on a shared machine).
+
+The embedded broker, a dispatcher and the engine client (as ``sluice serve`` runs them, on uvloop)
+in this process, the simulator (``article`` preset) in its own; streamed jobs one at a time, each
+read by a reader that waits on ``broker.events`` from its admission on, as the relay's
+``engine_accepted`` does. Two steps:
+
+- *admitted → request written*: from ``broker.admit`` to aiohttp writing the engine request's body
+  on the socket: the claim, the engine's choice, the request built and sent, and whatever other
+  task the loop runs before that write (the engine waits for it);
+- *chunk in → token read*: from the first chunk's bytes reaching the engine client (aiohttp's
+  ``data_received``) to the reader taking its TOKEN event: the parse, the assembler, the publish,
+  the reader's wake-up.
+
+Not here: the HTTP front (uvicorn, the body's validation, the job built, the SSE frame written),
+which ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
+
+Usage: python -m sluice.bench.ttft_path [--jobs 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import IO, Any
+
+import aiohttp.client_proto
+import aiohttp.client_reqrep
+import uvloop
+
+from sluice.backends.openai import OpenAIBackend
+from sluice.bench.spawn import spawn_sim, stop
+from sluice.broker.base import EventType
+from sluice.broker.memory import MemoryBroker
+from sluice.core.job import Endpoint, Job, JobState, new_job_id
+from sluice.dispatcher import Dispatcher
+
+MODEL = "sim"
+STEPS = (("admitted", "written", "admitted -> request written"), ("chunk", "token", "chunk in -> token read"))
+
+
+class Marks:
+    """When (perf_counter ns) and after how many calls each point of one job's path was reached."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: dict[str, tuple[int, int]] = {}
+
+    def count(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+    def mark(self, name: str) -> None:
+        self.at[name] = (time.perf_counter_ns(), self.calls)
+
+
+def hook_engine_client(marks: Marks) -> Callable[[], None]:
+    """Mark the engine request's body write (the first of a job) and each read of the engine's
+    bytes until the token is read (so the last one before it: the first chunk's); returns the
+    undo."""
+    write_bytes = aiohttp.client_reqrep.ClientRequest.write_bytes
+    data_received = aiohttp.client_proto.ResponseHandler.data_received
+
+    async def traced_write(self: Any, *args: Any, **kwargs: Any) -> None:
+        # When the writer's task runs (the body goes on the socket), not when its coroutine is made.
+        if "written" not in marks.at:
+            marks.mark("written")
+        await write_bytes(self, *args, **kwargs)
+
+    def traced_received(self: Any, data: bytes) -> None:
+        if "token" not in marks.at:
+            marks.mark("chunk")
+        data_received(self, data)
+
+    aiohttp.client_reqrep.ClientRequest.write_bytes = traced_write  # type: ignore[method-assign]
+    aiohttp.client_proto.ResponseHandler.data_received = traced_received  # type: ignore[method-assign]
+
+    def undo() -> None:
+        aiohttp.client_reqrep.ClientRequest.write_bytes = write_bytes  # type: ignore[method-assign]
+        aiohttp.client_proto.ResponseHandler.data_received = data_received  # type: ignore[method-assign]
+
+    return undo
+
+
+def streamed_job() -> Job:
+    now = time.time()
+    return Job(
+        id=new_job_id(),
+        model=MODEL,
+        endpoint=Endpoint.CHAT,
+        body={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+        tenant="bench",
+        priority="normal",
+        prompt_tokens=9,
+        max_tokens=4,
+        created_at=now,
+        deadline=now + 600,
+        stream_tokens=True,
+    )
+
+
+async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int]]:
+    """One job's marks, from its admission to its first token read."""
+    job = streamed_job()
+    marks.at = {}
+    marks.mark("admitted")
+    await broker.admit(job)
+    events = broker.events(job.id)
+    try:
+        async with asyncio.timeout(30):
+            async for event in events:
+                if event.type is EventType.TOKEN:
+                    marks.mark("token")
+                    break
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    done = await broker.wait(job.id, 30)
+    assert done is not None and done.state is JobState.SUCCEEDED, done
+    return marks.at
+
+
+async def run(jobs: int, sim_url: str) -> dict[str, dict[str, list[float]]]:
+    """Per step: its calls in the counted pass, its µs in the plain one."""
+    marks = Marks()
+    undo = hook_engine_client(marks)
+    broker = MemoryBroker()
+    await broker.start()
+    backend = OpenAIBackend(sim_url, max_concurrency=16)
+    dispatcher = Dispatcher(broker, [backend])
+    await dispatcher.start()
+    out: dict[str, dict[str, list[float]]] = {label: {"calls": [], "us": []} for _, _, label in STEPS}
+    try:
+        for _ in range(10):  # the connection opened, the drain rate measured
+            await one(broker, marks)
+        sys.setprofile(marks.count)
+        try:
+            counted = [await one(broker, marks) for _ in range(jobs)]
+        finally:
+            sys.setprofile(None)
+        timed = [await one(broker, marks) for _ in range(jobs)]
+    finally:
+        undo()
+        await dispatcher.stop()
+        await backend.aclose()
+        await broker.close()
+    for start, end, label in STEPS:
+        out[label]["calls"] = [float(m[end][1] - m[start][1]) for m in counted]
+        out[label]["us"] = [(m[end][0] - m[start][0]) / 1000 for m in timed]
+    return out
+
+
+def spread(values: list[float]) -> str:
+    deciles = statistics.quantiles(values, n=10)
+    return f"{statistics.median(values):,.0f} [{deciles[0]:,.0f}-{deciles[-1]:,.0f}]"
+
+
+async def main(jobs: int, log: IO[bytes]) -> None:
+    sim, url = await spawn_sim("article", log, extra=["--model", MODEL])
+    try:
+        out = await run(jobs, url)
+    finally:
+        await stop(sim)
+    print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
+    print(f"{'step':<30} {'calls p50 [p10-p90]':>22} {'wall µs p50 [p10-p90]':>24}")
+    for _, _, label in STEPS:
+        print(f"{label:<30} {spread(out[label]['calls']):>22} {spread(out[label]['us']):>24}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.bench.ttft_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--jobs", type=int, default=300)
+    args = parser.parse_args()
+    with open(os.devnull, "wb") as log:
+        uvloop.run(main(args.jobs, log))
