@@ -44,13 +44,16 @@ local function promise_slowdown(g, fit, max_slowdown, share, spread)
   return fit * math.pow(bound / fit, math.min(share * spread, 1))
 end
 
--- DrainRate.wait_margin: z (capacity.WAIT_MARGIN_Z) standard errors of the rate, a mean over
--- about 2 / weight jobs (the weight of DrainRate.weight: alpha per slot when per_slot_weight)
--- whose times vary by spread.
-local function wait_margin(spread, samples, slots, alpha, per_slot_weight, z)
+-- DrainRate.promise_rate_behind's margin: z (capacity.WAIT_MARGIN_Z) standard errors of two means
+-- whose times vary by spread: the rate, a mean over about 2 / weight jobs (the weight of
+-- DrainRate.weight: alpha per slot when per_slot_weight), and the ahead_jobs queued ahead, a
+-- sample of their own (variance spread^2 / ahead_jobs; none when 0).
+local function wait_margin(spread, samples, slots, alpha, per_slot_weight, z, ahead_jobs)
   if samples <= 0 then return 1.0 end
   local w = alpha
   if per_slot_weight then w = alpha / math.max(slots, 1) end
   local jobs = math.min(samples, (2 - w) / w)
-  return 1 + z * spread / math.sqrt(jobs)
+  local own = 0
+  if ahead_jobs > 0 then own = 1 / ahead_jobs end
+  return 1 + z * spread * math.sqrt(1 / jobs + own)
 end

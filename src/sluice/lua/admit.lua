@@ -397,15 +397,15 @@ if excess > 0 and victim and victim_n >= own + 2 then
 end
 
 local wait = ahead_tokens / rate -- DrainRate.wait_s
--- DrainRate.batch_rate, what the Retry-After book spreads its times over, and promise_rate, what
--- the deadline check promises a wait at
+-- DrainRate.batch_rate, what the Retry-After book spreads its times over, and
+-- promise_rate_behind(ahead_jobs), what the deadline check promises this job's wait at
 local batch_rate, promise_rate = rate, rate
 if samples > 0 then
   local spread = time_spread(per_slot, slow, samples)
   local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread)
   batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
   promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
-    margin_z), 1e-3)
+    margin_z, ahead_jobs), 1e-3)
 end
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
 -- DrainRate.slow_service_s: behind a queue at the full batch's pace, alone (nothing queued ahead)
