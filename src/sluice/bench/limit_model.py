@@ -179,6 +179,8 @@ def run(
     else:
         limit_args.setdefault("tpot_objective_s", cfg.tpot_objective_s)
         limiter = ConcurrencyLimit(clock=lambda: now, **limit_args)  # type: ignore[arg-type]
+    # A fixed limit learns nothing from what it is told: only the adaptive one is fed.
+    learning = fixed is None
     requests = arrivals(params, cfg)
     by_id = {r.rid: r for r in requests}
     queue: deque[_Request] = deque()
@@ -210,7 +212,8 @@ def run(
             r.inflight_at_send = len(inflight) + 1
             r.handle = engine.submit(r.rid, r.prompt, r.output, now)
             inflight[r.rid] = r
-            limiter.on_dispatch(r.inflight_at_send)
+            if learning:
+                limiter.on_dispatch(r.inflight_at_send)
 
     while events:
         now, _, kind, rid = heapq.heappop(events)
@@ -224,7 +227,7 @@ def run(
                     engine.abort(rid, now)
                     del inflight[rid]
         elif kind == "poll":
-            if metrics and fixed is None:
+            if metrics and learning:
                 limiter.on_engine_load(
                     EngineLoad(
                         running=engine.num_running,
@@ -239,7 +242,7 @@ def run(
         elif kind == "step":
             stepping = False
             result = engine.step(now)
-            for h in result.emitted:
+            for h in result.emitted if learning else ():
                 if h.generated == 1:
                     first = inflight[h.request_id]
                     assert first.sent_at is not None
@@ -253,15 +256,16 @@ def run(
                 if now <= r.deadline and (objective is None or tpot is None or tpot <= objective):
                     out.good += 1
                     out.good_at.append(now)
-                limiter.on_sample(
-                    StreamSample(
-                        inflight=r.inflight_at_send,
-                        ttft_s=h.first_token_at - r.sent_at,
-                        tpot_s=tpot,
-                        output_tokens=h.generated,
-                        prompt_tokens=h.prompt_tokens,
+                if learning:
+                    limiter.on_sample(
+                        StreamSample(
+                            inflight=r.inflight_at_send,
+                            ttft_s=h.first_token_at - r.sent_at,
+                            tpot_s=tpot,
+                            output_tokens=h.generated,
+                            prompt_tokens=h.prompt_tokens,
+                        )
                     )
-                )
             out.max_waiting = max(out.max_waiting, engine.num_waiting)
         dispatch()
         if not stepping and engine.has_work():
