@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from starlette.requests import HTTPConnection
 
 from sluice.api.errors import APIError
+from sluice.api.headers import header
 from sluice.broker.base import Broker
 from sluice.config import Settings
 from sluice.config_tables import KeyConfig
@@ -41,7 +42,7 @@ def hash_key(key: str) -> str:
 
 
 def bearer(request: HTTPConnection) -> str | None:
-    auth = request.headers.get("authorization", "")
+    auth = header(request, b"authorization") or ""
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
@@ -50,6 +51,8 @@ def bearer(request: HTTPConnection) -> str | None:
 
 # A key deleted from the store stops working within this many seconds on every gateway.
 STORED_KEY_CACHE_S = 5.0
+# The most callers kept made (see KeyRing._callers): a flood of distinct tokens cannot grow it.
+CALLERS_KEPT = 10_000
 
 
 class KeyRing:
@@ -63,6 +66,12 @@ class KeyRing:
         self.broker = broker
         self._keys: dict[str, KeyConfig] = {k.key_sha256: k for k in settings.keys}
         self._stored: dict[str, tuple[float, KeyConfig | None]] = {}
+        #: the Caller made for each key's digest (in open mode, each token's), beside the KeyConfig
+        #: it was made from (None in open mode), so that a request does not make two new records
+        #: (the Caller, its TenantLimits) that are the same every time; neither changes once made,
+        #: and a key read again from the store is a new KeyConfig, which makes a new Caller
+        self._callers: dict[str, tuple[KeyConfig | None, Caller]] = {}
+        self._anonymous = Caller(TenantLimits("anonymous"), keyed=False)
 
     @property
     def open(self) -> bool:
@@ -84,6 +93,9 @@ class KeyRing:
         return found
 
     def _caller(self, key: KeyConfig) -> Caller:
+        made = self._callers.get(key.key_sha256)
+        if made is not None and made[0] is key:
+            return made[1]
         limits = TenantLimits(
             tenant=key.tenant,
             max_priority=key.max_priority,
@@ -96,7 +108,26 @@ class KeyRing:
             # them, and a change of this key's limits keeps their levels (docs/security.md).
             key=key.key_sha256,
         )
-        return Caller(limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256)
+        found = Caller(limits, key.admin, key.webhook_secret, key.max_connections, key_sha256=key.key_sha256)
+        self._keep(key.key_sha256, key, found)
+        return found
+
+    def _open_caller(self, token: str | None) -> Caller:
+        """Open mode's caller: told apart by its bearer token, never kept in clear."""
+        if not token:
+            return self._anonymous
+        digest = hash_key(token)
+        made = self._callers.get(digest)
+        if made is not None:
+            return made[1]
+        found = Caller(TenantLimits("key-" + digest[:16]), keyed=False)
+        self._keep(digest, None, found)
+        return found
+
+    def _keep(self, digest: str, key: KeyConfig | None, made: Caller) -> None:
+        if len(self._callers) >= CALLERS_KEPT:
+            self._callers.clear()
+        self._callers[digest] = (key, made)
 
     async def lookup(self, key_sha256: str) -> KeyConfig | None:
         """The key whose SHA-256 this is, configured or stored (read as requests read it); None if
@@ -113,9 +144,7 @@ class KeyRing:
     async def authenticate(self, request: HTTPConnection) -> Caller:
         token = bearer(request)
         if self.open:
-            # Open mode: callers are told apart by their bearer token, never kept in clear.
-            tenant = "key-" + hash_key(token)[:16] if token else "anonymous"
-            return Caller(TenantLimits(tenant), keyed=False)
+            return self._open_caller(token)
         if token is None:
             raise APIError(
                 401,

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from sluice.api.auth import Caller
 from sluice.api.errors import APIError
+from sluice.api.headers import header
 from sluice.api.schemas import SchedulingOptions
 from sluice.broker.base import Admission, Broker
 from sluice.config import Settings
@@ -238,9 +239,9 @@ class Gateway:
             max_tokens=opts.max_tokens,
             max_completion_tokens=opts.max_completion_tokens,
             priority=opts.priority,
-            priority_header=request.headers.get("x-priority"),
+            priority_header=header(request, b"x-priority"),
             timeout_s=opts.timeout,
-            timeout_header=request.headers.get("x-request-timeout"),
+            timeout_header=header(request, b"x-request-timeout"),
             client_timeout_header=client_timeout(request),
             tools=body.get("tools"),
             functions=body.get("functions"),
@@ -274,7 +275,7 @@ class Gateway:
             created_at=now,
             deadline=plan.deadline,
             max_attempts=s.max_attempts,
-            idempotency_key=request.headers.get("idempotency-key") or None,
+            idempotency_key=header(request, b"idempotency-key") or None,
             weight=caller.limits.weight,
             callback_url=await self.callback_url(body.get("callback_url")),
             key_sha256=caller.key_sha256,
@@ -310,20 +311,22 @@ class Gateway:
             retry_after.observe(refused.retry_after_s)
             if retry:
                 self.metrics.client_retries.labels("refused").inc()
-            log.info(
-                "request refused",
-                extra={
-                    "fields": {
-                        "model": job.model,
-                        "tenant": job.tenant,
-                        "priority": job.priority,
-                        "status": refused.status,
-                        "code": refused.code,
-                        "retry_after_s": round(refused.retry_after_s, 3),
-                        "client_retry": retry,
-                    }
-                },
-            )
+            # Asked first: the fields are a dict built for every refusal, most often to be dropped.
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "request refused",
+                    extra={
+                        "fields": {
+                            "model": job.model,
+                            "tenant": job.tenant,
+                            "priority": job.priority,
+                            "status": refused.status,
+                            "code": refused.code,
+                            "retry_after_s": round(refused.retry_after_s, 3),
+                            "client_retry": retry,
+                        }
+                    },
+                )
             raise APIError.from_refused(refused) from None
         admitted = self._admitted
         if admitted is None:
@@ -347,7 +350,7 @@ class Gateway:
 
 def client_retry(request: Request) -> int:
     """Which retry of the client this request is (0: a first try), from the OpenAI SDKs' header."""
-    raw = request.headers.get("x-stainless-retry-count", "0")
+    raw = header(request, b"x-stainless-retry-count") or "0"
     # ASCII only: str.isdigit() also accepts '²', which int() refuses; and short: int() refuses
     # more than 4300 digits, and no client retries a billion times.
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
@@ -356,7 +359,7 @@ def client_retry(request: Request) -> int:
 def client_timeout(request: Request) -> str | None:
     """The time-out the client's own library waits, as it sent it: openai-node's
     ``x-stainless-timeout``, openai-python's ``x-stainless-read-timeout`` (seconds)."""
-    return request.headers.get("x-stainless-timeout") or request.headers.get("x-stainless-read-timeout")
+    return header(request, b"x-stainless-timeout") or header(request, b"x-stainless-read-timeout")
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:

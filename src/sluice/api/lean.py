@@ -31,6 +31,7 @@ from sluice.api.auth import KeyRing
 from sluice.api.errors import APIError, internal_error
 from sluice.api.gateway import Gateway
 from sluice.api.openai import complete
+from sluice.api.relay import EventStream
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.request_id import JOB_HEADER, new_request_id
 from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, SchedulingOptions, plainly_readable
@@ -90,13 +91,12 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
     """Answer one lean request, or hand it to ``framework`` (the app's own ASGI stack)."""
     gw: Gateway = app.state.gateway
     max_bytes = gw.settings.max_body_bytes
-    too_large = APIError(413, f"The request body exceeds {max_bytes} bytes.", "request_too_large")
     content_type = b""
     for name, value in scope["headers"]:
         if name == b"content-length":
             with contextlib.suppress(ValueError):
                 if int(value) > max_bytes:
-                    await send_error(send, too_large)
+                    await send_error(send, _too_large(max_bytes))
                     return
         elif name == b"content-type":
             content_type = value
@@ -109,7 +109,7 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
         part = message.get("body", b"")
         seen += len(part)
         if seen > max_bytes:
-            await send_error(send, too_large)
+            await send_error(send, _too_large(max_bytes))
             return
         chunks.append(part)
         if not message.get("more_body", False):
@@ -120,34 +120,49 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
     if opts is None:
         await framework(scope, _replay(raw, receive), send)
         return
-    started = False
+    sent = False
+    stream: EventStream | None = None
 
     async def tracking_send(message: Message) -> None:
-        nonlocal started
-        started = True
+        nonlocal sent
+        sent = True
         await send(message)
+
+    def started() -> bool:
+        return sent or (stream is not None and stream.started)
 
     try:
         request = Request(scope, receive)
         keyring: KeyRing = app.state.keyring
         who = await keyring.authenticate(request)
         answer = await complete(request, who, endpoint, opts.model_dump(exclude_none=True, mode="json"), opts)
-        await answer(scope, receive, tracking_send)
+        if isinstance(answer, EventStream):
+            # A stream says itself whether its head went out, so that each of its tokens goes to
+            # the server's send straight, not through one more coroutine.
+            stream = answer
+            await answer(scope, receive, send)
+        else:
+            await answer(scope, receive, tracking_send)
     except APIError as error:
-        await _answer_error(send, error, started)
+        await _answer_error(send, error, started())
     except Refused as refused:
-        await _answer_error(send, APIError.from_refused(refused), started)
+        await _answer_error(send, APIError.from_refused(refused), started())
     except BrokerUnavailable as exc:
         log.warning("broker unavailable: %s", exc)
         unreachable = APIError(
             503, "The queue is unreachable right now; retry shortly.", "broker_unavailable", retry_after_s=1.0
         )
-        await _answer_error(send, unreachable, started)
+        await _answer_error(send, unreachable, started())
     except Exception as exc:
         log.error(
             "unexpected error", exc_info=exc, extra={"fields": {"method": "POST", "path": scope["path"]}}
         )
-        await _answer_error(send, internal_error(), started)
+        await _answer_error(send, internal_error(), started())
+
+
+def _too_large(max_bytes: int) -> APIError:
+    """The 413 of a body over the cap, made only for one (it was made for every request before)."""
+    return APIError(413, f"The request body exceeds {max_bytes} bytes.", "request_too_large")
 
 
 async def _answer_error(send: Send, error: APIError, started: bool) -> None:

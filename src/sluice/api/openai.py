@@ -88,12 +88,10 @@ async def _answer(
         )
     finished = await wait_for_client(request, gw.broker, job)
     try:
-        response = answer(finished)
+        return answer(finished, headers)
     except APIError as exc:
         exc.job_id = job.id
         raise
-    response.headers.update(headers)
-    return response
 
 
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: SchedulingOptions) -> Response:

@@ -171,11 +171,13 @@ class _CompactJSON(JSONResponse):
         return compact_json(content)
 
 
-def answer(job: Job | None) -> JSONResponse:
+def answer(job: Job | None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The whole answer of a finished job, with ``headers`` (given to the response as it is made:
+    setting them afterwards went through starlette's MutableHeaders, a scan of the list for each)."""
     if job is None:
         raise APIError(404, "The job no longer exists.", "job_not_found")
     if job.state is JobState.SUCCEEDED and job.result is not None:
-        return _CompactJSON(job.result)
+        return _CompactJSON(job.result, headers=headers)
     if not job.terminal:
         raise APIError(504, "The job did not finish in time.", "deadline_exceeded", should_retry=False)
     raise failure(job)
@@ -398,6 +400,8 @@ class EventStream:
         self.headers = headers or {}
         self.ping_s = ping_s
         self.limit_s = limit_s
+        #: whether the answer has begun (its head handed to ``send``): it cannot become an error now
+        self.started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
@@ -406,6 +410,7 @@ class EventStream:
             head.extend(h for h in SSE_HEADERS if h[0] not in named)
         else:
             head = list(SSE_HEADERS)
+        self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": head})
         if scope.get("method") == "HEAD":
             await self.payloads.aclose()  # type: ignore[attr-defined]
