@@ -119,3 +119,19 @@ def test_with_a_tpot_objective_the_limit_stays_below_the_batch_and_answers_must_
     # A fixed limit at the batch misses the objective on all but the first answers (sent before
     # the batch filled).
     assert run(ENGINES["b16"], cfg, fixed=16).good < out.good / 4
+
+
+def test_blind_the_limit_follows_a_halved_kv_cache_down_in_one_jump() -> None:
+    """Blind (TTFT only), when half the KV cache goes, the limit gets to what the halved cache
+    holds within seconds, not by one request per queued wait: from 37 (what the whole cache
+    held) to under 30 within 10 s of the change, and it stays within the band of where it
+    settles for the rest of the run (seed 1; before the fifth round of issue 16 it slid 38 -> 19
+    over 50 s)."""
+    cfg = Config(change="kv", seed=1)
+    out = run(ENGINES["b64kv"], cfg, metrics=False)
+    before = [v for t, v in out.trace if 50 <= t < 60]
+    assert min(before) >= 35
+    soon = [v for t, v in out.trace if 70 <= t < 80]
+    assert max(soon) < 30
+    c, settled = converge_s(out.trace, 60.0, cfg.duration_s)
+    assert c <= 30 and 18 <= settled <= 26

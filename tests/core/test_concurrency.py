@@ -462,3 +462,109 @@ def test_late_first_tokens_cut_to_below_the_fewest_in_flight_that_waited() -> No
         limiter.on_first_token(n, 0.5 if n > 30 else 0.03)
     assert limiter.limit == 30
     assert limiter.snapshot()["reason"] == "ttft queueing"
+
+
+def _first_tokens(
+    clock: Clock,
+    limiter: ConcurrencyLimit,
+    seconds: float,
+    waits: list[float],
+    inflight: int | None = None,
+    *,
+    binds: bool = False,
+) -> None:
+    """``seconds`` of first tokens, ten a second, each of a stream sent with the limit (or
+    ``inflight``) in flight that waited ``waits[i % len(waits)]`` for it: at ten a second, a wait
+    of 1.95 s saw 19 first tokens of streams admitted before it. ``binds``: a dispatch at the
+    limit before each."""
+    for i in range(int(seconds * 10)):
+        clock.advance(0.1)
+        if binds:
+            limiter.on_dispatch(limiter.limit)
+        limiter.on_first_token(inflight or limiter.limit, waits[i % len(waits)])
+
+
+def _blind_kv_cache_halved() -> tuple[Clock, ConcurrencyLimit]:
+    """A blind limiter at 39 whose first tokens came at once, then an engine that holds ~18 of
+    them and queues the rest: each stream sent at the limit waited behind 15-23 others."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=39, interval_s=1.0, reprobe_s=5.0)
+    _first_tokens(clock, limiter, 2, [0.03], inflight=1)
+    _first_tokens(clock, limiter, 3, [1.55, 1.75, 1.95, 2.15, 2.35])
+    return clock, limiter
+
+
+def test_blind_a_deep_queue_cuts_at_once_to_what_the_engine_ran_and_its_lookahead() -> None:
+    """Blind, first tokens that waited behind ~19 others with 38 in flight: the engine runs ~18.
+    Cutting to one less than the fewest in flight that waited would take one request off per
+    queued wait (38 -> 19 in 50 s on b64kv blind, its cache halved); the depth of the queue says
+    how many at once. What the engine ran moves (14-22: a KV-bound engine), so the lookahead
+    is kept on top, as with metrics, of the median (not of the most, as for a batch)."""
+    _, limiter = _blind_kv_cache_halved()
+    snap = limiter.snapshot()
+    assert snap["reason"] == "ttft queue depth"
+    # The median of what it ran (18) and its lookahead (3); the old rule stood at 37.
+    assert limiter.limit == 18 + math.ceil(LOOKAHEAD * 18)
+    assert snap["known_capacity"] == limiter.limit
+
+
+def test_blind_a_deep_queue_on_a_batch_bound_engine_cuts_to_its_batch() -> None:
+    """The same depth where every stream that waited shows the engine running the same number
+    (its batch, as b16 does after slow start overshoots): no lookahead, which on such an engine
+    only waits; the estimate errs low by the one admitted just before, so one more."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=39, interval_s=1.0, reprobe_s=5.0)
+    _first_tokens(clock, limiter, 2, [0.03], inflight=1)
+    _first_tokens(clock, limiter, 3, [1.95])
+    assert limiter.snapshot()["reason"] == "ttft queue depth"
+    # Sent at 38 after the first cut (39 -> 38), behind 19: the engine ran 18.
+    assert limiter.limit == 19
+
+
+def test_blind_waits_no_deeper_than_a_lookahead_do_not_queue_the_limit_down() -> None:
+    """After the jump, streams that waited behind a lookahead (3 of the ~17 it ran) are the
+    engine admitting as its cache frees: neither a cut nor room for more, though the limit binds;
+    waits behind more than that are a queue again, cut as before (one less than the fewest in
+    flight that waited)."""
+    clock, limiter = _blind_kv_cache_halved()
+    _first_tokens(clock, limiter, 1, [0.03], inflight=1)  # the baseline falls back
+    held = limiter.limit
+    # Every other stream sent at the limit started at once (a slot was free), every other
+    # waited behind 3.
+    _first_tokens(clock, limiter, 10, [0.35, 0.03], binds=True)
+    assert limiter.limit == held
+    _first_tokens(clock, limiter, 2, [0.75, 0.03], binds=True)  # behind 7: a queue
+    assert limiter.limit == held - 1 and limiter.snapshot()["reason"] == "ttft queueing"
+
+
+def test_slow_start_overshoot_read_once_is_no_deep_queue() -> None:
+    """One window of deep waits (slow start overshooting, long answers ending together) is cut
+    as before, by one less than the fewest in flight that waited: the jump asks for two in a row."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=39, interval_s=1.0, reprobe_s=5.0)
+    _first_tokens(clock, limiter, 2, [0.03], inflight=1)
+    _first_tokens(clock, limiter, 1.5, [0.5, 0.03])  # a short queue: 39 -> 38, slow start ends
+    assert limiter.limit == 38 and limiter.phase is LimitPhase.STEADY
+    _first_tokens(clock, limiter, 3, [0.03], inflight=1)
+    _first_tokens(clock, limiter, 1, [1.55, 1.75, 1.95, 2.15, 2.35])  # one deep window
+    _first_tokens(clock, limiter, 3, [0.03], inflight=1)
+    assert limiter.limit == 37 and limiter.snapshot()["reason"] == "ttft queueing"
+
+
+@pytest.mark.parametrize("moving", [True, False])
+def test_blind_the_lookahead_stays_tolerated_while_what_the_engine_runs_moves(moving: bool) -> None:
+    """After the jump, waits behind a lookahead are tolerated for ``memory_s`` (60 s), and for
+    as long after as what the engine ran when they waited keeps moving (a KV-bound engine); where
+    it stops moving (every wait shows the same count), they are a queue again once that minute is
+    out."""
+    clock, limiter = _blind_kv_cache_halved()
+    _first_tokens(clock, limiter, 1, [0.03], inflight=1)
+    held = limiter.limit
+    for i in range(900):  # 90 s: each wait behind 3, sent at the limit or (moving) two under it
+        clock.advance(0.1)
+        limiter.on_dispatch(limiter.limit)
+        if i % 2:
+            limiter.on_first_token(1, 0.03)
+        else:
+            limiter.on_first_token(limiter.limit - (2 if moving and i % 4 == 2 else 0), 0.35)
+    assert (limiter.limit == held) is moving

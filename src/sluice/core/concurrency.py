@@ -34,7 +34,12 @@ Signals, strongest first:
    ``0.5 x baseline`` or 4 decoding steps over it); a quarter of a window's streams like that is
    queueing, and the limit drops to one less than the fewest in flight at which one queued.
    :meth:`ConcurrencyLimit.on_first_token` gives that a whole answer sooner than
-   :meth:`ConcurrencyLimit.on_sample`.
+   :meth:`ConcurrencyLimit.on_sample`, and says how deep the queue was: the first tokens that
+   came while a stream waited are the streams admitted before it, so the engine ran its
+   in-flight count less those. A queue far deeper than a lookahead, two windows in a row, makes
+   the limit jump to that estimate at once (plus the lookahead where the estimate moves with
+   the sequences' lengths, as a KV-bound engine's does; and for ``memory_s`` a wait behind no
+   more than a lookahead is then no queue, as with metrics).
 4. **Overload answers** (429/503): a multiplicative decrease.
 
 Without trouble, and only when the limit binds (a request was sent with the limit in flight, or
@@ -59,6 +64,7 @@ to re-measure it. A hand-set ``ceiling`` (``max_concurrency``) is never exceeded
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -98,6 +104,19 @@ KV_RECENT_S = 10.0
 TTFT_QUEUED_SHARE = 0.25
 #: A TTFT-inferred cut to above this share of the limit is a nudge: at most one per ``reprobe_s``.
 TTFT_NUDGE = 0.8
+#: Blind: a window's streams waited behind a deep queue when the median count of first tokens
+#: that came while each waited passes this share of what the engine ran (and
+#: :data:`DEEP_QUEUE_MIN`): far more than a lookahead (b64kv, its cache halved: 8-20 of the ~20 it
+#: holds, against at most 3-6 of ~38 on any 2-s window before).
+DEEP_QUEUE_SHARE = 0.3
+DEEP_QUEUE_MIN = 3
+#: Windows in a row that must be deep before the limit jumps to the estimate: a persistent queue,
+#: not slow start's one overshoot read twice or a bunch of long answers ending together.
+DEEP_QUEUE_WINDOWS = 2
+#: Blind: the spread of what the engine ran when streams waited (max - min of a window's
+#: estimates) at which its capacity moves with its sequences' lengths, as a KV-bound engine's
+#: does. A batch-bound engine runs its batch whenever one waits (spread 0 on b8, b16).
+CAPACITY_MOVES = 2
 #: Slow start's least time between two doublings, as a share of ``interval_s``.
 SLOW_START_PACE = 0.5
 #: Multiplicative decrease on a congestion signal that does not say by how much.
@@ -252,6 +271,18 @@ class ConcurrencyLimit:
         self._window_queued = 0
         self._window_started = now
         self._min_queued_inflight: int | None = None
+        # Blind queue depth (Little's law without a rate): the first tokens that came while a
+        # stream waited are the streams admitted before it, so what the engine ran when it was
+        # sent is its in-flight count less those (and itself).
+        self._first_token_times: deque[float] = deque()  # when recent first tokens came
+        self._window_ahead: list[int] = []  # per current stream: first tokens that came while it waited
+        self._window_ran: list[int] = []  # per current stream that waited: what the engine ran then
+        self._window_tolerated = 0  # current streams that waited behind no more than a lookahead
+        self._deep_windows = 0  # windows in a row whose streams waited behind a deep queue
+        # When the window's waits last showed a KV-bound engine, after a jump to a deep queue's
+        # estimate (blind): for ``memory_s`` a lookahead waiting is tolerated, as with metrics.
+        self._last_moving = -math.inf
+        self._lookahead_full = False  # the last window's streams waited behind a lookahead: hold
         self._last_ttft_cut = -math.inf
         self._last_probe = -math.inf
         self._last_storm = -math.inf  # when preemptions last said the KV cache shrank
@@ -332,10 +363,21 @@ class ConcurrencyLimit:
         flight. Optional: where it is called, TTFT-inferred queueing is judged from it (an answer
         sooner than :meth:`on_sample` would) and the samples' TTFTs are no longer read."""
         self._first_tokens = True
+        now = self._clock()
+        times = self._first_token_times
+        while times and now - times[0] > self._memory_s / 2:
+            times.popleft()
         if ttft_s >= 0:
-            self._fold_ttft(inflight, ttft_s, None)
+            # The first tokens since it was sent: the streams the engine admitted before it.
+            sent = now - ttft_s
+            ahead = 0
+            for t in reversed(times):
+                if t <= sent:
+                    break
+                ahead += 1
+            self._fold_ttft(inflight, ttft_s, None, ahead)
+        times.append(now)
         if self.adaptive:
-            now = self._clock()
             self._judge_window(now)
             self._maybe_increase(now)
 
@@ -455,7 +497,7 @@ class ConcurrencyLimit:
             return
         # Only a limit that binds says anything about more: an engine that is not sent its limit
         # has not shown it can take more (TCP's rule for application-limited flows).
-        if self._peak_inflight < current or self._kv_hold:
+        if self._peak_inflight < current or self._kv_hold or self._lookahead_full:
             return
         line = self._line()
         aim: float | None = None
@@ -516,12 +558,15 @@ class ConcurrencyLimit:
                 now - self._last_storm < self._memory_s
                 and self._load is not None
                 and (self._load.kv_usage or 0) >= KV_HOLD
-            ):
+            ) or now - self._last_moving < self._memory_s:
                 # The cache shrank lately (a storm) and is full: it holds about what the storm
                 # left it, give or take its lengths, so it grows one at a time, as past a known
                 # capacity. Steps of sqrt(n)/2 on two polls with nothing waiting overshot what it
                 # holds, and the 10-s peak of what it ran then held the limit there for tens of
                 # seconds (b64kv, cache halved, seed 8: 22 -> 26 at 73 s, back to 22 at 101 s).
+                # Blind, after a jump to a deep queue's estimate on an engine whose capacity
+                # moves, the same (two clean probes forgot the capacity, and steps of 2 went
+                # 22 -> 32 in 5 s: b64kv, cache halved, seed 6).
                 target = current + 1.0
             if self._known_capacity is not None:
                 target = min(target, float(self._known_capacity))
@@ -564,9 +609,47 @@ class ConcurrencyLimit:
         self._window_samples = self._window_queued = 0
         self._min_queued_inflight = None
         self._window_started = now
+        aheads, ran = self._window_ahead, self._window_ran
+        tolerated = self._window_tolerated
+        self._window_ahead, self._window_ran, self._window_tolerated = [], [], 0
+        # Streams that waited behind no more than a lookahead: the engine is full, and keeps
+        # what it admits next waiting for it (as a full cache with a queue does with metrics).
+        self._lookahead_full = tolerated > 0 and tolerated + queued >= max(2, TTFT_QUEUED_SHARE * samples)
         if self._engine_reports_waiting or samples == 0:
             return
-        if queued >= 2 and queued >= TTFT_QUEUED_SHARE * samples and lowest is not None:
+        queueing = queued >= 2 and queued >= TTFT_QUEUED_SHARE * samples and lowest is not None
+        moving = len(ran) >= 2 and max(ran) - min(ran) >= CAPACITY_MOVES
+        if moving and now - self._last_moving < self._memory_s:
+            self._last_moving = now  # still KV-bound: the lookahead stays tolerated
+        deep = (
+            queueing
+            and bool(ran)
+            and statistics.median(aheads) > max(DEEP_QUEUE_MIN, DEEP_QUEUE_SHARE * statistics.median(ran))
+        )
+        self._deep_windows = self._deep_windows + 1 if deep else 0
+        if self._deep_windows >= DEEP_QUEUE_WINDOWS and self.phase is LimitPhase.STEADY:
+            # Waits far past a lookahead, two windows running: the engine holds far fewer than
+            # are in flight (its KV cache shrank: another tenant took memory). Cutting to one
+            # less than the fewest that waited took a request off per queued wait (38 -> 19 in
+            # 50 s, b64kv blind, cache halved); the depth says how many at once. Where what it
+            # ran moves, it is KV-bound: what it ran, plus the lookahead that it admits as
+            # sequences end; else its batch (the estimate errs low by the one admitted just
+            # before).
+            if moving:
+                held = int(statistics.median(ran))
+                target = float(held + math.ceil(LOOKAHEAD * held))
+            else:
+                target = float(max(ran) + 1)
+            if target < self._value and now - self._last_change >= self._interval_s:
+                self._deep_windows = 0
+                if moving:
+                    self._last_moving = now
+                self._known_capacity = max(self.floor, int(target))
+                self._last_ttft_cut = now
+                self._decrease(max(self._value * 0.5, target), "ttft queue depth", now)
+                self._limit_at_capacity = self.limit
+                return
+        if queueing and lowest is not None:
             # A stream that started with ``lowest`` in flight waited in the engine: it runs fewer.
             self._known_capacity = max(self.floor, lowest - 1)
             guess = lowest - 1.0 if lowest - 1.0 < self._value else self._value * BACKOFF
@@ -645,7 +728,9 @@ class ConcurrencyLimit:
             b = max(0.0, (my - a) / mx)
         return _Line(a, b)
 
-    def _fold_ttft(self, inflight: int, ttft: float, tpot: float | None) -> None:
+    def _fold_ttft(self, inflight: int, ttft: float, tpot: float | None, ahead: int | None = None) -> None:
+        """Fold in one stream's TTFT; ``ahead``: the first tokens that came while it waited
+        (None: not known, the TTFT came with the finished stream)."""
         base = self._ttft_base
         if base is None:
             self._ttft_base = ttft
@@ -667,7 +752,19 @@ class ConcurrencyLimit:
         current = inflight <= self.limit
         if current:
             self._window_samples += 1
-        if queued and current:
+        tolerated = False
+        if current and ahead is not None:
+            self._window_ahead.append(ahead)
+            if queued:
+                ran = max(1, inflight - 1 - ahead)
+                self._window_ran.append(ran)
+                # Blind and KV-bound lately: a wait behind no more than a lookahead is the
+                # engine admitting as its cache frees, not a queue to cut.
+                tolerated = self._clock() - self._last_moving < self._memory_s and ahead <= math.ceil(
+                    LOOKAHEAD * ran
+                )
+                self._window_tolerated += tolerated
+        if queued and current and not tolerated:
             self._window_queued += 1
             low = self._min_queued_inflight
             self._min_queued_inflight = inflight if low is None else min(low, inflight)
