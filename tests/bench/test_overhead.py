@@ -70,6 +70,13 @@ def test_every_row_with_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixtu
         short, long = rows[f"{target} streamed 8"], rows[f"{target} streamed 16"]
         extra = long["cpu_ms_per_request"]["gateway"] - short["cpu_ms_per_request"]["gateway"]
         assert result["per_token_us"][target] == pytest.approx(extra / 8 * 1000)
+    curve = result["scaling_curve"]
+    if HAVE_REDIS:
+        assert set(curve) == {"1 gateway on Redis", "2 gateways on Redis"}
+        for name, point in curve.items():
+            row = rows[name]
+            assert point["per_gateway_core"] == pytest.approx(row["answers_per_s"] / row["cores"]["gateway"])
+        assert curve["1 gateway on Redis"]["against_one"] == 1.0
     printed = capsys.readouterr().out
     groups = [g for g in overhead_report.GROUPS if HAVE_REDIS or g != "scaling"]
     assert all(overhead_report.TITLES[group] in printed for group in groups)
@@ -209,3 +216,23 @@ def test_a_rows_syscalls_ride_on_its_row(tmp_path: Path, monkeypatch: pytest.Mon
     assert "syscalls_per_response" not in {f.name for f in dataclasses.fields(options)}
     unspied = overhead._measure(rows, "closed", "plain", "cmd", ["u"], load, {}, options, profile_pid=None)
     assert unspied.syscalls_per_response is None
+
+
+def _scaling_row(gateways: int, answers: int, cpu: dict[str, float | None]) -> overhead_report.Row:
+    name = f"{gateways} gateway{'s' if gateways > 1 else ''} on Redis"
+    return overhead_report.Row(
+        "scaling", name, "cmd", 32, 8, False, 10.0, answers, 0, 0, answers * 8,
+        1.0, 2.0, 1.0, None, None, cpu, (1.0, 1.0, 1.0),
+    )  # fmt: skip
+
+
+def test_the_scaling_curve_is_answers_per_gateway_core() -> None:
+    one = _scaling_row(1, 5000, {"gateway": 5.0, "redis": 1.0})  # 500/s on half a core
+    two = _scaling_row(2, 6000, {"gateway": 8.0, "redis": 1.5})  # 600/s on 0.8 cores
+    unread = _scaling_row(3, 6000, {"gateway": None})
+    curve = overhead_report.scaling_curve([one, two, unread])
+    assert curve == {
+        one.name: {"per_gateway_core": 1000.0, "against_one": 1.0, "redis_ceiling": 5000.0},
+        two.name: {"per_gateway_core": 750.0, "against_one": 0.75, "redis_ceiling": 4000.0},
+    }
+    assert "750 answers/s per gateway core, 0.75 of the first row's" in overhead_report.table([one, two])

@@ -62,7 +62,16 @@ from sluice.bench.overhead_procs import (
     start_gateway,
 )
 from sluice.bench.overhead_profile import perf_syscalls, print_profile, py_spy, syscall_counts
-from sluice.bench.overhead_report import GROUPS, Row, make_row, per_token_us, plot, refusal_ms, table
+from sluice.bench.overhead_report import (
+    GROUPS,
+    Row,
+    make_row,
+    per_token_us,
+    plot,
+    refusal_ms,
+    scaling_curve,
+    table,
+)
 
 TARGETS = ("engine", "passthrough", "sluice", "litellm")
 # 256 slots, 1.25 ms per step whatever the batch: an 8-token answer in 10 ms, and 32 connections
@@ -363,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": [r.as_dict() for r in rows],
         "per_token_us": per_token_us(rows),
         "refusal_ms": refusal_ms(rows),
+        "scaling_curve": scaling_curve(rows),
         "notes": notes,
     }
     path = options.out / f"{options.label}.json"

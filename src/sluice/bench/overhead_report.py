@@ -176,6 +176,7 @@ COLUMNS: dict[str, list[Column]] = {
         ("redis CPU ms/req", lambda r: _f(r.cpu_ms_per_request("redis"))),
         ("engine CPU ms/req", lambda r: _f(r.cpu_ms_per_request("engine"))),
         ("gateways + workers cores", lambda r: _f((r.cores("gateway") or 0) + (r.cores("workers") or 0))),
+        ("answers/s per gateway core", lambda r: _f(per_gateway_core(r), 0)),
         ("errors", lambda r: str(r.errors)),
         ("load avg", _load_average),
     ],
@@ -198,6 +199,34 @@ TITLES = {
     "scaling": "Gateways on Redis",
     "clients": "The HTTP client to the engine alone",
 }
+
+
+def per_gateway_core(row: Row) -> float | None:
+    """Answers per second for each core the gateways kept busy: what one gateway process would
+    pass with a core to itself, at the CPU per request it was measured at (None: no CPU read)."""
+    cores = row.cores("gateway")
+    return row.answers_per_s / cores if cores else None
+
+
+def scaling_curve(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
+    """Per ``scaling`` row (N gateways on one Redis): answers/s per gateway core, that figure
+    against the single gateway's (1.0: each core passes as much as the one gateway's did; below:
+    the gateways cost more per request as they are added, from the Redis they share or from the
+    machine), and how many answers/s Redis's own CPU per request leaves room for on one core
+    (the ceiling shared by any number of gateways)."""
+    found: dict[str, dict[str, float]] = {}
+    first: float | None = None
+    for row in rows:
+        rate = per_gateway_core(row) if row.group == "scaling" else None
+        if rate is None:
+            continue
+        first = rate if first is None else first
+        point = {"per_gateway_core": rate, "against_one": rate / first}
+        redis = row.cpu_ms_per_request("redis")
+        if redis:
+            point["redis_ceiling"] = 1000 / redis
+        found[row.name] = point
+    return found
 
 
 def per_token_us(rows: Sequence[Row]) -> dict[str, float]:
@@ -251,6 +280,14 @@ def table(rows: Sequence[Row]) -> str:
         if group == "flood":
             for target, ms in refusal_ms(rows).items():
                 out.append(f"\n{target}: {ms:.2f} ms of gateway CPU per refusal (answers' share taken out)")
+        if group == "scaling":
+            for name, point in scaling_curve(rows).items():
+                ceiling = point.get("redis_ceiling")
+                out.append(
+                    f"\n{name}: {point['per_gateway_core']:,.0f} answers/s per gateway core, "
+                    f"{point['against_one']:.2f} of the first row's"
+                    + (f"; Redis's CPU leaves room for {ceiling:,.0f}/s on its one core" if ceiling else "")
+                )
         out.append("")
     return "\n".join(out)
 
@@ -269,10 +306,14 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     axes[1].bar(names, [r.cpu_ms_per_request("gateway") or 0 for r in closed], color="tab:orange")
     axes[1].set_title("gateway CPU ms per request")
     # A scaling row's name starts with its gateway count ("2 gateways on Redis").
-    axes[2].plot([int(r.name.split()[0]) for r in scaling], [r.answers_per_s for r in scaling], marker="o")
+    counts = [int(r.name.split()[0]) for r in scaling]
+    axes[2].plot(counts, [r.answers_per_s for r in scaling], marker="o", label="answers/s")
+    per_core = [per_gateway_core(r) or 0 for r in scaling]
+    axes[2].plot(counts, per_core, marker="s", label="answers/s per gateway core")
+    axes[2].legend()
     axes[2].set_ylim(bottom=0)
-    axes[2].set_xticks([int(r.name.split()[0]) for r in scaling])
-    axes[2].set_title("answers/s by gateways on Redis")
+    axes[2].set_xticks(counts)
+    axes[2].set_title("gateways on Redis")
     axes[2].set_xlabel("gateways (+ as many workers)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
