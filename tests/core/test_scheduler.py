@@ -218,3 +218,8 @@ def test_a_capped_tenant_is_ahead_only_as_far_as_its_cap_lets_it_run() -> None:
     capped = s.fair_view("normal", "o", {"c": 1})
     assert (capped.ahead_jobs, capped.ahead_tokens) == (1 + 1, 1000 + 100)
     assert capped.runnable_tokens == 1400 - 300
+    # The capped tenant's own next job waits for all its jobs, but the engine's queue is only what
+    # its cap lets run (codel reads that: a capped backlog is not a standing queue).
+    own = s.fair_view("normal", "c", {"c": 1})
+    assert (own.ahead_jobs, own.ahead_tokens) == (1 + 4, 1000 + 400)
+    assert own.runnable_tokens == 1400 - 300

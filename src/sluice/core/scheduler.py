@@ -276,7 +276,8 @@ class FairView:
             tenant's jobs in its class, and of every other tenant in its class the jobs whose start
             tags fall before its own (:func:`work_before`); less, everywhere, the jobs other tenants
             hold back by their concurrency caps.
-        runnable_tokens: every queued job's cost, less the jobs held back by other tenants' caps.
+        runnable_tokens: every queued job's cost, less the jobs held back by concurrency caps (its own
+            tenant's too: the engine's queue, which codel reads, is not a capped tenant's backlog).
         victim: the tenant of its class with the most jobs queued there (the most tokens, then the
             greatest name, on a tie), when that is at least two more than its own tenant has there:
             the backlog that gives way when a bound is reached. None: no tenant is that much heavier.
@@ -388,11 +389,13 @@ class ClassScheduler:
             ahead_tokens += self.queues[c.name].tokens
         held: dict[str, int] = {}  # of each capped tenant: its jobs in cls held back
         for name, room in rooms.items():
-            if name == tenant:
-                continue  # a tenant's own jobs are all ahead of its next one
             above = True
             for c, (jobs, tokens) in zip(self.classes, self.held_back(name, room), strict=True):
+                # Held back, a job is not in front of the engine, whoever's it is: the queue's delay
+                # leaves it out. A tenant's own jobs are still all ahead of its next one.
                 runnable -= tokens
+                if name == tenant:
+                    continue
                 if c.name == cls:
                     above = False
                     held[name] = jobs
