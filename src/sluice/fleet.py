@@ -98,11 +98,11 @@ BackendFactory = Callable[[PoolSpec, str, str], Backend]
 TTFT_SMOOTHING = 0.2
 
 
-def smoothed_ttft(previous: float | None, sample: float) -> float:
+def smoothed_ttft(previous: float | None, sample: float, weight: float = TTFT_SMOOTHING) -> float:
     """An engine's smoothed time to first token once ``sample`` is folded in (``previous``: the
-    smoothed value so far, None before the first sample). The one rule for the dispatcher's
-    engines (:meth:`Engine.observe_ttft`) and the routing model's."""
-    return sample if previous is None else previous + TTFT_SMOOTHING * (sample - previous)
+    smoothed value so far, None before the first sample; ``weight``: the newest sample's). The
+    one rule for the dispatcher's engines (:meth:`Engine.observe_ttft`) and the routing model's."""
+    return sample if previous is None else previous + weight * (sample - previous)
 
 
 #: what an engine's limit is: ``configured`` (a fixed ``max_concurrency``) or ``learned`` (its

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from sluice.bench.prefix_routing import EngineArgs, Workload
 from sluice.bench.route_model import (
     FLEETS,
@@ -84,3 +86,21 @@ def test_the_chat_command_prints_its_table(capsys) -> None:  # type: ignore[no-u
     out = capsys.readouterr().out
     assert "| mode | hit rate |" in out
     assert all(f"| {mode} |" in out for mode in ("least-loaded", "predicted", "affinity"))
+
+
+def test_a_variant_changes_only_what_the_router_is_given() -> None:
+    now = run_chat(CHAT, "predicted")
+    before = run_chat(CHAT, "predicted", {"no-prefix": ""})
+    # Withheld, the prefix key no longer sends a turn back to its conversation's cache.
+    assert before.cache_hits < now.cache_hits
+    assert before.cache_queries == now.cache_queries and before.answered == now.answered == 36
+    # least-loaded reads no measurement and no prefix: no variant changes its picks.
+    least = run_chat(CHAT, "least-loaded")
+    for variant in ({"no-prefix": ""}, {"weights-1": ""}, {"no-ttft": ""}, {"ttft-smoothing": "1.0"}):
+        again = run_chat(CHAT, "least-loaded", variant)
+        assert again.share == least.share and again.e2e == least.e2e
+
+
+def test_an_unknown_variant_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["--variant", "no-such-thing"])

@@ -47,7 +47,7 @@ from sluice.bench.prefix_routing import EngineArgs, Workload, conversation_plan
 from sluice.core.concurrency import ConcurrencyLimit, StreamSample
 from sluice.core.health import speed_weights
 from sluice.core.routing import Candidate, Router, prefix_key
-from sluice.fleet import smoothed_ttft
+from sluice.fleet import TTFT_SMOOTHING, smoothed_ttft
 from sluice.sim.model import (
     BatchModel,
     SimParams,
@@ -74,6 +74,19 @@ FLEETS: dict[str, dict[str, SimParams]] = {
     "same": {"a": preset("article"), "b": preset("article"), "c": preset("article")},
 }
 MODES = ("least-loaded", "predicted", "affinity")
+#: What ``--variant`` may change in what the router is given (docs/routing.md's "Where predicted
+#: completion lost" compares them), each a name, or NAME=VALUE for ``ttft-smoothing``:
+VARIANTS = {
+    "no-prefix": "the router is not given the prefix key (the rule before the prefix cache counted)",
+    "weights-1": "every health weight 1",
+    "ttft-at-first-token": "an engine's TTFT folded in at the first token, not at the stream's end",
+    "ttft-smoothing": "=W: the TTFT smoothed with weight W for the newest sample",
+    "no-ttft": "no TTFT given (the prediction has no prefill)",
+    "constant": "once measured, every engine's time per token 0.02 s and TTFT 0.5 s (weights kept)",
+    "exact-prefill": "the TTFT given is the engine's unstarted prefills plus this job's own tokens, "
+    "times its prefill time per token, plus 20 ms",
+    "exact-prefill-cached": "the same, less this job's tokens that the engine's prefix cache holds",
+}
 #: The modes run when ``--modes`` is not given, per workload (affinity needs shared prefixes).
 DEFAULT_MODES = {"open": "least-loaded,predicted", "chat": "least-loaded,predicted,affinity"}
 
@@ -186,8 +199,11 @@ class _Gateway:
         jitter: float,
         noise_seed: int,
         on_end: Callable[[_Job], None] | None = None,
+        variant: Mapping[str, str] | None = None,
     ) -> None:
         self.now = 0.0
+        self.variant = dict(variant or {})
+        self.smoothing = float(self.variant.get("ttft-smoothing", TTFT_SMOOTHING))
         self.engines = {
             name: _Engine(
                 name,
@@ -220,23 +236,48 @@ class _Gateway:
 
     def _pick(self, job: _Job) -> _Engine | None:
         engines = self.engines.values()
-        predicted = self.predicted
+        predicted, variant = self.predicted, self.variant
         weights = speed_weights({e.name: e.meter.seconds_per_token for e in engines}) if predicted else {}
+        if "weights-1" in variant:
+            weights = {}
         candidates = [
             Candidate(
                 name=e.name,
                 inflight=len(e.inflight),
                 limit=e.limit,
                 seconds_per_token=e.meter.seconds_per_token if predicted else None,
-                ttft_s=e.ttft_s if predicted else None,
+                ttft_s=self._ttft(e, job) if predicted else None,
                 weight=weights.get(e.name, 1.0),
             )
             for e in engines
         ]
+        if "constant" in variant:
+            candidates = [
+                replace(c, seconds_per_token=0.02, ttft_s=0.5) if c.seconds_per_token is not None else c
+                for c in candidates
+            ]
         # As the dispatcher does: the prefix key goes to the router unless it routes least-loaded.
-        prefix = job.prefix if predicted else None
+        prefix = job.prefix if predicted and "no-prefix" not in variant else None
         name = self.router.pick(candidates, prompt_tokens=job.prompt, output_tokens=job.output, prefix=prefix)
         return self.engines[name] if name is not None else None
+
+    def _ttft(self, e: _Engine, job: _Job) -> float | None:
+        """The TTFT the router is given for ``e``: the measured one, or a variant's."""
+        variant = self.variant
+        if "no-ttft" in variant:
+            return None
+        if "exact-prefill" not in variant and "exact-prefill-cached" not in variant:
+            return e.ttft_s
+        cache = e.model.prefix_cache
+        pending = 0
+        for j in e.inflight.values():
+            if j.first_at is None:
+                req = e.model.get(j.rid)
+                pending += j.prompt - (req.cached_tokens if req is not None and req.admitted_once else 0)
+        own = job.prompt
+        if "exact-prefill-cached" in variant and job.blocks:
+            own -= min(cache.cached_blocks(job.blocks) * cache.block_tokens, job.prompt - 1)
+        return (pending + own) * e.model.params.prefill_s_per_token + 0.02
 
     def _dispatch(self) -> None:
         queue, now = self._queue, self.now
@@ -263,9 +304,15 @@ class _Gateway:
         now = self.now
         engine.stepping = False
         result = engine.model.step(now)
+        early = "ttft-at-first-token" in self.variant
         for h in result.emitted:
             if h.generated == 1:
-                engine.inflight[h.request_id].first_at = now
+                job = engine.inflight[h.request_id]
+                job.first_at = now
+                if early:
+                    engine.ttft_s = smoothed_ttft(
+                        engine.ttft_s, self._measured(now - job.sent_at), self.smoothing
+                    )
         for h in result.finished:
             job = engine.inflight.pop(h.request_id)
             job.finished_at = now
@@ -273,7 +320,8 @@ class _Gateway:
             ttft = self._measured(job.first_at - job.sent_at)
             tpot = self._measured((now - job.first_at) / (h.generated - 1)) if h.generated > 1 else None
             # As the dispatcher does: both measurements are read when the stream ends.
-            engine.ttft_s = smoothed_ttft(engine.ttft_s, ttft)
+            if not early:
+                engine.ttft_s = smoothed_ttft(engine.ttft_s, ttft, self.smoothing)
             engine.meter.on_sample(
                 StreamSample(
                     inflight=job.inflight_at_send,
@@ -328,11 +376,12 @@ def arrivals(cfg: Config) -> list[_Job]:
         out.append(_Job(f"r{len(out)}", t, rng.randint(*PROMPT_RANGE), rng.randint(*cfg.output)))
 
 
-def run(cfg: Config, mode: str) -> Outcome:
-    """One run of the fleet under one routing mode."""
+def run(cfg: Config, mode: str, variant: Mapping[str, str] | None = None) -> Outcome:
+    """One run of the fleet under one routing mode (``variant``: see :data:`VARIANTS`)."""
     gateway = _Gateway(
-        FLEETS[cfg.fleet], mode, patience_s=cfg.patience_s, jitter=cfg.jitter, noise_seed=cfg.seed + 1_000_003
-    )
+        FLEETS[cfg.fleet], mode, patience_s=cfg.patience_s, jitter=cfg.jitter,
+        noise_seed=cfg.seed + 1_000_003, variant=variant,
+    )  # fmt: skip
     for job in arrivals(cfg):
         gateway.add(job)
     gateway.run()
@@ -381,9 +430,10 @@ def chat_turns(cfg: ChatConfig) -> tuple[list[float], list[list[float]], list[li
     return starts, pauses, turns
 
 
-def run_chat(cfg: ChatConfig, mode: str) -> Outcome:
-    """One run of the chat workload under one routing mode: each conversation's next turn arrives
-    a pause after its previous answer (a turn given up ends the conversation)."""
+def run_chat(cfg: ChatConfig, mode: str, variant: Mapping[str, str] | None = None) -> Outcome:
+    """One run of the chat workload under one routing mode (``variant``: see :data:`VARIANTS`):
+    each conversation's next turn arrives a pause after its previous answer (a turn given up ends
+    the conversation)."""
     w = cfg.workload
     starts, pauses, turns = chat_turns(cfg)
 
@@ -399,7 +449,7 @@ def run_chat(cfg: ChatConfig, mode: str) -> Outcome:
 
     gateway = _Gateway(
         cfg.fleet(), mode, patience_s=cfg.patience_s, jitter=cfg.jitter, noise_seed=w.seed + 1_000_003,
-        on_end=on_end,
+        on_end=on_end, variant=variant,
     )  # fmt: skip
     for i, start in enumerate(starts):
         gateway.add(job(i, 0, start))
@@ -471,6 +521,7 @@ def _open_rows(args: argparse.Namespace, modes: Sequence[str]) -> list[list[str]
                 run(
                     Config(args.fleet, load, args.duration, args.patience, seed, args.jitter, (low, high)),
                     mode,
+                    args.variant,
                 )
                 for seed in range(1, args.seeds + 1)
             ]
@@ -501,7 +552,8 @@ def _chat_rows(args: argparse.Namespace, modes: Sequence[str]) -> list[list[str]
     rows = []
     for mode in modes:
         runs = [
-            run_chat(replace(cfg, workload=replace(w, seed=seed)), mode) for seed in range(1, args.seeds + 1)
+            run_chat(replace(cfg, workload=replace(w, seed=seed)), mode, args.variant)
+            for seed in range(1, args.seeds + 1)
         ]
         e2e = [x for o in runs for x in o.e2e]
         ttft = [x for o in runs for x in o.ttft]
@@ -521,6 +573,16 @@ def _chat_rows(args: argparse.Namespace, modes: Sequence[str]) -> list[list[str]
     return rows
 
 
+def _variant(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in VARIANTS:
+            raise argparse.ArgumentTypeError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+        out[name] = value
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m sluice.bench.route_model",
@@ -531,6 +593,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--modes", help="comma-separated (default: least-loaded,predicted; chat adds affinity)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--jitter", type=float, default=0.0, help="log-normal sigma of measurement noise")
+    ap.add_argument(
+        "--variant",
+        type=_variant,
+        default={},
+        help="comma-separated changes to what the router is given: "
+        + "; ".join(f"{k}{'' if v.startswith('=') else ': '}{v}" for k, v in VARIANTS.items()),
+    )
     open_ = ap.add_argument_group("the open workload")
     open_.add_argument("--fleet", choices=tuple(FLEETS), default="mixed")
     open_.add_argument(
