@@ -77,7 +77,7 @@ MODES = ("least-loaded", "predicted", "affinity")
 #: What ``--variant`` may change in what the router is given (docs/routing.md's "Where predicted
 #: completion lost" compares them), each a name, or NAME=VALUE for ``ttft-smoothing``:
 VARIANTS = {
-    "no-prefix": "the router is not given the prefix key (the rule before the prefix cache counted)",
+    "no-prefix": "without affinity, the router is not given the prefix key (as before it counted the cache)",
     "weights-1": "every health weight 1",
     "ttft-at-first-token": "an engine's TTFT folded in at the first token, not at the stream's end",
     "ttft-smoothing": "=W: the TTFT smoothed with weight W for the newest sample",
@@ -257,7 +257,8 @@ class _Gateway:
                 for c in candidates
             ]
         # As the dispatcher does: the prefix key goes to the router unless it routes least-loaded.
-        prefix = job.prefix if predicted and "no-prefix" not in variant else None
+        withheld = "no-prefix" in variant and not self.router.affinity
+        prefix = job.prefix if predicted and not withheld else None
         name = self.router.pick(candidates, prompt_tokens=job.prompt, output_tokens=job.output, prefix=prefix)
         return self.engines[name] if name is not None else None
 
