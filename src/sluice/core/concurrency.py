@@ -106,8 +106,9 @@ TTFT_QUEUED_SHARE = 0.25
 TTFT_NUDGE = 0.8
 #: Blind: a window's streams waited behind a deep queue when the median count of first tokens
 #: that came while each waited passes this share of what the engine ran (and
-#: :data:`DEEP_QUEUE_MIN`): far more than a lookahead (b64kv, its cache halved: 8-20 of the ~20 it
-#: holds, against at most 3-6 of ~38 on any 2-s window before).
+#: :data:`DEEP_QUEUE_MIN`): far more than a lookahead (b64kv blind, seed 1: behind 6-20 with
+#: 17-27 running in the 30 s after its cache halved, against 0-3 of ~38 before, 6 once in slow
+#: start's overshoot).
 DEEP_QUEUE_SHARE = 0.3
 DEEP_QUEUE_MIN = 3
 #: Windows in a row that must be deep before the limit jumps to the estimate: a persistent queue,
