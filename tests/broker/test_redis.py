@@ -102,7 +102,8 @@ class _Monitor:
         self._writer: asyncio.StreamWriter | None = None
 
     async def __aenter__(self) -> _Monitor:
-        reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
+        # A line can be long: FUNCTION LOAD carries the whole library (about 90 KB).
+        reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 22)
         self._writer.write(b"MONITOR\r\n")
         assert (await reader.readline()).startswith(b"+OK")
         self._task = asyncio.create_task(self._read(reader))
@@ -203,12 +204,12 @@ async def _monitored(
     return declared, monitor.lines
 
 
-_SKIPPED = ("MONITOR", "FLUSHALL", "COMMAND", "CLIENT", "HELLO", "PING", "SCRIPT", "INFO")
+_SKIPPED = ("MONITOR", "FLUSHALL", "COMMAND", "CLIENT", "HELLO", "PING", "FUNCTION", "INFO")
 
 
 async def _slots_per_call(redis_url: str, lines: list[str]) -> list[tuple[str, set[str]]]:
     """The keys of each call the server ran: a command a client sent, or all the commands one script
-    ran inside (the ``lua`` lines MONITOR shows after its EVALSHA, which nothing can interleave).
+    ran inside (the ``lua`` lines MONITOR shows after its FCALL, which nothing can interleave).
     Redis itself says which arguments are keys."""
     calls: list[tuple[str, set[str]]] = []
     async with Redis.from_url(redis_url, decode_responses=True) as r:
@@ -221,7 +222,7 @@ async def _slots_per_call(redis_url: str, lines: list[str]) -> list[tuple[str, s
                 keys = {str(k) for k in await r.command_getkeys(*args)}
             except ResponseError:
                 keys = set()  # no key arguments (PUBLISH, SUBSCRIBE, ...)
-            if args[0].upper() in ("EVALSHA", "EVAL"):
+            if args[0].upper() == "FCALL":
                 keys = set()  # the declared KEYS are checked apart; its calls follow
                 calls.append(("script", keys))
             elif inside and calls and calls[-1][0] == "script":
@@ -621,7 +622,7 @@ async def test_claim_cancelled_in_flight_hands_the_job_back(
     in_flight, sent = asyncio.Event(), asyncio.Event()
 
     async def slow(self: Batcher, batch: list[Any], retried: bool = False) -> None:
-        claiming = any(broker.scripts["claim"].sha in e.command for e in batch)
+        claiming = any(broker.scripts["claim"].function in e.command for e in batch)
         if claiming:
             in_flight.set()
             await asyncio.sleep(0.2)  # the claim is on its way when the cancel lands

@@ -17,6 +17,7 @@ of its slot.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Sequence
@@ -27,13 +28,14 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from sluice.broker.base import Broker, BrokerSettings, BrokerUnavailable
 from sluice.broker.outage import OutageLog
 from sluice.broker.redis_codec import to_json
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, stop_task
 from sluice.broker.redis_keys import QueueKeys
+from sluice.broker.redis_library import Library, build_library
 from sluice.broker.redis_pipe import Batcher, Script, make_locator, make_pool, translate
 from sluice.broker.redis_shards import Shard, shard_of_job, shard_of_model, shard_queue
 from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS, Kind, durability_for, parse_broker_url
@@ -94,6 +96,13 @@ SCRIPT_NAMES = (
     "purge_dead",
     "connect",
 )
+
+
+@functools.cache
+def scripts_library() -> Library:
+    """The library of every script, built once per process."""
+    return build_library(SCRIPT_NAMES)
+
 
 #: The scripts whose writes must reach the replicas the durability setting asks for before they are
 #: answered (``WAIT``): an accepted job, a settled one and a cancel are never lost in a failover.
@@ -162,7 +171,8 @@ class RedisCore(Broker):
         self._batch = self.home.batch
         self._hub = self.home.hub
         self._locator = self.home.locator
-        self.scripts = {name: Script(name) for name in SCRIPT_NAMES}
+        self.library = scripts_library()
+        self.scripts = {name: Script(name, self.library) for name in SCRIPT_NAMES}
         self._aborts = AbortListener(self._blocking, self.keys.abort_channel)
         self._tokens: dict[tuple[str, str], str] = {}
         self._releases: set[asyncio.Task[None]] = set()
@@ -253,7 +263,23 @@ class RedisCore(Broker):
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._maintain_forever(), name="redis-broker-maintain")
+            await self._load_library()
             await self._check_replicas()
+
+    async def _load_library(self) -> None:
+        """Load the scripts' library into the primary now (each pipeline loads it again whenever a
+        server lacks it), so that a Redis without Functions is named at start, not by every call."""
+        try:
+            await self._io(self._redis.execute_command(*self.library.load_command()))  # type: ignore[no-untyped-call]
+        except BrokerUnavailable as exc:
+            log.warning("could not load the broker's functions into Redis yet: %s", exc)
+        except ResponseError as exc:
+            if "unknown command" in str(exc).lower():
+                raise RuntimeError(
+                    "the Redis broker needs Redis 7.0 or later (Functions: FUNCTION LOAD, FCALL); "
+                    f"{self.topology.describe()} answered: {exc}"
+                ) from exc
+            raise
 
     async def _check_replicas(self) -> None:
         """Say at start when the primary has fewer replicas than every durable write will wait for:

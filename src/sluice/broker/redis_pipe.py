@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, cast
 
 import hiredis
@@ -31,11 +29,12 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import AskError, NoScriptError, ReadOnlyError, RedisError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ReadOnlyError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.base import BrokerUnavailable
+from sluice.broker.redis_library import Library, function_missing
 from sluice.broker.redis_topology import Durability, Kind, Topology
 
 log = logging.getLogger(__name__)
@@ -290,28 +289,17 @@ def make_pool(
 # --- scripts --------------------------------------------------------------------------------------
 
 
-def load_source(name: str) -> str:
-    """A script's text with its ``-- @include <file>`` lines replaced by those files."""
-    folder = resources.files("sluice") / "lua"
-    lines = []
-    for line in (folder / f"{name}.lua").read_text(encoding="utf-8").splitlines():
-        if line.startswith("-- @include "):
-            lines.append((folder / line.removeprefix("-- @include ").strip()).read_text(encoding="utf-8"))
-        else:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 class Script:
-    """A Lua script run by SHA (EVALSHA), loaded again when the server does not know it (a restart)."""
+    """One script of the broker: a function of its library (``redis_library``), called by FCALL; the
+    library is loaded again when the server lacks it (a restart, a new master)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, library: Library) -> None:
         self.name = name
-        self.source = load_source(name)
-        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        self.library = library
+        self.function = library.functions[name]
 
     def command(self, keys: Sequence[str], args: Sequence[str | int | float]) -> tuple[Any, ...]:
-        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+        return ("FCALL", self.function, len(keys), *keys, *args)
 
 
 # --- auto-pipelining ------------------------------------------------------------------------------
@@ -439,7 +427,7 @@ class Batcher:
             return
         missing = []
         for entry, reply in zip(batch, replies, strict=True):
-            if isinstance(reply, NoScriptError) and entry.script is not None and not retried:
+            if function_missing(reply) and entry.script is not None and not retried:
                 missing.append(entry)
             elif isinstance(reply, BaseException):
                 entry.fail(reply)
@@ -447,11 +435,11 @@ class Batcher:
                 entry.fail(short)
             else:
                 entry.succeed(reply)
-        if missing:  # a restarted or promoted Redis lacks the scripts: load them, send those again
+        if missing:  # a restarted or promoted Redis lacks the library: load it, send those again
             try:
                 async with asyncio.timeout_at(deadline):
-                    for script in {cast(Script, e.script) for e in missing}:
-                        await self._client.script_load(script.source)
+                    for library in {cast(Script, e.script).library for e in missing}:
+                        await self._client.execute_command(*library.load_command())  # type: ignore[no-untyped-call]
             except Exception as exc:
                 if isinstance(exc, TimeoutError):
                     exc = RedisTimeoutError(f"no answer within {budget} s")

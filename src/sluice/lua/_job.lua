@@ -1,5 +1,6 @@
 -- Shared: the job record, its event stream and its terminal states.
--- A script that includes this fills the context table J first:
+-- A script that includes this fills the context table J first (every field it uses: J outlives
+-- the call, as the library's shared files run once, when it is loaded):
 --   J.P prefix, J.now (number), J.now_s (the caller's exact text of now), J.ttl result TTL in seconds,
 --   J.maxlen events kept per stream, J.results zset, J.running hash, J.blocked set (and it
 --   includes _tenant.lua before this file). Jobs with a callback_url join the callbacks list when

@@ -4,12 +4,16 @@
 -- so they live in the same cluster slot as the declared KEYS.
 -- tests/broker/test_redis.py checks that these builders and redis_keys.py agree.
 
-local ESCAPES, PARTS = { ['%'] = '%25', [':'] = '%3A' }, {}
+-- part is memoized: a script builds the same few names many times. The memo lives as long as the
+-- library (redis_library.py: these files run once, when it is loaded), so it is emptied when it
+-- holds PARTS_MAX names: tenants come and go without bound.
+local ESCAPES, PARTS, PARTS_N, PARTS_MAX = { ['%'] = '%25', [':'] = '%3A' }, {}, 0, 4096
 local function part(s)
-  local p = PARTS[s] -- memoized: a script builds the same few names many times
+  local p = PARTS[s]
   if p == nil then
     p = string.gsub(s, '[%%:]', ESCAPES)
-    PARTS[s] = p
+    if PARTS_N >= PARTS_MAX then PARTS, PARTS_N = {}, 0 end
+    PARTS[s], PARTS_N = p, PARTS_N + 1
   end
   return p
 end

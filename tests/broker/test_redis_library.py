@@ -1,0 +1,93 @@
+"""The scripts as one Redis Functions library (redis_library): built from the lua/*.lua files, loaded
+at start, loaded again by any call that finds a server without it, side by side with another
+version's library, and a clear error from a Redis without Functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.redis import SCRIPT_NAMES, RedisBroker
+from sluice.broker.redis_library import SHARED_FILES, build_library, script_parts
+from sluice.core.job import JobState
+from tests.broker.brokers import make_settings
+from tests.helpers import FakeClock, make_job
+from tests.redis_server import RedisServer
+
+
+def _libraries(listed: Any) -> dict[str, set[str]]:
+    """FUNCTION LIST's answer (RESP2: flat name, value lists) as library → its function names."""
+    out = {}
+    for entry in listed:
+        lib = dict(zip(entry[::2], entry[1::2], strict=True))
+        out[lib["library_name"]] = {dict(zip(f[::2], f[1::2], strict=True))["name"] for f in lib["functions"]}
+    return out
+
+
+def test_the_library_defines_each_shared_file_once_and_a_function_per_script() -> None:
+    library = build_library(SCRIPT_NAMES)
+    assert library.source.startswith(f"#!lua name={library.name}\n")
+    assert set(library.functions) == set(SCRIPT_NAMES)
+    for name in SCRIPT_NAMES:
+        includes, body = script_parts(name)
+        assert set(includes) <= set(SHARED_FILES)
+        assert library.source.count(f"redis.register_function('{library.functions[name]}',") == 1
+        assert body in library.source
+    for shared in SHARED_FILES:
+        assert library.source.count(f"-- {shared}\n") == 1
+    # Another text, another name: two versions' libraries can be loaded side by side.
+    assert build_library(SCRIPT_NAMES[:-1]).name != library.name
+
+
+async def test_a_server_without_the_library_gets_it_again(redis_url: str) -> None:
+    clock = FakeClock()
+    async with RedisBroker(redis_url, make_settings(clock)) as broker:
+        admin = Redis.from_url(redis_url, decode_responses=True)
+        try:
+            assert broker.library.name in _libraries(await admin.function_list())  # loaded at start
+            await admin.function_flush()  # as a master restarted without persistence, or a new one
+            first = make_job(clock)
+            await broker.admit(first)  # the call that found no function loaded the library and ran
+            assert set(_libraries(await admin.function_list())[broker.library.name]) == set(
+                broker.library.functions.values()
+            )
+            await admin.function_flush()
+            claimed = await broker.claim("w", ["m"], timeout=1)
+            assert claimed is not None and claimed.id == first.id
+            await admin.function_flush()
+            done = await broker.finish(first.id, "w", JobState.SUCCEEDED, result={"ok": True})
+            assert done is not None and done.state is JobState.SUCCEEDED
+        finally:
+            await admin.aclose()
+
+
+async def test_another_versions_library_stays_beside_this_one(redis_url: str) -> None:
+    admin = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        await admin.function_flush()
+        other = "sluice_0000000000000000"  # as an older version's: its own digest, its own names
+        await admin.function_load(
+            f"#!lua name={other}\nredis.register_function('{other}_admit', function() return 0 end)"
+        )
+        clock = FakeClock()
+        async with RedisBroker(redis_url, make_settings(clock)) as broker:
+            await broker.admit(make_job(clock))
+            libraries = _libraries(await admin.function_list())
+            assert set(libraries) == {other, broker.library.name}
+            assert await admin.fcall(f"{other}_admit", 0) == 0
+    finally:
+        await admin.aclose()
+
+
+async def test_a_redis_without_functions_is_named_at_start() -> None:
+    # FUNCTION renamed away answers as a Redis before 7.0 does: unknown command. (The option's two
+    # words in its name: the test server passes each option as a name and one value.)
+    with RedisServer(extra={"rename-command FUNCTION": "FUNCTION_RENAMED"}) as server:
+        broker = RedisBroker(server.url, make_settings(FakeClock()))
+        try:
+            with pytest.raises(RuntimeError, match=r"Redis 7\.0 or later"):
+                await broker.start()
+        finally:
+            await broker.close()
