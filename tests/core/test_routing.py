@@ -253,11 +253,31 @@ def test_the_cached_engine_wins_a_tie_and_loses_past_it() -> None:
     tied = [cand("a", inflight=2, spt=0.02), cand("b", inflight=1, spt=0.02)]
     assert router.pick(tied, prompt_tokens=1, output_tokens=32, prefix="other") == "b"
     assert router.pick(tied, prompt_tokens=1, output_tokens=32, prefix="p") == "a"
-    # Long answers and a short prefill: the saved prefill does not make up for six more in flight.
-    loaded = [cand("a", inflight=6, spt=0.02, ttft=0.1), cand("b", spt=0.02, ttft=0.1)]
+    # Long answers and a short prefill: the saved prefill does not make up for four more in
+    # flight (a is within its bound, 7 of ceil(1.25 x 15 / 3)).
+    loaded = [cand(n, inflight=f, spt=0.02, ttft=0.1) for n, f in (("a", 6), ("b", 2), ("c", 6))]
+    assert router.bounds(loaded)["a"] >= 7
     assert router.pick(loaded, prompt_tokens=100, output_tokens=200, prefix="p") == "b"
     # ... and the prefix is now remembered where it went.
     assert router._last["p"] == "b"
+
+
+def test_a_prefixs_engine_past_its_bound_is_not_taken_to_cache_it() -> None:
+    """A key many requests share (one ``user`` for an application) must not pile onto one engine:
+    past affinity's bound its last engine is predicted as any other, prefill included."""
+    router = Router(affinity=False)
+    router.pick(
+        [cand("a", spt=0.02, ttft=0.8), cand("b", spt=0.02, ttft=0.8)],
+        prompt_tokens=1,
+        output_tokens=32,
+        prefix="app",
+    )
+    within = [cand("a", inflight=3, spt=0.02, ttft=0.8), cand("b", inflight=1, spt=0.02, ttft=0.8)]
+    assert router.bounds(within)["a"] == 4
+    assert router.pick(within, prompt_tokens=2800, output_tokens=32, prefix="app") == "a"
+    past = [cand("a", inflight=5, spt=0.02, ttft=0.8), cand("b", inflight=1, spt=0.02, ttft=0.8)]
+    assert router.bounds(past)["a"] == 5
+    assert router.pick(past, prompt_tokens=2800, output_tokens=32, prefix="app") == "b"
 
 
 def test_without_speeds_the_cache_does_not_change_least_loaded() -> None:

@@ -332,10 +332,16 @@ class Router:
             return None
         if prefix is None:
             return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
-        name = self.home(candidates, prefix) if self.affinity else None
+        by_name = {c.name: c for c in candidates}
+        bounds = self.bounds(candidates)
+        # The prefix's last engine counts as caching it only within its bound, as affinity holds
+        # it: a key that many requests share (one ``user`` for a whole application) caches
+        # little beyond its head, and would otherwise pile onto one engine.
+        cached = self._remembered(by_name, bounds, prefix)
+        name = self._home(by_name, bounds, prefix) if self.affinity else None
         if name is None:
             name = self.soonest(
-                open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached=self._last.get(prefix)
+                open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached=cached
             )
         if name is not None and self.remember > 0:
             self._last[prefix] = name
@@ -348,13 +354,23 @@ class Router:
         """The prefix's engine under bounded loads: the engine its last job went to, if it is
         within its bound, else the first on the ring, clockwise from the prefix, that has room
         and whose load with this job is within its bound (None if none)."""
-        by_name = {c.name: c for c in candidates}
-        bounds = self.bounds(candidates)
+        return self._home({c.name: c for c in candidates}, self.bounds(candidates), prefix)
+
+    def _remembered(
+        self, by_name: Mapping[str, Candidate], bounds: Mapping[str, int], prefix: str
+    ) -> str | None:
+        """The engine the prefix's last job went to, if it has room and stays within its bound
+        with this job (None otherwise, or if none is remembered)."""
         last = self._last.get(prefix)
-        if last is not None and last in by_name:
-            c = by_name[last]
-            if c.has_room and c.inflight + 1 <= bounds[last]:
-                return last
+        if last is None or last not in by_name:
+            return None
+        c = by_name[last]
+        return last if c.has_room and c.inflight + 1 <= bounds[last] else None
+
+    def _home(self, by_name: Mapping[str, Candidate], bounds: Mapping[str, int], prefix: str) -> str | None:
+        last = self._remembered(by_name, bounds, prefix)
+        if last is not None:
+            return last
         for name in self.ring(list(by_name)).walk(prefix):
             c = by_name[name]
             if c.has_room and c.inflight + 1 <= bounds[name]:
