@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench import overhead, overhead_load, overhead_profile, overhead_report
+from sluice.bench import overhead, overhead_load, overhead_parts, overhead_profile, overhead_report
 from sluice.sim.server import serve_in_background
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -236,3 +236,10 @@ def test_the_scaling_curve_is_answers_per_gateway_core() -> None:
         two.name: {"per_gateway_core": 750.0, "against_one": 0.75, "redis_ceiling": 4000.0},
     }
     assert "750 answers/s per gateway core, 0.75 of the first row's" in overhead_report.table([one, two])
+
+
+def test_the_parts_bench_times_every_part(capsys: pytest.CaptureFixture[str]) -> None:
+    found = overhead_parts.main(["--number", "5", "--repeat", "1"])
+    assert set(found) == set(overhead_parts.parts())
+    assert all(v > 0 for v in found.values())
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == found
