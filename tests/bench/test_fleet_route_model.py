@@ -96,7 +96,8 @@ def test_a_variant_changes_only_what_the_router_is_given() -> None:
     assert before.cache_queries == now.cache_queries and before.answered == now.answered == 36
     # least-loaded reads no measurement and no prefix: no variant changes its picks.
     least = run_chat(CHAT, "least-loaded")
-    for variant in ({"no-prefix": ""}, {"weights-1": ""}, {"no-ttft": ""}, {"ttft-smoothing": "1.0"}):
+    for name in ("no-prefix", "one-key", "weights-1", "no-ttft", "ttft-smoothing"):
+        variant = {name: "1.0" if name == "ttft-smoothing" else ""}
         again = run_chat(CHAT, "least-loaded", variant)
         assert again.share == least.share and again.e2e == least.e2e
 

@@ -86,6 +86,7 @@ VARIANTS = {
     "exact-prefill": "the TTFT given is the engine's unstarted prefills plus this job's own tokens, "
     "times its prefill time per token, plus 20 ms",
     "exact-prefill-cached": "the same, less this job's tokens that the engine's prefix cache holds",
+    "one-key": "every job has the same prefix key (as one user or prompt_cache_key for a whole application)",
 }
 #: The modes run when ``--modes`` is not given, per workload (affinity needs shared prefixes).
 DEFAULT_MODES = {"open": "least-loaded,predicted", "chat": "least-loaded,predicted,affinity"}
@@ -258,7 +259,8 @@ class _Gateway:
             ]
         # As the dispatcher does: the prefix key goes to the router unless it routes least-loaded.
         withheld = "no-prefix" in variant and not self.router.affinity
-        prefix = job.prefix if predicted and not withheld else None
+        key = "one-key" if "one-key" in variant and job.prefix is not None else job.prefix
+        prefix = key if predicted and not withheld else None
         name = self.router.pick(candidates, prompt_tokens=job.prompt, output_tokens=job.output, prefix=prefix)
         return self.engines[name] if name is not None else None
 
