@@ -11,7 +11,7 @@ Two rules, one per kind of job:
   within :data:`PREDICTION_TIE` of the soonest are a tie, broken by that same rule: the
   measurements are noisier than that (docs/routing.md). A job with a prefix key is predicted
   with no prefill on the engine its prefix's last job went to (that engine's prefix cache holds
-  it), and wins a tie there.
+  it), and that engine wins a tie it is in, while the job keeps it within affinity's bound.
 * **Prefix affinity.** Requests that share a prompt prefix (a system prompt, a conversation, the
   client's ``prompt_cache_key`` or ``user``: :func:`prefix_key`) should land on the same engine,
   whose prefix cache then skips their shared prefill. That is consistent hashing with bounded
@@ -388,9 +388,9 @@ class Router:
         """The candidate with room where the job is predicted to finish first; predictions within
         :data:`PREDICTION_TIE` of the soonest are a tie, broken as least-loaded breaks it: the
         largest free fraction of the limit (scaled by weight), then fewest in flight, then name;
-        but ``cached``, the engine holding the job's prefix in its cache, wins a tie it is in
-        (and is predicted without prefill). With no speed measured anywhere, least-loaded's rule
-        alone."""
+        but ``cached``, the engine holding the job's prefix in its cache (:meth:`pick` names it
+        only within its bound), wins a tie it is in (and is predicted without prefill). With no
+        speed measured anywhere, least-loaded's rule alone."""
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
