@@ -77,11 +77,12 @@ async def _answer(
     if stream:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
+        skipped = await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
         # The stream's generator releases the connection when it ends.
         held = stack.pop_all() if stack is not None else None
+        alive = key_check(request, who)
         return EventStream(
-            openai_stream(gw.broker, job, include_usage, held, alive=key_check(request, who)),
+            openai_stream(gw.broker, job, include_usage, held, alive=alive, after=skipped),
             headers,
             ping_s=PING_S,
             limit_s=gw.settings.max_stream_s,

@@ -142,25 +142,32 @@ def failure(job: Job) -> APIError:
 ACCEPT_WAIT_S = 5.0
 
 
-async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAIT_S) -> None:
+async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAIT_S) -> int:
     """Return once the engine has taken ``job`` (its first token, or its successful end), or after
     ``within_s`` seconds; raise the job's failure as an :class:`APIError` if it ended without an
     answer before that, so that it is answered with its status rather than inside a stream.
-    Retried attempts before the first token are waited through."""
+    Retried attempts before the first token are waited through.
+
+    Returns the id of the last event it read before the token or the end: every event up to it
+    is one a stream skips (queued, started, a retry before any token), so that the stream reads
+    on after it (:func:`openai_stream`'s ``after``) rather than walking them again."""
     events = broker.events(job.id)
+    skipped = 0
     try:
         async with asyncio.timeout(within_s):
             async for event in events:
                 if event.type in (EventType.TOKEN, EventType.DONE):
-                    return
+                    return skipped
                 if event.type is EventType.ERROR:
                     error = failure(await broker.get(job.id) or job)
                     error.job_id = job.id
                     raise error
+                skipped = event.id
     except TimeoutError:
-        return
+        pass
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+    return skipped
 
 
 class _CompactJSON(JSONResponse):
@@ -273,6 +280,7 @@ async def openai_stream(
     include_usage: bool,
     held: contextlib.AsyncExitStack | None = None,
     alive: KeyCheck | None = None,
+    after: int = 0,
 ) -> AsyncIterator[str]:
     """SSE payloads (each one event's ``data``) of an OpenAI stream, fed by the job's events, for
     :class:`EventStream`, which bounds the stream's time. Cancels the job if the stream ends before
@@ -280,12 +288,14 @@ async def openai_stream(
     meanwhile (``alive``, see :func:`revocable`: an error payload ends it).
 
     ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
+    ``after``: the events up to this id are not read (what :func:`engine_accepted` read and this
+    stream would skip).
     """
     sent_tokens = False
     finished = False
     tokens = TokenChunks(job)
     try:
-        async for event in revocable(broker.events(job.id), alive):
+        async for event in revocable(broker.events(job.id, after), alive):
             if event.type is EventType.TOKEN:
                 sent_tokens = True
                 yield tokens.encode(event.data)
