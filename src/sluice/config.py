@@ -124,8 +124,10 @@ class Settings(Strict):
     routing: Literal["predicted", "least_loaded"] = Field(
         default="predicted",
         description="how an engine is picked among those serving a model: `predicted` (where the job "
-        "should finish soonest, from each engine's measured speed and room; predictions within 25 % "
-        "of the soonest are a tie, broken by the most free room) or `least_loaded` (the most free room)",
+        "should finish soonest, from each engine's measured speed and room; the engine a prompt prefix "
+        "last went to is predicted without its prefill (its prefix cache), within `prefix_load_factor`'s "
+        "bound, and wins a tie; predictions within 25 % of the soonest are a tie, broken by the most "
+        "free room) or `least_loaded` (the most free room)",
     )
     prefix_affinity: bool = Field(
         default=True,
@@ -143,8 +145,9 @@ class Settings(Strict):
     prefix_remember: int = Field(
         default=DEFAULT_REMEMBER,
         ge=0,
-        description="with `prefix_affinity`: prefixes whose last engine is remembered (LRU), so a "
-        "conversation that spilled once returns to the engine that caches it; 0: none",
+        description="prefixes whose last engine is remembered (LRU), so a conversation that spilled "
+        "once returns to the engine that caches it (with `prefix_affinity`) and `predicted` routing "
+        "knows where a prefix is cached; 0: none",
     )
     max_concurrency: int = Field(
         default=8,
