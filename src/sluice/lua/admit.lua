@@ -252,40 +252,48 @@ do
   end
 end
 
--- ClassScheduler.fair_view. First the jobs another tenant holds back by its concurrency cap: they
--- are not ahead of this one (ClassScheduler.held_back: beyond the first `room` it may start, its
--- higher classes first, its own order inside a class). Only tenants in the capped set have any.
+-- ClassScheduler.fair_view. First the jobs a tenant holds back by its concurrency cap: another
+-- tenant's are not ahead of this one, and nobody's are in the engine's queue that codel reads
+-- (runnable_tokens; ClassScheduler.held_back: beyond the first `room` it may start, its higher
+-- classes first, its own order inside a class). Only tenants in the capped set have any; this
+-- job's tenant counts with the cap its key has now (the memory broker's rooms, after _key_limiter).
 local runnable_tokens = model_tokens
 local held_n, kept_k = {}, {} -- of a capped tenant: its jobs of this class held back; the cost of the rest
+local rooms = {} -- { tenant, room }: the capped tenants and how many more of their jobs may start
 for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
   if other ~= tenant then
     local o = redis.call('HMGET', tenant_key(P, other), 'r', 'mc')
     local cap = tonumber(o[2])
-    if cap then
-      local room = math.max(cap - (tonumber(o[1]) or 0), 0)
-      local is_above = true
-      for _, c in ipairs(classes) do
-        local tq = tq_key(P, model, c, other)
-        local n = redis.call('LLEN', tq)
-        if c == cls then is_above = false end
-        if n > room then -- FairQueue.held_back
-          local kept = 0
-          if room > 0 then
-            for _, jid in ipairs(redis.call('LRANGE', tq, 0, room - 1)) do
-              kept = kept + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
-            end
-          end
-          local held = st_num(st, f_work(tq), 0) - kept
-          runnable_tokens = runnable_tokens - held
-          if c == cls then
-            held_n[other], kept_k[other] = n - room, kept
-          elseif is_above then
-            ahead_jobs, ahead_tokens = ahead_jobs - (n - room), ahead_tokens - held
-          end
+    if cap then rooms[#rooms + 1] = { other, math.max(cap - (tonumber(o[1]) or 0), 0) } end
+  end
+end
+if mc and queued_by_tenant + running_by_tenant > mc then
+  rooms[#rooms + 1] = { tenant, math.max(mc - running_by_tenant, 0) }
+end
+for _, capped in ipairs(rooms) do
+  local other, room = capped[1], capped[2]
+  local is_above = true
+  for _, c in ipairs(classes) do
+    local tq = tq_key(P, model, c, other)
+    local n = redis.call('LLEN', tq)
+    if c == cls then is_above = false end
+    if n > room then -- FairQueue.held_back
+      local kept = 0
+      if room > 0 then
+        for _, jid in ipairs(redis.call('LRANGE', tq, 0, room - 1)) do
+          kept = kept + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
         end
-        room = math.max(room - n, 0)
+      end
+      local held = st_num(st, f_work(tq), 0) - kept
+      runnable_tokens = runnable_tokens - held
+      if other == tenant then -- its own jobs are all ahead of its next one
+      elseif c == cls then
+        held_n[other], kept_k[other] = n - room, kept
+      elseif is_above then
+        ahead_jobs, ahead_tokens = ahead_jobs - (n - room), ahead_tokens - held
       end
     end
+    room = math.max(room - n, 0)
   end
 end
 
