@@ -41,8 +41,9 @@
 -- key's requests level, stamp, tokens level, stamp ('' for none), and S is codel's four fields
 -- ('' for none; see _policy.lua). The ahead counts are the fair order's (ClassScheduler.fair_view,
 -- the memory broker's _view): the classes above, and in the job's class its tenant's jobs and
--- those of other tenants that start before it (work_before); they and runnable_tokens leave out
--- the jobs other tenants hold back by their concurrency caps (ClassScheduler.held_back).
+-- those of other tenants that start before it (work_before); they leave out the jobs other
+-- tenants hold back by their concurrency caps, and runnable_tokens those that every cap holds
+-- back, this job's tenant's too (ClassScheduler.held_back).
 -- victim_tokens is the cost of the newest job of the heaviest backlog of the class ('' for none,
 -- and when no bound is reached, as nothing then reads it): when a bound is reached and evicting
 -- it makes room, that job ends as failed and this one is queued (admission.check_bounds).
