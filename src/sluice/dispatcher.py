@@ -313,13 +313,7 @@ class Dispatcher:
             async with asyncio.timeout(timeout):
                 await self._capacity.wait()
 
-    async def _dispatch_forever(self, *, after_claim: bool = False) -> None:
-        if after_claim:
-            # The claim this loop takes over from sends its engine request in the turn that made
-            # this task, and aiohttp (on Python 3.11) writes the request's body in a task of its
-            # own, made after this one: a turn's wait lets that write go first, ahead of this
-            # loop's first claim (a wait for the next job, when none is queued).
-            await asyncio.sleep(0)
+    async def _dispatch_forever(self) -> None:
         while True:
             models = self._free_models()
             if not models:
@@ -345,7 +339,7 @@ class Dispatcher:
             # that is also the gateway's may take long to turn when intake is flooded.
             task = asyncio.current_task()
             assert task is not None
-            successor = asyncio.create_task(self._dispatch_forever(after_claim=True), name="dispatch")
+            successor = asyncio.create_task(self._dispatch_forever(), name="dispatch")
             self._tasks = [successor if t is task else t for t in self._tasks]
             task.set_name(f"job-{job.id}")
             self.running[job.id] = task

@@ -160,17 +160,12 @@ class MemoryBroker(Broker):
                     total[model] = total.get(model, 0) + n
         return total
 
-    def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any], *, wake_now: bool = True) -> None:
-        """Append an event to the job's stream and wake its readers: at once, or with ``wake_now``
-        False at the loop's next turn (the event is there at once for a reader that looks)."""
+    def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
         rec.events.append((type, data))
         if type in TERMINAL_EVENTS:
             rec.ended_stream = True
             self._to_pack.append((time.monotonic() + PACK_AFTER_S, rec.job.id))
-        if wake_now:
-            rec.notify()
-        else:
-            asyncio.get_running_loop().call_soon(rec.notify)
+        rec.notify()
 
     def _tenant(self, name: str) -> _Tenant:
         t = self._tenants.get(name)
@@ -517,11 +512,7 @@ class MemoryBroker(Broker):
         job.started_at = now
         job.attempts += 1
         self._leases[job.id] = _Lease(worker_id, now + self.settings.lease_s)
-        # Its readers wake at the next turn, not this one: the claimer sends the engine request in
-        # this turn, and the request's body is written by a task (aiohttp's, on Python 3.11) that
-        # would wait behind them. No reader acts on the started event at once; the first token is
-        # what they wait for.
-        self._emit(self._records[job.id], EventType.STARTED, {"attempt": job.attempts}, wake_now=False)
+        self._emit(self._records[job.id], EventType.STARTED, {"attempt": job.attempts})
         return job
 
     async def heartbeat(self, worker_id: str, job_ids: Sequence[str]) -> set[str]:
