@@ -568,3 +568,35 @@ def test_blind_the_lookahead_stays_tolerated_while_what_the_engine_runs_moves(mo
         else:
             limiter.on_first_token(limiter.limit - (2 if moving and i % 4 == 2 else 0), 0.35)
     assert (limiter.limit == held) is moving
+
+
+def test_blind_after_a_probe_forgot_the_capacity_growth_goes_one_at_a_time_for_a_while() -> None:
+    """Blind, a probe two past the TTFT-inferred capacity whose stream started at once forgets
+    it, but one clean stream is no room for sqrt(n)/2 more: for ``reprobe_s`` the limit grows
+    one at a time, then by the usual step (b64kv, steps doubled, seed 7: 43 -> 46 -> 49 in 2 s
+    after the forgetting, and cuts of one or two held it outside its band until 91 s)."""
+    clock = Clock()
+    limiter = ConcurrencyLimit(clock=clock, initial=40, reprobe_s=5.0)
+    for _ in range(5):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(1, ttft=0.04))
+    for _ in range(12):
+        clock.advance(0.1)
+        limiter.on_sample(_sample(40, ttft=1.0))  # waited in the engine
+    assert limiter.limit == 39 and limiter.snapshot()["known_capacity"] == 39
+    forgot_at: float | None = None
+    steps: list[tuple[float, int]] = []  # (time since the forgetting, step) of each rise after it
+    while clock.now < 60 and (not steps or steps[-1][1] < 2):
+        clock.advance(0.25)
+        before = limiter.limit
+        limiter.on_dispatch(before)
+        limiter.on_sample(_sample(before, ttft=0.04))  # sent at the limit, started at once
+        if forgot_at is None and limiter.snapshot()["known_capacity"] is None:
+            forgot_at = clock.now
+            assert limiter.limit == 42  # the probe that forgot: 39 -> 40 -> 41 -> 42
+        elif forgot_at is not None and limiter.limit > before:
+            steps.append((clock.now - forgot_at, limiter.limit - before))
+    assert forgot_at is not None and steps
+    assert all(step == 1 for since, step in steps if since < 5.0)
+    assert len([since for since, _ in steps if since < 5.0]) >= 2  # it still grows, by one
+    assert steps[-1][1] >= 2 and steps[-1][0] >= 5.0  # then by sqrt(n)/2 again

@@ -286,6 +286,7 @@ class ConcurrencyLimit:
         self._lookahead_full = False  # the last window's streams waited behind a lookahead: hold
         self._last_ttft_cut = -math.inf
         self._last_probe = -math.inf
+        self._last_forgot = -math.inf  # when a blind probe last forgot the known capacity
         self._last_storm = -math.inf  # when preemptions last said the KV cache shrank
         # The limit when TTFT last set the known capacity (blind): a cut put off leaves it above.
         self._limit_at_capacity = 0
@@ -544,6 +545,8 @@ class ConcurrencyLimit:
                 ran_more = self._started_at_once_since_change >= current >= past + 2
             if self._reason == "probe" and ran_more:
                 self._known_capacity = None
+                if blind:
+                    self._last_forgot = now
             reason = "probe"
             self._last_probe = now
         elif self.phase is LimitPhase.STARTING:
@@ -559,7 +562,7 @@ class ConcurrencyLimit:
                 now - self._last_storm < self._memory_s
                 and self._load is not None
                 and (self._load.kv_usage or 0) >= KV_HOLD
-            ) or now - self._last_moving < self._memory_s:
+            ) or (now - self._last_moving < self._memory_s or now - self._last_forgot < self._reprobe_s):
                 # The cache shrank lately (a storm) and is full: it holds about what the storm
                 # left it, give or take its lengths, so it grows one at a time, as past a known
                 # capacity. Steps of sqrt(n)/2 on two polls with nothing waiting overshot what it
@@ -567,7 +570,10 @@ class ConcurrencyLimit:
                 # seconds (b64kv, cache halved, seed 8: 22 -> 26 at 73 s, back to 22 at 101 s).
                 # Blind, after a jump to a deep queue's estimate on an engine whose capacity
                 # moves, the same (two clean probes forgot the capacity, and steps of 2 went
-                # 22 -> 32 in 5 s: b64kv, cache halved, seed 6).
+                # 22 -> 32 in 5 s: b64kv, cache halved, seed 6). Blind, for ``reprobe_s`` after
+                # a probe forgot the capacity, too: one clean stream is no room for sqrt(n)/2
+                # more (b64kv, steps doubled, seed 7: 43 -> 46 -> 49 in 2 s, then cuts of one
+                # or two paced by the nudge rule held it outside its band until 91 s).
                 target = current + 1.0
             if self._known_capacity is not None:
                 target = min(target, float(self._known_capacity))
