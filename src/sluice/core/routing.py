@@ -113,8 +113,13 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+#: the prefix's canonical text; made once, since ``json.dumps`` with any argument of its own builds a
+#: new encoder on every call, and this runs on every attempt's pick of an engine
+_canonical = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
+
+
 def _hex(value: Any) -> str:
-    blob = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    blob = _canonical(value)
     return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
