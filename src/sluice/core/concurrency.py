@@ -54,11 +54,12 @@ barely adds tokens per second across the batch (elasticity ``b*n / (a + b*n)`` a
 :data:`PLATEAU_ELASTICITY`: doubling the batch would add under ~7 % throughput).
 
 Baselines follow the engine (Envoy's adaptive concurrency re-measures its minRTT on a timer):
-the TPOT line is fitted from per-in-flight buckets that expire after ``memory_s`` and are all
-dropped when the bucket being fed moves far from what the line predicts (another tenant on the
-GPU, longer contexts); the TTFT baseline is a low-quantile tracker that falls fast and rises
-slowly, so a slower engine raises it within tens of seconds without the limit being forced down
-to re-measure it. A hand-set ``ceiling`` (``max_concurrency``) is never exceeded.
+the TPOT line (:mod:`sluice.core.tpot_line`) is fitted from per-in-flight buckets that expire
+after ``memory_s`` and are all dropped when the bucket being fed moves far from what the line
+predicts (another tenant on the GPU, longer contexts); the TTFT baseline is a low-quantile
+tracker that falls fast and rises slowly, so a slower engine raises it within tens of seconds
+without the limit being forced down to re-measure it. A hand-set ``ceiling``
+(``max_concurrency``) is never exceeded.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from sluice.core.tpot_line import TpotLine
 
 __all__ = [
     "PLATEAU_ELASTICITY",
@@ -160,37 +163,6 @@ class LimitPhase(StrEnum):
     STEADY = "steady"
 
 
-@dataclass(slots=True)
-class _Bucket:
-    """Smoothed TPOT of the streams that started with ``n`` in flight.
-
-    Attributes:
-        tpot: moving average of their seconds per output token.
-        count: samples folded in (capped; it weights the line's fit).
-        updated: clock time of the newest sample.
-    """
-
-    tpot: float
-    count: int
-    updated: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Line:
-    """``tpot = a + b * inflight``, fitted over the fresh buckets."""
-
-    a: float
-    b: float
-
-    def at(self, n: float) -> float:
-        return self.a + self.b * n
-
-    def elasticity(self, n: float) -> float:
-        """d ln tpot / d ln n at ``n``: 0 when the batch is free, 1 when tokens/s is flat."""
-        tpot = self.at(n)
-        return self.b * n / tpot if tpot > 0 else 1.0
-
-
 class ConcurrencyLimit:
     """The in-flight limit of one engine: learned (adaptive=True) or fixed.
 
@@ -267,7 +239,7 @@ class ConcurrencyLimit:
         # Measurements.
         self._tpot_ewma: float | None = None
         self._ttft_base: float | None = None
-        self._buckets: dict[int, _Bucket] = {}
+        self._tpot_line = TpotLine(memory_s, clock)
         self._window_samples = 0
         self._window_queued = 0
         self._window_started = now
@@ -311,7 +283,7 @@ class ConcurrencyLimit:
 
     def snapshot(self) -> dict[str, object]:
         """JSON-able state for /admin and the dashboard."""
-        line = self._line()
+        line = self._tpot_line.fit()
         return {
             "limit": self.limit,
             "adaptive": self.adaptive,
@@ -344,7 +316,7 @@ class ConcurrencyLimit:
         if tpot is not None:
             last = self._tpot_ewma
             self._tpot_ewma = tpot if last is None else last + 0.1 * (tpot - last)
-            self._fold_bucket(max(1, sample.inflight), tpot, now)
+            self._tpot_line.fold(max(1, sample.inflight), tpot, now)
         if sample.ttft_s is not None and sample.ttft_s >= 0 and not self._first_tokens:
             self._fold_ttft(sample.inflight, sample.ttft_s, tpot)
         if not self.adaptive:
@@ -501,7 +473,7 @@ class ConcurrencyLimit:
         # has not shown it can take more (TCP's rule for application-limited flows).
         if self._peak_inflight < current or self._kv_hold or self._lookahead_full:
             return
-        line = self._line()
+        line = self._tpot_line.fit()
         aim: float | None = None
         if self.tpot_objective_s is not None:
             # TPOT is known only once a stream ends: growth waits for one sent at this limit.
@@ -600,7 +572,7 @@ class ConcurrencyLimit:
         # Streams started under the current limit must have finished before it is judged.
         if self._samples_since_change < 3:
             return True
-        line = self._line()
+        line = self._tpot_line.fit()
         if line is not None and line.b > 0 and line.a < aim:
             target = (aim - line.a) / line.b
         else:
@@ -697,43 +669,6 @@ class ConcurrencyLimit:
         return min(value, self.ceiling) if self.ceiling is not None else value
 
     # -- measurements --------------------------------------------------------------------------
-
-    def _fold_bucket(self, n: int, tpot: float, now: float) -> None:
-        line = self._line()
-        bucket = self._buckets.get(n)
-        if bucket is None:
-            self._buckets[n] = _Bucket(tpot, 1, now)
-        else:
-            bucket.tpot += 0.2 * (tpot - bucket.tpot)
-            bucket.count = min(bucket.count + 1, 50)
-            bucket.updated = now
-            # The engine changed under the line (a second tenant, longer contexts): what the line
-            # was fitted on no longer holds, so it is fitted again from what comes next.
-            if line is not None and bucket.count >= 5 and abs(bucket.tpot - line.at(n)) > 0.35 * line.at(n):
-                self._buckets = {n: bucket}
-
-    def _line(self) -> _Line | None:
-        """The least-squares line of TPOT over in-flight count, from the fresh buckets; None when
-        they span too little of the in-flight range to give a slope."""
-        now = self._clock()
-        fresh = [(n, b) for n, b in self._buckets.items() if now - b.updated <= self._memory_s]
-        if len(fresh) < 2 or max(n for n, _ in fresh) - min(n for n, _ in fresh) < 2:
-            return None
-        w = [float(b.count) for _, b in fresh]
-        sw = sum(w)
-        mx = sum(wi * n for wi, (n, _) in zip(w, fresh, strict=True)) / sw
-        my = sum(wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)) / sw
-        sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True))
-        sxy = sum(wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True))
-        if sxx <= 0:
-            return None
-        b = max(0.0, sxy / sxx)
-        a = my - b * mx
-        if a <= 0:
-            # A line through (or below) zero at no load is noise; keep the slope's share bounded.
-            a = max(my * 0.05, 1e-9)
-            b = max(0.0, (my - a) / mx)
-        return _Line(a, b)
 
     def _fold_ttft(self, inflight: int, ttft: float, tpot: float | None, ahead: int | None = None) -> None:
         """Fold in one stream's TTFT; ``ahead``: the first tokens that came while it waited
