@@ -258,18 +258,19 @@ def test_a_probe_the_engine_did_not_run_does_not_forget_its_capacity() -> None:
     assert limiter.snapshot()["known_capacity"] == 8
 
 
-def _blind_at_inferred_capacity() -> tuple[Clock, ConcurrencyLimit]:
+def _blind_at_inferred_capacity(streams: int = 8) -> tuple[Clock, ConcurrencyLimit]:
     """A blind (TTFT only) limiter whose first tokens came at a 0.04 s baseline, then waited in
-    the engine at 8 streams: the capacity inferred from them is 7, and so is the limit."""
+    the engine at ``streams`` streams: the capacity inferred from them is one less, and so is
+    the limit."""
     clock = Clock()
-    limiter = ConcurrencyLimit(clock=clock, initial=8, reprobe_s=5.0)
+    limiter = ConcurrencyLimit(clock=clock, initial=streams, reprobe_s=5.0)
     for _ in range(5):
         clock.advance(0.1)
         limiter.on_sample(_sample(1, ttft=0.04))
     for _ in range(12):
         clock.advance(0.1)
-        limiter.on_sample(_sample(8, ttft=1.0))  # waited in the engine
-    assert limiter.limit == 7 and limiter.snapshot()["known_capacity"] == 7
+        limiter.on_sample(_sample(streams, ttft=1.0))  # waited in the engine
+    assert limiter.limit == streams - 1 and limiter.snapshot()["known_capacity"] == streams - 1
     return clock, limiter
 
 
@@ -575,15 +576,7 @@ def test_blind_after_a_probe_forgot_the_capacity_growth_goes_one_at_a_time_for_a
     it, but one clean stream is no room for sqrt(n)/2 more: for ``reprobe_s`` the limit grows
     one at a time, then by the usual step (b64kv, steps doubled, seed 7: 43 -> 46 -> 49 in 2 s
     after the forgetting, and cuts of one or two held it outside its band until 91 s)."""
-    clock = Clock()
-    limiter = ConcurrencyLimit(clock=clock, initial=40, reprobe_s=5.0)
-    for _ in range(5):
-        clock.advance(0.1)
-        limiter.on_sample(_sample(1, ttft=0.04))
-    for _ in range(12):
-        clock.advance(0.1)
-        limiter.on_sample(_sample(40, ttft=1.0))  # waited in the engine
-    assert limiter.limit == 39 and limiter.snapshot()["known_capacity"] == 39
+    clock, limiter = _blind_at_inferred_capacity(40)
     forgot_at: float | None = None
     steps: list[tuple[float, int]] = []  # (time since the forgetting, step) of each rise after it
     while clock.now < 60 and (not steps or steps[-1][1] < 2):
