@@ -18,7 +18,7 @@ read by a reader that waits on ``broker.events`` from its admission on, as the r
 Not here: the HTTP front (uvicorn, the body's validation, the job built, the SSE frame written),
 which ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
 
-Usage: python -m sluice.bench.ttft_path [--jobs 300]
+Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N]
 """
 
 from __future__ import annotations
@@ -49,18 +49,31 @@ STEPS = (("admitted", "written", "admitted -> request written"), ("chunk", "toke
 
 
 class Marks:
-    """When (perf_counter ns) and after how many calls each point of one job's path was reached."""
+    """When (perf_counter ns) and after how many calls each point of one job's path was reached;
+    with ``by_function``, also each function's calls inside each step (keyed by the step's label)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_function: bool = False) -> None:
         self.calls = 0
         self.at: dict[str, tuple[int, int]] = {}
+        self.by_function = by_function
+        self.step: dict[Any, int] | None = None
+        self.each: dict[str, dict[Any, int]] = {label: {} for _, _, label in STEPS}
 
     def count(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" or event == "c_call":
             self.calls += 1
+            step = self.step
+            if step is not None:
+                key = frame.f_code if event == "call" else arg
+                step[key] = step.get(key, 0) + 1
 
     def mark(self, name: str) -> None:
         self.at[name] = (time.perf_counter_ns(), self.calls)
+        if self.by_function:
+            self.step = None
+            for start, _, label in STEPS:
+                if name == start:
+                    self.step = self.each[label]
 
 
 def hook_engine_client(marks: Marks) -> Callable[[], None]:
@@ -133,9 +146,18 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int]]:
     return marks.at
 
 
-async def run(jobs: int, sim_url: str) -> dict[str, dict[str, list[float]]]:
-    """Per step: its calls in the counted pass, its µs in the plain one."""
-    marks = Marks()
+def function_name(key: Any) -> str:
+    """A counted function's name: its qualified name and where (a C function: its name only)."""
+    code = getattr(key, "co_qualname", None)
+    if code is not None:
+        return f"{code} ({key.co_filename.rsplit('/', 2)[-1]}:{key.co_firstlineno})"
+    return f"{getattr(key, '__qualname__', repr(key))} (C)"
+
+
+async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, dict[str, list[float]]]:
+    """Per step: its calls in the counted pass, its µs in the plain one (``marks``: where they are
+    kept, with each function's calls when it was made ``by_function``)."""
+    marks = Marks() if marks is None else marks
     undo = hook_engine_client(marks)
     broker = MemoryBroker()
     await broker.start()
@@ -151,6 +173,7 @@ async def run(jobs: int, sim_url: str) -> dict[str, dict[str, list[float]]]:
             counted = [await one(broker, marks) for _ in range(jobs)]
         finally:
             sys.setprofile(None)
+            marks.by_function, marks.step = False, None
         timed = [await one(broker, marks) for _ in range(jobs)]
     finally:
         undo()
@@ -168,16 +191,24 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} [{deciles[0]:,.0f}-{deciles[-1]:,.0f}]"
 
 
-async def main(jobs: int, log: IO[bytes]) -> None:
+async def main(jobs: int, by_function: int, log: IO[bytes]) -> None:
     sim, url = await spawn_sim("article", log, extra=["--model", MODEL])
+    marks = Marks(by_function=by_function > 0)
     try:
-        out = await run(jobs, url)
+        out = await run(jobs, url, marks)
     finally:
         await stop(sim)
     print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
     print(f"{'step':<30} {'calls p50 [p10-p90]':>22} {'wall µs p50 [p10-p90]':>24}")
     for _, _, label in STEPS:
         print(f"{label:<30} {spread(out[label]['calls']):>22} {spread(out[label]['us']):>24}")
+    for _, _, label in STEPS if by_function else ():
+        named: dict[str, int] = {}
+        for key, calls in marks.each[label].items():
+            named[function_name(key)] = named.get(function_name(key), 0) + calls
+        print(f"\n{label}: the {by_function} functions called most, calls a job")
+        for name, calls in sorted(named.items(), key=lambda kv: -kv[1])[:by_function]:
+            print(f"{calls / jobs:>8.1f}  {name}")
 
 
 if __name__ == "__main__":
@@ -187,6 +218,13 @@ if __name__ == "__main__":
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument(
+        "--by-function",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list each step's N functions called most",
+    )
     args = parser.parse_args()
     with open(os.devnull, "wb") as log:
-        uvloop.run(main(args.jobs, log))
+        uvloop.run(main(args.jobs, args.by_function, log))
