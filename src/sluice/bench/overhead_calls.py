@@ -1,0 +1,251 @@
+"""The gateway's Python calls per request, per streamed token and per refusal, counted in the whole
+``sluice serve`` process: a figure that the machine's other load does not move, where the CPU
+times of :mod:`sluice.bench.overhead` do.
+
+The gateway runs as ``sluice serve`` does, in its own process, with a profile hook on its main
+thread (the event loop's) counting every Python and C function call (``call`` and ``c_call``
+events); a thread of its own, not hooked, writes the count to a file every 10 ms. The load sends
+one request at a time on one keep-alive connection (the minimal client of
+:mod:`sluice.bench.overhead_load`) and reads the count around each phase; the calls the gateway
+makes on its own while idle (its upkeep ticks, the engine's polls), measured over two quiet seconds
+before and two after each phase, are taken out at that rate; what is left of them is noise of
+about a few thousand calls a phase, so a phase needs some hundreds of requests.
+
+Phases (each ``--requests`` requests):
+
+- *short*: non-streaming chat requests of 8 tokens against the fast engine (256 slots, 1.25 ms
+  steps), as the ``closed`` rows of :mod:`sluice.bench.overhead`;
+- *stream 8* and *stream 64*: the same, streamed; per extra token is their difference over 56;
+- *refusal*: a second gateway (``--max-concurrency 1 --max-queued-jobs 1``) in front of the
+  flood's engine (the ``article`` preset), its one slot held by a long answer (4,000 tokens, about
+  a minute) and its queue by another: every request is
+  refused (``429 queue_full``) by the broker's admission. The flood's refusals are the queue
+  policy's delay rule instead, the same path up to the policy's answer.
+
+The hook makes the gateway several times slower, which changes no count; a count that moves
+between runs is a phase that waited on a timer (an upkeep tick, a retry) inside it.
+
+Usage: python -m sluice.bench.overhead_calls [--requests 500] [--by-function N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pickle
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+from urllib.parse import urlsplit
+
+from sluice.bench.overhead import FAST_ENGINE, FLOOD_ENGINE
+from sluice.bench.overhead_load import Load, Reply, _Client, _new_loop, request_bytes
+from sluice.bench.overhead_procs import Spawner, _url, start_engine, wait_answer, wait_ready
+from sluice.bench.spawn import free_port
+
+#: Run in the gateway's process: the hook on the main thread, the writer thread, then the CLI. With
+#: SLUICE_CALLS_BY set, the hook also counts each function's calls, and the writer puts them beside.
+COUNTED = """
+import os, pickle, sys, threading, time
+path = os.environ["SLUICE_CALLS_FILE"]
+by = bool(os.environ.get("SLUICE_CALLS_BY"))
+calls = [0]
+each = {}
+def count(frame, event, arg):
+    if event == "call" or event == "c_call":
+        calls[0] += 1
+def count_each(frame, event, arg):
+    if event == "call":
+        calls[0] += 1
+        code = frame.f_code
+        each[code] = each.get(code, 0) + 1
+    elif event == "c_call":
+        calls[0] += 1
+        each[arg] = each.get(arg, 0) + 1
+def name(key):
+    code = getattr(key, "co_qualname", None)
+    if code is not None:
+        return f"{code} ({key.co_filename.rsplit('/', 2)[-1]}:{key.co_firstlineno})"
+    return f"{getattr(key, '__qualname__', repr(key))} (C)"
+def write():
+    tmp = path + ".tmp"
+    while True:
+        with open(tmp, "w") as f:
+            f.write(str(calls[0]))
+        os.replace(tmp, path)
+        if by:
+            snapshot = {}
+            for k, v in each.copy().items():
+                snapshot[name(k)] = snapshot.get(name(k), 0) + v
+            with open(tmp, "wb") as f:
+                pickle.dump((calls[0], snapshot), f)
+            os.replace(tmp, path + ".by")
+        time.sleep(0.01)
+threading.Thread(target=write, daemon=True).start()
+sys.setprofile(count_each if by else count)
+from sluice.cli import main
+sys.argv = ["sluice", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+#: How long the count is left to settle around a phase (the writer's period is 10 ms).
+SETTLE_S = 0.1
+#: The idle windows before and after a phase: the gateway's own work comes in bursts (its upkeep
+#: ticks, the engine's polls), so the longer, the closer its rate.
+IDLE_S = 2.0
+
+
+class Counted:
+    """A counted gateway: its URL and the file its call count is written to."""
+
+    def __init__(self, spawner: Spawner, name: str, engine: str, flags: Sequence[str], out: Path) -> None:
+        port = free_port()
+        self.file = out / f"{name}.calls"
+        argv = [sys.executable, "-c", COUNTED, "serve", "--backend", engine, "--port", str(port)]
+        argv += ["--log-level", "warning", *flags]
+        self.proc = spawner.start(name, argv, {"SLUICE_CALLS_FILE": str(self.file)})
+        self.url = _url(port)
+        wait_ready(self.url + "/readyz", self.proc, timeout_s=300)
+        wait_answer(self.url)
+
+    def calls(self) -> int:
+        return int(self.file.read_text())
+
+    def each(self) -> dict[str, int]:
+        """Calls so far by function (only with ``SLUICE_CALLS_BY`` set)."""
+        path = self.file.with_name(self.file.name + ".by")
+        if not path.exists():
+            return {}
+        with path.open("rb") as f:
+            _, each = pickle.load(f)  # written by the gateway this bench started
+        return cast(dict[str, int], each)
+
+
+async def _connect(url: str) -> _Client:
+    parts = urlsplit(url)
+    loop = asyncio.get_running_loop()
+    _, client = await loop.create_connection(_Client, parts.hostname or "127.0.0.1", parts.port or 80)
+    return client
+
+
+#: Per phase: each function's calls a request, net of the idle rate (with ``--by-function``).
+BY_FUNCTION: dict[str, dict[str, float]] = {}
+
+
+async def phase(gateway: Counted, load: Load, requests: int, expect: int, label: str) -> tuple[float, float]:
+    """Calls per request of ``requests`` sent one at a time (each answered ``expect``), net of the
+    idle rate measured over the second before; and that idle rate (calls a second)."""
+    client = await _connect(gateway.url)
+    request = request_bytes(gateway.url, load)
+    try:
+        for _ in range(3):  # the connection's first requests, the engine's connection warm
+            await client.exchange(request)
+        await asyncio.sleep(SETTLE_S)
+        marks = [(gateway.calls(), gateway.each(), time.perf_counter())]
+        await asyncio.sleep(IDLE_S)
+        marks.append((gateway.calls(), gateway.each(), time.perf_counter()))
+        for _ in range(requests):
+            reply: Reply = await client.exchange(request)
+            if reply.status != expect:
+                raise RuntimeError(f"expected {expect}, got {reply.status}")
+        await asyncio.sleep(SETTLE_S)
+        marks.append((gateway.calls(), gateway.each(), time.perf_counter()))
+        await asyncio.sleep(IDLE_S)
+        marks.append((gateway.calls(), gateway.each(), time.perf_counter()))
+    finally:
+        client.close()
+    (c0, e0, t0), (c1, e1, t1), (c2, e2, t2), (c3, e3, t3) = marks
+    idle_s, busy_s = (t1 - t0) + (t3 - t2), t2 - t1
+    rate = ((c1 - c0) + (c3 - c2)) / idle_s
+    if e3:
+        keys = set(e3)
+        BY_FUNCTION[label] = {
+            key: (
+                e2.get(key, 0)
+                - e1.get(key, 0)
+                - (e1.get(key, 0) - e0.get(key, 0) + e3.get(key, 0) - e2.get(key, 0)) * busy_s / idle_s
+            )
+            / requests
+            for key in keys
+        }
+    return (c2 - c1 - rate * busy_s) / requests, rate
+
+
+async def _hold(url: str, tokens: int) -> _Client:
+    """A long streamed answer in flight (not awaited), to hold a slot or a queue place."""
+    client = await _connect(url)
+    reply = client.exchange(request_bytes(url, Load(1, tokens, stream=True)))
+    reply.add_done_callback(lambda done: done.exception())  # closed before the end, on purpose
+    return client
+
+
+async def measure(fast: Counted, refusing: Counted, requests: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    out["short"], out["idle"] = await phase(fast, Load(1, 8, stream=False), requests, 200, "short")
+    out["stream 8"], _ = await phase(fast, Load(1, 8, stream=True), requests, 200, "stream 8")
+    out["stream 64"], _ = await phase(fast, Load(1, 64, stream=True), requests, 200, "stream 64")
+    out["per extra token"] = (out["stream 64"] - out["stream 8"]) / 56
+    held = [await _hold(refusing.url, 4_000)]
+    await asyncio.sleep(0.5)  # the first one running: the second one queued behind it
+    held.append(await _hold(refusing.url, 4_000))
+    await asyncio.sleep(0.5)
+    try:
+        out["refusal"], out["idle, refusing"] = await phase(
+            refusing, Load(1, 8, stream=False), requests, 429, "refusal"
+        )
+    finally:
+        for client in held:
+            client.close()
+        await asyncio.sleep(0.1)
+    return out
+
+
+def main(requests: int, by_function: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="sluice-calls-") as tmp:
+        out = Path(tmp)
+        spawner = Spawner(out)
+        if by_function:
+            os.environ["SLUICE_CALLS_BY"] = "1"
+        try:
+            engine, _ = start_engine(spawner, "engine", FAST_ENGINE)
+            fast = Counted(spawner, "gateway", engine, ["--max-concurrency", "256"], out)
+            slow, _ = start_engine(spawner, "slow-engine", FLOOD_ENGINE)
+            refusing = Counted(
+                spawner, "refusing", slow, ["--max-concurrency", "1", "--max-queued-jobs", "1"], out
+            )
+            with asyncio.Runner(loop_factory=_new_loop) as runner:
+                figures = runner.run(measure(fast, refusing, requests))
+        finally:
+            spawner.stop_all()
+    print(f"{requests} requests a phase, one at a time; gateway calls (Python + C) counted in its process")
+    for name, value in figures.items():
+        unit = "calls a second" if name.startswith("idle") else "calls"
+        print(f"{name:<18} {value:>10,.1f} {unit}")
+    for label, each in BY_FUNCTION.items():
+        print(f"\n{label}: the {by_function} functions called most a request")
+        for key, value in sorted(each.items(), key=lambda kv: -kv[1])[:by_function]:
+            print(f"{value:>8.1f}  {key}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.bench.overhead_calls",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--requests", type=int, default=500, help="requests a phase (500)")
+    parser.add_argument(
+        "--by-function",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list each phase's N functions called most",
+    )
+    args = parser.parse_args()
+    if os.environ.get("SLUICE_CALLS_FILE"):
+        raise SystemExit("SLUICE_CALLS_FILE is the counted gateway's; unset it here")
+    main(args.requests, args.by_function)
