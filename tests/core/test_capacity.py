@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -147,18 +148,21 @@ def test_a_promised_wait_leaves_room_for_the_rates_error() -> None:
 
 def test_a_wait_behind_few_jobs_leaves_room_for_their_own_spread() -> None:
     """The jobs queued ahead are a sample too: behind k of them the margin adds their mean's error
-    (variance spread² / k) to the rate's. Behind a long queue it is the rate's error alone; behind
-    few it is wider; where every job takes the same there is none either way. An admission passes
-    down the slowdown it read once, and the promise is the same as when the rate reads it."""
+    (variance residual_spread² / k) to the rate's. Behind a long queue it is the rate's error
+    alone; behind few it is wider; where every job takes the same there is none either way. An
+    admission passes down the slowdown it read once, and the promise is the same as when the rate
+    reads it."""
     spread, same = (DrainRate(slots=4, weigh_per_slot=True) for _ in range(2))
     for i in range(3000):
         spread.observe(100, 0.2 if i % 2 else 1.8, running=4)
         same.observe(100, 1.0, running=4)
     rate_error = spread.wait_margin - 1.0
     jobs = min(spread.samples, (2.0 - spread.weight) / spread.weight)
+    own = 2.0 * spread.residual_spread  # capacity.WAIT_MARGIN_Z standard deviations of one job
     for k in (1, 10, 100):
         margin = spread.batch_rate / spread.promise_rate_behind(k) - 1.0
-        assert margin == pytest.approx(rate_error * math.sqrt(1 + jobs / k), rel=1e-6)
+        assert margin == pytest.approx(math.sqrt(rate_error**2 + own**2 / k), rel=1e-6)
+    assert rate_error == pytest.approx(2.0 * spread.spread / math.sqrt(jobs), rel=1e-9)
     assert spread.promise_rate_behind(1) < spread.promise_rate_behind(100) < spread.promise_rate
     assert spread.promise_rate_behind(0) == spread.promise_rate  # no jobs ahead: no such term
     assert spread.promise_rate_behind(10_000) == pytest.approx(spread.promise_rate, rel=0.01)
@@ -182,3 +186,54 @@ def test_the_promises_constants_are_the_rates_own() -> None:
             d.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
     assert flat.promise_rate_behind(5) == pytest.approx(flat.rate)
     assert plain.promise_rate_behind(5) < 0.7 * plain.rate
+
+
+def test_the_jobs_aheads_margin_is_the_predictions_measured_error_not_a_quantiles() -> None:
+    """The margin for the jobs ahead is how far a job's time strays from what its cost predicts,
+    measured (the residual's root mean square over the mean time), not read off the 95th
+    percentile of the time per cost unit as two standard deviations above the mean. One job in 25
+    taking 20 times the others' time lies above that percentile, which then says no spread, though
+    a wait behind such jobs strays by twice its mean. And where prompts of ~250 tokens vary
+    (lognormal, sigma 1) in front of long-tailed answers of at most 64 (seed 7 of the policy
+    model's family), the percentile lies in the corner of short prompts with long answers, and
+    reads far more spread than a wait predicted from the cost queued ahead strays by."""
+    rare = DrainRate(slots=4, weigh_per_slot=True)
+    for i in range(3000):
+        rare.observe(100, 20.0 if i % 25 == 0 else 1.0, running=4)
+    assert rare.spread == 0.0
+    assert rare.residual_spread > 1.5  # sqrt(24 * 0.76² + 18.24²) / 5 / 1.76 = 2.2, as the EWMA lands
+    assert rare.batch_rate / rare.promise_rate_behind(10) > 1.0 + 2 * 1.5 / math.sqrt(10)
+    varied = DrainRate(slots=4, weigh_per_slot=True)
+    rng = random.Random(7)
+    read: list[tuple[float, float]] = []  # each a snapshot of some 40 jobs: their mean over many
+    for i in range(8000):
+        prompt = min(int(246 * math.exp(rng.gauss(0, 0.98))), 8 * 246)
+        answer = max(1, min(64, int(15 * math.exp(rng.gauss(0, 0.72)))))
+        varied.observe(prompt + 64, 0.03 * answer, running=4)
+        if i >= 2000:
+            read.append((varied.spread, varied.residual_spread))
+    per_cost, residual = (sum(r[k] for r in read) / len(read) for k in (0, 1))
+    assert per_cost > 1.5 and residual < 0.7 * per_cost
+    # The promise's slowdown, and the rate the Retry-After book spreads over, read the percentile's
+    # spread as before: only the wait's margin changed.
+    assert varied.batch_rate == pytest.approx(varied._batch_rate(varied.spread, varied.slowdown))
+
+
+def test_the_residual_spread_is_a_service_times_around_what_its_cost_predicts() -> None:
+    """One cost, times of 1 s and 3 s in turn: the rate predicts 2 s, each job strays by 1 s, half
+    the mean (a residual spread of 0.5). Before a second job has finished there is no residual, and
+    the margin reads the spread per cost unit as it did before (a state kept without the field
+    reads the same)."""
+    d = DrainRate(slots=1, weigh_per_slot=True, alpha=0.02)
+    d.observe(100, 1.0)
+    assert d.resid == 0.0 and d.residual_spread == d.spread
+    for i in range(3000):
+        d.observe(100, 3.0 if i % 2 == 0 else 1.0)
+    assert d.residual_spread == pytest.approx(0.5, rel=0.1)
+    jobs = min(d.samples, (2.0 - d.weight) / d.weight)
+    behind_one = d.batch_rate / d.promise_rate_behind(1)
+    assert behind_one == pytest.approx(
+        1 + 2.0 * math.sqrt(d.spread**2 / jobs + d.residual_spread**2), rel=1e-9
+    )
+    kept_without = DrainRate(slots=1, per_slot=d.per_slot, samples=d.samples, service=d.service, slow=d.slow)
+    assert kept_without.residual_spread == kept_without.spread

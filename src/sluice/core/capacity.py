@@ -19,6 +19,14 @@ does (codel then takes it for a standing one). So the brokers tell each finished
 jobs ran beside it, and the rate learns the line of a job's time against the batch's fill
 (:attr:`DrainRate.slowdown`): the wait for a queue, and a job's promised time, are at the full
 batch's pace.
+
+A wait behind a queue is predicted from the cost queued ahead and promised with room for two
+errors (:meth:`DrainRate.promise_rate_behind`): the rate's, and how far the jobs ahead, a sample
+of their own, stray from what their costs predict. The latter is measured as the jobs finish
+(:attr:`DrainRate.residual_spread`: each job's service time less ``cost / per_slot``), not read
+off the 95th percentile of the time per cost unit (:attr:`DrainRate.spread`): where prompts vary
+that percentile lies in the corner of short prompts with long answers, and reads about twice the
+spread a wait strays by (docs/policies.md).
 """
 
 from __future__ import annotations
@@ -82,6 +90,10 @@ class DrainRate:
             first sample), at the fill it was measured at.
         fill: the moving average (:attr:`weight`) of the share of the slots busy while the jobs
             ran: the fill ``per_slot`` and ``slow`` were measured at (0: never told).
+        resid: the moving average (:attr:`weight`) of the square of a job's residual, in s²: its
+            service time less what its cost predicts at the rate before it (``cost / per_slot``);
+            0 until a second job has finished (:attr:`residual_spread` is its root over
+            :attr:`service`).
         fit_u, fit_t, fit_uu, fit_ut: the slow moving averages (:data:`FILL_ALPHA`) of a job's
             fill u, its seconds per cost unit t, u² and u·t: the line t(u) drawn through them is
             how a job slows as the batch fills (:attr:`slowdown`).
@@ -105,6 +117,7 @@ class DrainRate:
     fit_uu: float = 0.0
     fit_ut: float = 0.0
     fills: int = 0
+    resid: float = 0.0
     weigh_per_slot: bool = WEIGHT_PER_SLOT
     extrapolation_share: float = EXTRAPOLATION_SHARE
     wait_margin_z: float = WAIT_MARGIN_Z
@@ -117,6 +130,10 @@ class DrainRate:
             return
         per_cost = service_s / cost
         alpha = self.weight
+        if self.samples > 0 and self.per_slot > 0 and self.service > 0:
+            # before the rate learns this job: its residual against what was predicted for it
+            r = service_s - cost / self.per_slot
+            self.resid = r * r if self.resid <= 0 else self.resid + alpha * (r * r - self.resid)
         if self.samples == 0 or self.service <= 0:
             self.per_slot, self.service = cost / service_s, service_s
         else:
@@ -250,20 +267,38 @@ class DrainRate:
         return max(self.slow * self.per_slot - 1.0, 0.0) / 2.0 if self.samples else 0.0
 
     @property
+    def residual_spread(self) -> float:
+        """How much a job's service time strays from what its cost predicts at the rate
+        (``cost / per_slot``), relative to the mean service time: the root of :attr:`resid` over
+        :attr:`service` (a ratio of averages, as the rate is: an average of each job's ratio to
+        the mean of its moment swings with the short answers a burst's first seconds finish). A
+        wait behind k jobs is their service times' sum, predicted from the cost queued ahead; it
+        strays from that by this over √k of it. :attr:`spread` before a second job has finished
+        (or with a state kept without it)."""
+        if self.resid <= 0 or self.service <= 0:
+            return self.spread
+        return math.sqrt(self.resid) / self.service
+
+    @property
     def wait_margin(self) -> float:
         """How much longer than its mean a long queue's wait is promised: :data:`WAIT_MARGIN_Z`
         standard errors of the rate, a mean over about ``2 / weight`` finished jobs (fewer before
         that many finished) whose times vary by :attr:`spread`. Behind a few jobs the margin is
         wider (:meth:`promise_rate_behind`): they are a sample of their own."""
-        return self._wait_margin(self.spread, 0)
+        return self._wait_margin(self.spread, 0, 0.0)
 
-    def _wait_margin(self, spread: float, jobs_ahead: int) -> float:
+    def _wait_margin(self, spread: float, jobs_ahead: int, residual: float) -> float:
+        """``1 + z·√(spread² / jobs + residual² / jobs_ahead)``: the rate's error, read off the
+        95th percentile (it is also off by more than a mean's error at a burst's onset, when the
+        first to finish are short answers: the percentile's reading covers that too, on seed 22
+        of the family), and the jobs ahead's, a sample of service times that stray from what their
+        costs predict by ``residual`` (:attr:`residual_spread`, measured)."""
         if not self.samples:
             return 1.0
         w = self.weight
         jobs = min(self.samples, (2.0 - w) / w)
-        own = 1.0 / jobs_ahead if jobs_ahead > 0 else 0.0
-        return 1.0 + self.wait_margin_z * spread * math.sqrt(1.0 / jobs + own)
+        own = residual * residual / jobs_ahead if jobs_ahead > 0 else 0.0
+        return 1.0 + self.wait_margin_z * math.sqrt(spread * spread / jobs + own)
 
     @property
     def batch_rate(self) -> float:
@@ -285,15 +320,17 @@ class DrainRate:
 
     def promise_rate_behind(self, jobs_ahead: int, *, slowdown: float | None = None) -> float:
         """The drain rate the wait behind ``jobs_ahead`` jobs is promised at: :attr:`batch_rate`
-        less a margin of :data:`WAIT_MARGIN_Z` standard errors of two means whose times vary by
-        :attr:`spread`: the rate's (:attr:`wait_margin`), and the jobs ahead's, a sample of their
-        own whose answers are not known until they end (its variance ``spread² / jobs_ahead``; 0
-        jobs: none). ``slowdown``: :attr:`slowdown`, when the caller has read it already (an
-        admission reads it once). Only the deadline check reads it: codel's view of the queue
-        and the position and start a client is told stay at the mean rate."""
+        less a margin of :data:`WAIT_MARGIN_Z` standard errors of two means: the rate's, whose
+        times vary by :attr:`spread` (:attr:`wait_margin`), and the jobs ahead's, a sample of
+        their own whose answers are not known until they end and whose sum strays from what the
+        cost queued ahead predicts by :attr:`residual_spread` over √jobs_ahead (0 jobs: none).
+        ``slowdown``: :attr:`slowdown`, when the caller has read it already (an admission reads
+        it once). Only the deadline check reads it: codel's view of the queue and the position
+        and start a client is told stay at the mean rate."""
         spread = self.spread  # read once for both of the rate's parts
         fit = self.slowdown if slowdown is None else slowdown
-        return max(self._batch_rate(spread, fit) / self._wait_margin(spread, jobs_ahead), 1e-3)
+        margin = self._wait_margin(spread, jobs_ahead, self.residual_spread)
+        return max(self._batch_rate(spread, fit) / margin, 1e-3)
 
     def promised_wait_s(
         self, tokens_ahead: int, jobs_ahead: int = 0, *, slowdown: float | None = None

@@ -34,6 +34,16 @@ local function time_spread(per_slot, slow, samples)
   return math.max(slow * per_slot - 1, 0) / 2
 end
 
+-- DrainRate.residual_spread: how much a job's service time strays from what its cost predicts at
+-- the rate, relative to the mean service time: the root of the capacity hash's 'r:<model>' field
+-- (DrainRate.resid, s^2, which finish keeps; redis_keys.drain_resid_field) over its 'd:<model>'
+-- (DrainRate.service), or spread (time_spread's) while either is 0 or absent (before a second job
+-- finished). The promised wait's margin reads it.
+local function residual_spread(resid, service, spread)
+  if resid and service and resid > 0 and service > 0 then return math.sqrt(resid) / service end
+  return spread
+end
+
 -- DrainRate.promise_slowdown: fill_slowdown moved toward the most a full batch can slow a job
 -- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE) times the spread (at
 -- most all the way), on a log scale. g: fill_fit's numbers, fit: fit_slowdown's of them (admit
@@ -44,16 +54,20 @@ local function promise_slowdown(g, fit, max_slowdown, share, spread)
   return fit * math.pow(bound / fit, math.min(share * spread, 1))
 end
 
--- DrainRate.promise_rate_behind's margin: z (capacity.WAIT_MARGIN_Z) standard errors of two means
--- whose times vary by spread: the rate, a mean over about 2 / weight jobs (the weight of
--- DrainRate.weight: alpha per slot when per_slot_weight), and the ahead_jobs queued ahead, a
--- sample of their own (variance spread^2 / ahead_jobs; none when 0).
-local function wait_margin(spread, samples, slots, alpha, per_slot_weight, z, ahead_jobs)
+-- DrainRate.promise_rate_behind's margin: z (capacity.WAIT_MARGIN_Z) standard errors of two means:
+-- the rate, a mean over about 2 / weight jobs (the weight of DrainRate.weight: alpha per slot when
+-- per_slot_weight) whose times vary by spread (time_spread's), and the ahead_jobs queued ahead, a
+-- sample of their own whose service times stray from what their costs predict by residual
+-- (residual_spread's; spread when nil), variance residual^2 / ahead_jobs (none when 0).
+local function wait_margin(spread, samples, slots, alpha, per_slot_weight, z, ahead_jobs, residual)
   if samples <= 0 then return 1.0 end
   local w = alpha
   if per_slot_weight then w = alpha / math.max(slots, 1) end
   local jobs = math.min(samples, (2 - w) / w)
   local own = 0
-  if ahead_jobs > 0 then own = 1 / ahead_jobs end
-  return 1 + z * spread * math.sqrt(1 / jobs + own)
+  if ahead_jobs > 0 then
+    residual = residual or spread
+    own = residual * residual / ahead_jobs
+  end
+  return 1 + z * math.sqrt(spread * spread / jobs + own)
 end

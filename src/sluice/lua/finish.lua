@@ -2,8 +2,9 @@
 -- publish its terminal event. A success feeds the model's drain rate (sluice.core.capacity.DrainRate:
 -- a slot's rate, the EWMA of costs over that of service times, each job weighing alpha per slot of
 -- the model (DrainRate.weight); the EWMA of service times; how slow
--- a job gets per cost unit, a quantile tracked on a log scale; the fit of how a job slows as the
--- batch fills, from the jobs running beside it), which admit reads for its deadline prediction.
+-- a job gets per cost unit, a quantile tracked on a log scale; the EWMA of the square of a job's
+-- residual, its service time less cost / the rate before it (DrainRate.resid, field 'r:'); the fit of how a job slows as the batch fills, from the jobs running
+-- beside it), which admit reads for its deadline prediction.
 --
 -- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
 -- KEYS[5] running hash   KEYS[6] capacity hash   KEYS[7] blocked set   KEYS[8] workers zset
@@ -58,7 +59,7 @@ if state == 'succeeded' and started then
   if cost > 0 and service > 0 then
     local model = f.model
     local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model,
-      's:' .. model, 'g:' .. model, 'e')
+      's:' .. model, 'g:' .. model, 'e', 'r:' .. model)
     if d[7] and now > tonumber(d[7]) then -- some worker may have died: recount the slots
       workers_refresh(workers_k, wslots_k, capacity_k, now_s)
       workers_mark(workers_k, capacity_k)
@@ -70,6 +71,11 @@ if state == 'succeeded' and started then
     local alpha = drain_alpha -- DrainRate.weight
     if per_slot_weight then alpha = drain_alpha / slots end
     local per_cost = service / cost
+    local resid = tonumber(d[8]) or 0
+    if samples > 0 and per_slot > 0 and mean_s > 0 then -- DrainRate.resid, before the rate learns it
+      local r = service - cost / per_slot
+      if resid <= 0 then resid = r * r else resid = resid + alpha * (r * r - resid) end
+    end
     if samples == 0 or mean_s <= 0 then -- DrainRate.observe
       per_slot, mean_s = cost / service, service
     else
@@ -85,7 +91,7 @@ if state == 'succeeded' and started then
       slow = slow * math.exp(-slow_step * (1 - slow_q))
     end
     local fields = { 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1, 'd:' .. model, num(mean_s),
-      'h:' .. model, num(slow) }
+      'h:' .. model, num(slow), 'r:' .. model, num(resid) }
     local rb = tonumber(f.rb)
     local beside = rb and (rb + running_now) / 2
     if beside and beside > 0 then -- DrainRate.observe_fill
