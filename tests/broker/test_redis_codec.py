@@ -25,6 +25,7 @@ from sluice.broker.redis_codec import (
     encode_job,
     limiter_from_state,
     pairs,
+    settings_text,
     settle_fields,
     tenant_limit_args,
 )
@@ -105,6 +106,15 @@ def test_bound() -> None:
     assert bound(None) == -1
     assert bound(0) == 0
     assert bound(250) == 250
+
+
+def test_settings_text() -> None:
+    fixed = settings_text(["60.0", 10_000, '{"error": "x"}'])
+    assert fixed == '60.0\x1f10000\x1f{"error": "x"}'
+    assert settings_text(["m", "normal", -1, 2.5], fixed) == "m\x1fnormal\x1f-1\x1f2.5\x1f" + fixed
+    assert settings_text(["m"]) == "m"
+    # '%' and the separator escaped, as settings_of in _keys.lua undoes them
+    assert settings_text(["m\x1fx", "100%"]) == "m%1Fx\x1f100%25"
 
 
 def test_tenant_limit_args() -> None:

@@ -4,6 +4,7 @@ version's library, and a clear error from a Redis without Functions."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.redis import SCRIPT_NAMES, RedisBroker
 from sluice.broker.redis_library import SHARED_FILES, build_library, script_parts
+from sluice.core.admission import Refused
 from sluice.core.job import JobState
 from tests.broker.brokers import make_settings
 from tests.helpers import FakeClock, make_job
@@ -91,3 +93,31 @@ async def test_a_redis_without_functions_is_named_at_start() -> None:
                 await broker.start()
         finally:
             await broker.close()
+
+
+async def test_each_gateways_settings_are_its_own(redis_url: str) -> None:
+    # admit and claim take what every call passes the same as one text, parsed once per text and
+    # kept by the library (settings_of): two gateways of one version, configured apart, share the
+    # library and each call is decided by its own gateway's settings.
+    clock = FakeClock()
+    tight = make_settings(clock)
+    roomy = dataclasses.replace(tight, limits={}, lease_s=9.0)
+    async with RedisBroker(redis_url, tight) as a, RedisBroker(redis_url, roomy) as b:
+        for _ in range(3):
+            await b.admit(make_job(clock, model="small"))
+        with pytest.raises(Refused):  # 'small' holds 3 jobs at most for a
+            await a.admit(make_job(clock, model="small"))
+        await b.admit(make_job(clock, model="small"))  # not for b
+        with pytest.raises(Refused):
+            await a.admit(make_job(clock, model="small"))
+        claimed_a = await a.claim("wa", ["small"], timeout=1)
+        claimed_b = await b.claim("wb", ["small"], timeout=1)
+        assert claimed_a is not None and claimed_b is not None
+        admin = Redis.from_url(redis_url, decode_responses=True)
+        try:
+            active = dict(await admin.zrange(a.keys.active, 0, -1, withscores=True))
+        finally:
+            await admin.aclose()
+        # each claim leased its job for its own gateway's lease_s
+        assert active[claimed_a.id] == pytest.approx(clock() + tight.lease_s)
+        assert active[claimed_b.id] == pytest.approx(clock() + roomy.lease_s)

@@ -29,6 +29,7 @@ from sluice.broker.redis_keys import (
     JobField,
     drain_fill_field,
     drain_rate_field,
+    drain_resid_field,
     drain_samples_field,
     drain_service_field,
     drain_slow_field,
@@ -217,6 +218,7 @@ def capacity_drain(capacity: Mapping[str, str], model: str, prior_per_slot: floa
         slots=int(capacity.get(slots_field(model), 0)),
         service=float(capacity.get(drain_service_field(model), 0.0)),
         slow=float(capacity.get(drain_slow_field(model), 0.0)),
+        resid=float(capacity.get(drain_resid_field(model), 0.0)),
         **drain_fill(capacity.get(drain_fill_field(model), "")),
     )
 
@@ -244,6 +246,28 @@ def drain_fill(text: str) -> dict[str, Any]:
 def bound(value: int | None) -> int:
     """A limit for a script: -1 for none."""
     return -1 if value is None else value
+
+
+#: What separates the values of a script's settings argument (``settings_of`` in lua/_keys.lua).
+SETTINGS_SEPARATOR = "\x1f"
+
+
+def _settings_part(value: str | int | float) -> str:
+    text = str(value)
+    if "%" in text or SETTINGS_SEPARATOR in text:  # names and JSON only; settings_of undoes it
+        text = text.replace("%", "%25").replace(SETTINGS_SEPARATOR, "%1F")
+    return text
+
+
+def settings_text(values: Sequence[str | int | float], tail: str = "") -> str:
+    """The settings argument of a script: what every call passes the same (the gateway's
+    configuration, the core's constants), each value with '%' and the separator escaped as %25 and
+    %1F, joined by :data:`SETTINGS_SEPARATOR`, which the library parses once per text
+    (``settings_of``); ``tail``, such a text made once, goes after them."""
+    parts = [_settings_part(v) for v in values]
+    if tail:
+        parts.append(tail)
+    return SETTINGS_SEPARATOR.join(parts)
 
 
 def tenant_limit_args(limits: TenantLimits | None) -> list[int | str]:
@@ -370,6 +394,10 @@ class AdmitRefusal:
     slow: float = 0.0
     #: how a job slows as the batch fills: the capacity hash's ``g:`` field (:func:`drain_fill`)
     fill: str = ""
+    #: the mean square of a job's residual (``DrainRate.resid``, the capacity hash's ``r:``; 0: none)
+    resid: float = 0.0
+    #: the mean service time (``DrainRate.service``, the capacity hash's ``d:``; 0: none)
+    service: float = 0.0
 
     def drain(self, prior_per_slot: float) -> DrainRate:
         return DrainRate(
@@ -378,6 +406,8 @@ class AdmitRefusal:
             samples=self.samples,
             slots=self.slots,
             slow=self.slow,
+            resid=self.resid,
+            service=self.service,
             **drain_fill(self.fill),
         )
 
@@ -392,7 +422,7 @@ class AdmitReply:
         {3}
         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
-            next_free, slow, fill}
+            next_free, slow, fill, resid, service}
     """
 
     #: what the script did
@@ -430,6 +460,8 @@ class AdmitReply:
         next_free = _opt(reply[tenant_end + 6])
         slow = float(reply[tenant_end + 7])
         fill = str(reply[tenant_end + 8]) if len(reply) > tenant_end + 8 else ""
+        resid = _opt(reply[tenant_end + 9]) if len(reply) > tenant_end + 9 else None
+        service = _opt(reply[tenant_end + 10]) if len(reply) > tenant_end + 10 else None
         view = QueueView(
             model_jobs,
             model_tokens,
@@ -450,6 +482,8 @@ class AdmitReply:
             next_free=next_free,
             slow=slow,
             fill=fill,
+            resid=resid or 0.0,
+            service=service or 0.0,
         )
         return cls(outcome, tenant=TenantState.from_reply(reply[11:tenant_end]), refusal=refusal)
 

@@ -32,13 +32,14 @@ from redis.exceptions import RedisError, ResponseError
 
 from sluice.broker.base import Broker, BrokerSettings, BrokerUnavailable
 from sluice.broker.outage import OutageLog
-from sluice.broker.redis_codec import to_json
+from sluice.broker.redis_codec import settings_text, to_json
 from sluice.broker.redis_events import AbortListener, StreamHub, check_cancelled, stop_task
 from sluice.broker.redis_keys import QueueKeys
 from sluice.broker.redis_library import Library, build_library
 from sluice.broker.redis_pipe import Batcher, Script, make_locator, make_pool, translate
 from sluice.broker.redis_shards import Shard, shard_of_job, shard_of_model, shard_queue
 from sluice.broker.redis_topology import DEFAULT_WAIT_TIMEOUT_MS, Kind, durability_for, parse_broker_url
+from sluice.core import admission, capacity
 from sluice.core.capacity import DrainRate
 from sluice.core.errors import (
     UNFINISHABLE_LEFT,
@@ -113,15 +114,19 @@ DURABLE_SCRIPTS = frozenset({"admit", "finish", "cancel"})
 
 @dataclass(frozen=True)
 class ClaimPlan:
-    """The keys and fixed arguments of a claim over one tuple of models of one shard (cached)."""
+    """The keys and the settings of a claim over one tuple of models of one shard (cached).
+
+    Attributes:
+        shard: the shard the models' queues are in.
+        keys: claim.lua's KEYS.
+        markers: the models' wake-up markers, which an idle claimer blocks on.
+        settings: claim.lua's ARGV[5], what every such claim passes the same (its header).
+    """
 
     shard: Shard
     keys: list[str]
     markers: list[str]
-    lease_s: str
-    fixed: list[str]  # ARGV[6 .. 11]
-    unfinishable: str  # ARGV[13]
-    tail: list[str]  # class names, minimum shares, models
+    settings: str
 
 
 class RedisCore(Broker):
@@ -180,6 +185,23 @@ class RedisCore(Broker):
         self._claim_turn = 0  # which shard a claim over several tries first
         self._class_names = list(self.classes)
         self._policy_args = self.settings.policy.lua_args()  # fixed for the broker's life
+        # admit.lua's settings after the model's and the class's bounds (its header), joined once
+        self._admit_settings = settings_text(
+            [
+                repr(float(self.settings.drain_prior_per_slot)),
+                *self._policy_args,
+                repr(float(self.settings.result_ttl_s)),
+                STREAM_MAXLEN,
+                EVICTED,
+                repr(admission.MIN_RETRY_AFTER_S),
+                repr(admission.MAX_RETRY_AFTER_S),
+                repr(admission.RETRY_PATIENCE_S),
+                repr(admission.RETRY_SHARE),
+                repr(capacity.FILL_RIDGE),
+                repr(capacity.MAX_FILL_SLOWDOWN),
+                *self._class_names,
+            ]
+        )
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
         self._task: asyncio.Task[None] | None = None

@@ -20,13 +20,14 @@ from sluice.broker.redis_codec import (
     decode_job,
     encode_job,
     pairs,
+    settings_text,
     tenant_limit_args,
 )
-from sluice.broker.redis_core import CANCELLED, EVICTED, RECORD_GRACE_S, STREAM_MAXLEN, RedisCore
+from sluice.broker.redis_core import CANCELLED, RECORD_GRACE_S, STREAM_MAXLEN, RedisCore
 from sluice.broker.redis_events import decode_event
 from sluice.broker.redis_keys import JobField
 from sluice.broker.redis_shards import shard_of_job, tag_job_id
-from sluice.core import admission, capacity
+from sluice.core import admission
 from sluice.core.job import TERMINAL_STATES, Job, JobState
 from sluice.core.policy import Candidate, decide
 from sluice.core.ratelimit import TenantLimits
@@ -69,30 +70,22 @@ class JobsMixin(RedisCore):
         args: list[str | int | float] = [
             repr(float(now)),
             job.id,
-            job.model,
             job.tenant,
-            job.priority,
             job.cost,
             repr(float(job.deadline)),
-            bound(queue.model.max_jobs),
-            bound(queue.model.max_tokens),
-            bound(cls_bounds.max_jobs),
-            bound(cls_bounds.max_tokens),
-            repr(float(self.settings.drain_prior_per_slot)),
             repr(self._idempotency_ttl_s(job, now)) if job.idempotency_key else 0,
             *tenant_limit_args(limits),
-            *self._policy_args,
-            repr(float(self.settings.result_ttl_s)),
-            STREAM_MAXLEN,
-            EVICTED,
-            repr(admission.MIN_RETRY_AFTER_S),
-            repr(admission.MAX_RETRY_AFTER_S),
-            repr(admission.RETRY_PATIENCE_S),
-            repr(admission.RETRY_SHARE),
-            repr(capacity.FILL_RIDGE),
-            repr(capacity.MAX_FILL_SLOWDOWN),
-            len(self._class_names),
-            *self._class_names,
+            settings_text(
+                (
+                    job.model,
+                    job.priority,
+                    bound(queue.model.max_jobs),
+                    bound(queue.model.max_tokens),
+                    bound(cls_bounds.max_jobs),
+                    bound(cls_bounds.max_tokens),
+                ),
+                self._admit_settings,
+            ),
             *encode_job(job),
         ]
         reply = AdmitReply.from_reply(await self._call("admit", keys, args, shard))

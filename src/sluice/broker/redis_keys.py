@@ -309,6 +309,12 @@ def drain_slow_field(model: str) -> str:
     return f"h:{model}"
 
 
+def drain_resid_field(model: str) -> str:
+    """Capacity hash: the moving average of the square of a job's residual, its service time less
+    what its cost predicts (``DrainRate.resid``), written by finish.lua and read by admit.lua."""
+    return f"r:{model}"
+
+
 # --- fields of stream entries ---------------------------------------------------------------------------
 
 #: A job's event stream (QueueKeys.out): the event's type (``EventType`` value).

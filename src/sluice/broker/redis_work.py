@@ -19,7 +19,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from sluice.broker.base import EventType
-from sluice.broker.redis_codec import JobReply, capacity_slots, pairs, settle_fields, to_json
+from sluice.broker.redis_codec import JobReply, capacity_slots, pairs, settings_text, settle_fields, to_json
 from sluice.broker.redis_core import (
     CLAIM_BLOCK_S,
     EXPIRED,
@@ -112,25 +112,25 @@ class WorkMixin(RedisCore):
             for model in own:
                 keys += [k.state(model), k.marker(model)]
                 keys += [k.sched(model, c) for c in self._class_names]
-            fixed = [
-                repr(float(self.settings.result_ttl_s)),
-                str(STREAM_MAXLEN),
-                str(len(self._class_names)),
-                str(len(own)),
-                str(EXPIRED_PER_CLAIM),
-                EXPIRED,
-            ]
-            plans.append(
-                ClaimPlan(
-                    shard,
-                    keys,
-                    [k.marker(m) for m in own],
+            settings = settings_text(
+                [
+                    k.prefix,
                     repr(float(self.settings.lease_s)),
-                    fixed,
+                    repr(float(self.settings.result_ttl_s)),
+                    STREAM_MAXLEN,
+                    len(self._class_names),
+                    len(own),
+                    EXPIRED_PER_CLAIM,
+                    EXPIRED,
                     UNFINISHABLE,
-                    [*self._class_names, *self._min_shares, *own],
-                )
+                    repr(capacity.FILL_RIDGE),
+                    repr(capacity.MAX_FILL_SLOWDOWN),
+                    *self._class_names,
+                    *self._min_shares,
+                    *own,
+                ]
             )
+            plans.append(ClaimPlan(shard, keys, [k.marker(m) for m in own], settings))
         self._plans[tuple(models)] = plans
         return plans
 
@@ -160,22 +160,7 @@ class WorkMixin(RedisCore):
         script = self.scripts["claim"]
         while True:
             token = secrets.token_hex(8)
-            command = script.command(
-                plan.keys,
-                [
-                    self._now(),
-                    plan.shard.keys.prefix,
-                    plan.lease_s,
-                    worker_id,
-                    token,
-                    *plan.fixed,
-                    woken,
-                    plan.unfinishable,
-                    repr(capacity.FILL_RIDGE),
-                    repr(capacity.MAX_FILL_SLOWDOWN),
-                    *plan.tail,
-                ],
-            )
+            command = script.command(plan.keys, [self._now(), worker_id, token, woken, plan.settings])
 
             def orphan(reply: Any, worker_id: str = worker_id, token: str = token) -> None:
                 # The caller was cancelled but its claim went through: hand that job straight

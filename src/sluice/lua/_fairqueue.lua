@@ -12,8 +12,17 @@
 --             work left, is stale and dropped only when it reaches the top.
 -- tq list:    the tenant's job ids, head first.
 
--- The state field of the cost queued in a tenant's list tq.
-local function f_work(tq) return 'w:' .. tq end
+-- The state field of the cost queued in a tenant's list tq (memoized as the names of _state.lua).
+local WORK_NAMES, WORK_NAMES_N = {}, 0
+local function f_work(tq)
+  local w = WORK_NAMES[tq]
+  if w == nil then
+    w = 'w:' .. tq
+    if WORK_NAMES_N >= PARTS_MAX then WORK_NAMES, WORK_NAMES_N = {}, 0 end
+    WORK_NAMES[tq], WORK_NAMES_N = w, WORK_NAMES_N + 1
+  end
+  return w
+end
 
 -- Adds cost to the cost queued in list tq (a field only while it is above zero).
 local function fq_add_work(st, tq, cost)
@@ -62,7 +71,7 @@ local function fq_peek(P, st, model, c, sched, blocked)
       local tenant = string.sub(member, 16)
       local tq = tq_key(P, model, c, tenant)
       local id = false
-      if st_num(st, f_tag(c, tenant), nil) == tag then id = redis.call('LINDEX', tq, 0) end
+      if st_num(st, f_tag(c, tenant), nil) == tag then id = redis.call('LINDEX', tq, '0') end
       if not id then
         redis.call('ZREM', sched, member) -- stale: the tenant was re-tagged or emptied
       elseif blocked[tenant] then
@@ -78,7 +87,7 @@ end
 local function fq_has_eligible(P, st, model, c, sched, blocked, jobs)
   if jobs <= 0 then return false end
   if next(blocked) == nil then return true end
-  local members = redis.call('ZRANGE', sched, 0, -1, 'WITHSCORES')
+  local members = redis.call('ZRANGE', sched, '0', '-1', 'WITHSCORES')
   for i = 1, #members, 2 do
     local tenant = string.sub(members[i], 16)
     if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tonumber(members[i + 1])
@@ -111,7 +120,7 @@ end
 
 -- FairQueue.remove. Returns true when the job was queued there.
 local function fq_remove(st, c, tq, id, cost)
-  if redis.call('LREM', tq, 1, id) == 0 then return false end
+  if redis.call('LREM', tq, '1', id) == 0 then return false end
   fq_add_work(st, tq, -cost)
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) - 1)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) - cost)

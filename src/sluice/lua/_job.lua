@@ -37,7 +37,7 @@ end
 -- Appends event number `seq` (the caller stores seq in the record); ids 0-1, 0-2, ... make the
 -- sequence number the SSE event id.
 local function emit(ok, seq, etype, data)
-  redis.call('XADD', ok, 'MAXLEN', '~', J.maxlen, '0-' .. seq, 't', etype, 'd', data)
+  redis.call('XADD', ok, 'MAXLEN', '~', J.maxlen, '0-' .. int_text(seq), 't', etype, 'd', data)
 end
 
 -- Puts a job in a terminal state, with `changes` (field, value, ...) recorded too, publishes its
@@ -50,12 +50,12 @@ end
 local function settle(id, f, state, changes)
   local jk, ok = job_key(J.P, id), out_key(J.P, id)
   if f.state == 'running' then
-    redis.call('HINCRBY', J.running, f.model, -1)
+    redis.call('HINCRBY', J.running, f.model, '-1')
   end
-  if state == 'expired' then redis.call('HINCRBY', state_key(J.P, f.model), 'bp', 1) end
+  if state == 'expired' then redis.call('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
   tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
   local seq = tonumber(f.seq) + 1
-  local args = { 'state', state, 'finished_at', J.now_s, 'seq', seq }
+  local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }
   for i = 1, #changes do args[#args + 1] = changes[i] end
   job_set(jk, f, args)
   redis.call('ZADD', J.results, J.now + J.ttl, id)
@@ -64,7 +64,7 @@ local function settle(id, f, state, changes)
   emit(ok, seq, etype, '')
   if f.callback_url then
     redis.call('RPUSH', callbacks_key(J.P), id)
-    redis.call('ZADD', callbacks_marker_key(J.P), 0, 'w')
+    redis.call('ZADD', callbacks_marker_key(J.P), '0', 'w')
   end
   local ms = math.ceil(J.ttl * 1000) + 60000
   redis.call('PEXPIRE', jk, ms)

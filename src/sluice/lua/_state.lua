@@ -2,13 +2,17 @@
 -- redis.call costs far more than the work it does, so a script reads the fields it knows it needs
 -- with one HMGET, reads any other on first use, and writes all changes back with one HSET.
 
-local function st_open(key, fields)
-  local st = { key = key, v = {}, dirty = {} }
+-- st_open reads `fields` with one HMGET; the first `keep` of them (all when nil) go into the view,
+-- and the reply comes back too: fields a script reads once, before any write, it may take from
+-- the reply by position instead (each field put in the view is a table insert, and the view's
+-- table grows by rehashing). A field left out is read again by st_num if asked for.
+local function st_open(key, fields, keep)
+  local st, got = { key = key, v = {}, dirty = {} }, {}
   if #fields > 0 then
-    local got = redis.call('HMGET', key, unpack(fields))
-    for i, f in ipairs(fields) do st.v[f] = got[i] end
+    got = redis.call('HMGET', key, unpack(fields))
+    for i = 1, keep or #fields do st.v[fields[i]] = got[i] end
   end
-  return st
+  return st, got
 end
 
 local function st_num(st, f, default)
@@ -32,6 +36,7 @@ local function st_flush(st)
     local v = st.v[f]
     if v then
       sets[#sets + 1] = f
+      if type(v) == 'number' then v = int_text(v) end
       sets[#sets + 1] = v
     else
       dels[#dels + 1] = f
@@ -42,14 +47,46 @@ local function st_flush(st)
   st.dirty = {}
 end
 
--- Field names; a class name is escaped so that '<class>:<tenant>' cannot be read two ways.
-local function f_jobs(c) return 'j:' .. part(c) end
-local function f_tokens(c) return 'k:' .. part(c) end
-local function f_credit(c) return 'c:' .. part(c) end
-local function f_vtime(c) return 'v:' .. part(c) end
-local function f_seq(c) return 's:' .. part(c) end
-local function f_tag(c, tenant) return 't:' .. part(c) .. ':' .. tenant end
-local function f_finish(c, tenant) return 'f:' .. part(c) .. ':' .. tenant end
+-- Field names; a class name is escaped so that '<class>:<tenant>' cannot be read two ways. They
+-- are memoized while the library lives (a name built is a new string, ~1.5 k instructions; a
+-- script builds the same few dozen each call): per class, and per class and tenant, each memo
+-- emptied when it holds PARTS_MAX names, as part's.
+local CLASS_NAMES, CLASS_NAMES_N = {}, 0
+local function class_names(c)
+  local n = CLASS_NAMES[c]
+  if n == nil then
+    local p = part(c)
+    n = { j = 'j:' .. p, k = 'k:' .. p, c = 'c:' .. p, v = 'v:' .. p, s = 's:' .. p, t = {}, f = {}, tn = 0 }
+    if CLASS_NAMES_N >= PARTS_MAX then CLASS_NAMES, CLASS_NAMES_N = {}, 0 end
+    CLASS_NAMES[c], CLASS_NAMES_N = n, CLASS_NAMES_N + 1
+  end
+  return n
+end
+local function f_jobs(c) return class_names(c).j end
+local function f_tokens(c) return class_names(c).k end
+local function f_credit(c) return class_names(c).c end
+local function f_vtime(c) return class_names(c).v end
+local function f_seq(c) return class_names(c).s end
+-- The tag and finish fields of a tenant in class c.
+local function tenant_names(c, tenant)
+  local n = class_names(c)
+  local tag = n.t[tenant]
+  if tag == nil then
+    if n.tn >= PARTS_MAX then n.t, n.f, n.tn = {}, {}, 0 end
+    local p = part(c)
+    tag = 't:' .. p .. ':' .. tenant
+    n.t[tenant], n.f[tenant], n.tn = tag, 'f:' .. p .. ':' .. tenant, n.tn + 1
+  end
+  return n, tag
+end
+local function f_tag(c, tenant)
+  local _, tag = tenant_names(c, tenant)
+  return tag
+end
+local function f_finish(c, tenant)
+  local n = tenant_names(c, tenant)
+  return n.f[tenant]
+end
 
 -- The jobs, tokens and credit fields of every class, for one HMGET.
 local function class_fields(classes)

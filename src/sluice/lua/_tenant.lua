@@ -14,10 +14,18 @@
 -- does not count as ahead of other tenants' (ClassScheduler.held_back).
 -- A tenant with no jobs and no buckets is forgotten, cap and all, as the memory broker does.
 
--- The fields of the buckets of key id K in its tenant's hash.
+-- The fields of the buckets of key id K in its tenant's hash (memoized as part is; the table is
+-- shared: read it only).
+local BUCKET_FIELDS, BUCKET_FIELDS_N = {}, 0
 local function bucket_fields(K)
-  local k = part(K)
-  return { rl = 'rl:' .. k, rs = 'rs:' .. k, tpm = 'tpm:' .. k, tl = 'tl:' .. k, ts = 'ts:' .. k }
+  local B = BUCKET_FIELDS[K]
+  if B == nil then
+    local k = part(K)
+    B = { rl = 'rl:' .. k, rs = 'rs:' .. k, tpm = 'tpm:' .. k, tl = 'tl:' .. k, ts = 'ts:' .. k }
+    if BUCKET_FIELDS_N >= PARTS_MAX then BUCKET_FIELDS, BUCKET_FIELDS_N = {}, 0 end
+    BUCKET_FIELDS[K], BUCKET_FIELDS_N = B, BUCKET_FIELDS_N + 1
+  end
+  return B
 end
 
 -- The fields of a tenant's hash that are not buckets: with only these, it has none.
@@ -62,7 +70,7 @@ local function tenant_move(P, blocked, tenant, from, to)
       return
     end
   end
-  redis.call('HSET', tk, 'q', q, 'r', r)
+  redis.call('HSET', tk, 'q', int_text(q), 'r', int_text(r))
   tenant_sets(P, blocked, tenant, q, r, mc, false)
 end
 

@@ -11,30 +11,30 @@
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
 -- KEYS[15] running hash             KEYS[16] capped set           KEYS[17] results zset
--- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  model
--- ARGV[4]  tenant                   ARGV[5]  the job's class    ARGV[6]  cost
--- ARGV[7]  deadline                 ARGV[8]  model max jobs     ARGV[9]  model max tokens
--- ARGV[10] class max jobs           ARGV[11] class max tokens   (-1: unbounded)
--- ARGV[12] drain prior per slot     ARGV[13] idempotency TTL s (0: the job has no key)
--- ARGV[14] 1 when limits come with the job, else 0 (none are checked; the tenant's cap stays)
--- ARGV[15] the key's bucket id (TenantLimits.bucket_id)
--- ARGV[16] rpm   ARGV[17] tpm   ARGV[18] max queued   ARGV[19] max concurrent   (-1: none)
--- ARGV[20] the queue policy's kind  ARGV[21 .. 25] its five numbers (QueuePolicy.lua_args)
--- ARGV[26 .. 29] the promise's (capacity.promise_args): EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, the
---          drain rate's alpha, 1 when it is weighed per slot (DrainRate.promise_rate)
--- ARGV[30] result TTL s             ARGV[31] events kept per stream
--- ARGV[32] error JSON of an evicted job (core.errors.evicted_error)
--- ARGV[33] shortest, ARGV[34] longest Retry-After (admission.clamp_retry_after)
--- ARGV[35] RETRY_PATIENCE_S         ARGV[36] RETRY_SHARE (admission.reserve)
--- ARGV[37] capacity.FILL_RIDGE      ARGV[38] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
--- ARGV[39] number of classes n      ARGV[40 .. 39+n] class names, highest first
--- ARGV[40+n ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  tenant
+-- ARGV[4]  cost                     ARGV[5]  deadline
+-- ARGV[6]  idempotency TTL s (0: the job has no key)
+-- ARGV[7]  1 when limits come with the job, else 0 (none are checked; the tenant's cap stays)
+-- ARGV[8]  the key's bucket id (TenantLimits.bucket_id)
+-- ARGV[9]  rpm   ARGV[10] tpm   ARGV[11] max queued   ARGV[12] max concurrent   (-1: none)
+-- ARGV[13] the settings (settings_of in _keys.lua; redis_codec.admit_settings), joined by byte 31:
+--   1 model  2 the job's class  3 model max jobs  4 model max tokens  5 class max jobs
+--   6 class max tokens (-1: unbounded)  7 drain prior per slot
+--   8 the queue policy's kind  9 .. 13 its five numbers (QueuePolicy.lua_args)
+--   14 .. 17 the promise's (capacity.promise_args): EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, the drain
+--          rate's alpha, 1 when it is weighed per slot (DrainRate.promise_rate)
+--   18 result TTL s  19 events kept per stream  20 error JSON of an evicted job (core.errors.evicted_error)
+--   21 shortest, 22 longest Retry-After (admission.clamp_retry_after)
+--   23 RETRY_PATIENCE_S  24 RETRY_SHARE (admission.reserve)
+--   25 capacity.FILL_RIDGE  26 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
+--   27 .. the class names, highest first
+-- ARGV[14 ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
 --         {0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens,
 --             runnable_tokens, per_slot, samples, slots, T..., running, S..., victim_tokens,
---             next_free, slow, fill}
+--             next_free, slow, fill, resid, service}
 --                                                    refused; T is the tenant before the checks,
 --                                                    S the policy state before them
 -- where T is the key's rpm, tpm and max queued, the tenant's max concurrent and queued jobs, the
@@ -71,27 +71,71 @@ local state_k, deadline_k, models_k, capacity_k = KEYS[6], KEYS[7], KEYS[8], KEY
 local workers_k, wslots_k, marker_k, tenant_k = KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local blocked_k, running_k, capped_k, results_k = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 
-local now_s, id, model, tenant, cls = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local now, cost, deadline = tonumber(now_s), tonumber(ARGV[6]), tonumber(ARGV[7])
-local model_max_jobs, model_max_tokens = tonumber(ARGV[8]), tonumber(ARGV[9])
-local class_max_jobs, class_max_tokens = tonumber(ARGV[10]), tonumber(ARGV[11])
-local drain_prior, idem_ttl = tonumber(ARGV[12]), tonumber(ARGV[13])
-local limits_given, bucket = ARGV[14] == '1', ARGV[15]
-local given_limits = { ARGV[16], ARGV[17], ARGV[18], ARGV[19] } -- rpm, tpm, max queued, max concurrent
-local policy_kind, policy = tonumber(ARGV[20]), {}
-for i = 1, 5 do policy[i] = tonumber(ARGV[20 + i]) end
-local extrapolation, margin_z = tonumber(ARGV[26]), tonumber(ARGV[27])
-local drain_alpha, per_slot_weight = tonumber(ARGV[28]), ARGV[29] == '1'
-local result_ttl, maxlen, evicted_error = tonumber(ARGV[30]), ARGV[31], ARGV[32]
-local retry_bounds = { tonumber(ARGV[33]), tonumber(ARGV[34]) }
-local patience, share = tonumber(ARGV[35]), tonumber(ARGV[36])
-local fill_ridge, max_slowdown = tonumber(ARGV[37]), tonumber(ARGV[38])
-local ncls = tonumber(ARGV[39])
-local classes = {}
-for i = 1, ncls do classes[i] = ARGV[39 + i] end
-local record_at = 40 + ncls -- ARGV[record_at ..]: the job record's field, value pairs
+-- The settings, parsed once per text (settings_of): the numbers, the classes, and the names
+-- built from the model and the class (the state fields the one HMGET below always reads, the
+-- capacity hash's fields of the model).
+local function parse_settings(v)
+  local s = { model = v[1], cls = v[2], policy = {}, classes = {} }
+  s.model_max_jobs, s.model_max_tokens = tonumber(v[3]), tonumber(v[4])
+  s.class_max_jobs, s.class_max_tokens = tonumber(v[5]), tonumber(v[6])
+  s.drain_prior, s.policy_kind = tonumber(v[7]), tonumber(v[8])
+  for i = 1, 5 do s.policy[i] = tonumber(v[8 + i]) end
+  s.extrapolation, s.margin_z = tonumber(v[14]), tonumber(v[15])
+  s.drain_alpha, s.per_slot_weight = tonumber(v[16]), v[17] == '1'
+  s.result_ttl, s.maxlen, s.evicted_error = tonumber(v[18]), v[19], v[20]
+  s.retry_bounds = { tonumber(v[21]), tonumber(v[22]) }
+  s.patience, s.share = tonumber(v[23]), tonumber(v[24])
+  s.fill_ridge, s.max_slowdown = tonumber(v[25]), tonumber(v[26])
+  for i = 27, #v do s.classes[#s.classes + 1] = v[i] end
+  local m = s.model
+  s.capacity_fields = { 'p:' .. m, 'n:' .. m, 's:' .. m, 'e', 'h:' .. m, 'g:' .. m, 'r:' .. m, 'd:' .. m }
+  s.f_vtime, s.f_seq = f_vtime(s.cls), f_seq(s.cls)
+  s.f_jobs, s.f_tokens = {}, {}
+  for i, c in ipairs(s.classes) do s.f_jobs[i], s.f_tokens[i] = f_jobs(c), f_tokens(c) end
+  -- the state fields every admission reads, in the order of the HMGET (then the tenants' own)
+  s.fields = class_fields(s.classes)
+  s.fields[#s.fields + 1] = s.f_vtime
+  s.fields[#s.fields + 1] = s.f_seq
+  s.fields[#s.fields + 1] = 'ht' -- F_ENCODING, below
+  if s.policy_kind == 4 then -- only codel keeps state
+    for _, f in ipairs(POLICY_FIELDS) do s.fields[#s.fields + 1] = f end
+  end
+  s.names, s.names_P, s.names_n = {}, nil, 0 -- names_of's memo
+  return s
+end
+local S = settings_of('admit', ARGV[13], parse_settings)
+
+-- A tenant's list of the job's model and class and its two state fields there (work, tag),
+-- memoized with the settings for the shard's prefix P (bounded as part's memo is).
+local function names_of(P, tenant)
+  if S.names_P ~= P or S.names_n >= PARTS_MAX then S.names, S.names_P, S.names_n = {}, P, 0 end
+  local n = S.names[tenant]
+  if n == nil then
+    local tq = tq_key(P, S.model, S.cls, tenant)
+    n = { tq, f_work(tq), f_tag(S.cls, tenant) }
+    S.names[tenant], S.names_n = n, S.names_n + 1
+  end
+  return n
+end
+
+local now_s, id, tenant, model, cls = ARGV[1], ARGV[2], ARGV[3], S.model, S.cls
+local now, cost, deadline = tonumber(now_s), tonumber(ARGV[4]), tonumber(ARGV[5])
+local model_max_jobs, model_max_tokens = S.model_max_jobs, S.model_max_tokens
+local class_max_jobs, class_max_tokens = S.class_max_jobs, S.class_max_tokens
+local drain_prior, idem_ttl = S.drain_prior, tonumber(ARGV[6])
+local limits_given, bucket = ARGV[7] == '1', ARGV[8]
+local given_limits = { ARGV[9], ARGV[10], ARGV[11], ARGV[12] } -- rpm, tpm, max queued, max concurrent
+local policy_kind, policy = S.policy_kind, S.policy
+local extrapolation, margin_z = S.extrapolation, S.margin_z
+local drain_alpha, per_slot_weight = S.drain_alpha, S.per_slot_weight
+local result_ttl, maxlen, evicted_error = S.result_ttl, S.maxlen, S.evicted_error
+local retry_bounds = S.retry_bounds
+local patience, share = S.patience, S.share
+local fill_ridge, max_slowdown = S.fill_ridge, S.max_slowdown
+local classes = S.classes
+local RECORD_AT = 14 -- ARGV[RECORD_AT ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 if redis.call('EXISTS', job_k) == 1 then return { 3 } end
@@ -148,7 +192,7 @@ local function tenant_store(rl, rs, tl, ts)
     if tl then mine[B.tpm] = tpm end
     ours = { [B.rl] = true, [B.rs] = true, [B.tpm] = true, [B.tl] = true, [B.ts] = true }
   end
-  local sets = { 'q', queued_by_tenant, 'r', running_by_tenant }
+  local sets = { 'q', int_text(queued_by_tenant), 'r', int_text(running_by_tenant) }
   local dels, buckets = {}, false -- buckets: whether the tenant has any left
   for f in pairs(t) do
     if not TENANT_OWN_FIELDS[f] and mine[f] == nil then
@@ -199,37 +243,48 @@ end
 -- The class's backlogged tenants other than this one, in heap order (stale entries too: their
 -- lists are empty), first: their fair-queue fields come in the same HMGET as the state's own.
 -- (Blocks of do ... end keep the main function under Lua's 200 local variables.)
-local others, others_tq = {}, {}
+local others, others_tq, others_w, others_t = {}, {}, {}, {} -- their names, lists, work and tag fields
+local others_read = false -- whether others_wv and others_tv hold their work and tag, read with the state
+local others_wv, others_tv = {}, {}
+local own_w, own_t = f_work(tq_k), f_tag(cls, tenant) -- this tenant's
 local st
 do
   -- the state hash's field that keeps it a hashtable (below), and its value, over 64 bytes
   local F_ENCODING = 'ht'
   local ENCODING_NOTE = 'a value over hash-max-listpack-value: this hash stays a hashtable (admit.lua)'
   local seen = { [tenant] = true }
-  for _, member in ipairs(redis.call('ZRANGE', sched_k, 0, -1)) do
+  for _, member in ipairs(redis.call('ZRANGE', sched_k, '0', '-1')) do
     local other = string.sub(member, 16)
     if not seen[other] then
       seen[other] = true
-      others[#others + 1], others_tq[#others + 1] = other, tq_key(P, model, cls, other)
+      local n, names = #others + 1, names_of(P, other)
+      others[n], others_tq[n], others_w[n], others_t[n] = other, names[1], names[2], names[3]
     end
   end
-  local fields = class_fields(classes)
-  fields[#fields + 1] = f_vtime(cls)
-  fields[#fields + 1] = f_tag(cls, tenant)
+  -- the settings' fields (the classes', the class's vtime and sequence, F_ENCODING, codel's), then
+  -- this tenant's and the others'
+  local fields = {}
+  for i, f in ipairs(S.fields) do fields[i] = f end
+  fields[#fields + 1] = own_t
   fields[#fields + 1] = f_finish(cls, tenant)
-  fields[#fields + 1] = f_seq(cls)
-  fields[#fields + 1] = f_work(tq_k)
-  fields[#fields + 1] = F_ENCODING
-  if policy_kind == 4 then -- only codel keeps state
-    for _, f in ipairs(POLICY_FIELDS) do fields[#fields + 1] = f end
-  end
-  if #others <= 1000 then -- an HMGET of ~3,000 fields at most (Lua's unpack has a limit)
-    for i, other in ipairs(others) do
-      fields[#fields + 1] = f_work(others_tq[i])
-      fields[#fields + 1] = f_tag(cls, other)
+  fields[#fields + 1] = own_w
+  local own_fields = #fields
+  others_read = #others <= 1000 -- an HMGET of ~3,000 fields at most (Lua's unpack has a limit)
+  if others_read then
+    for i = 1, #others do
+      fields[#fields + 1] = others_w[i]
+      fields[#fields + 1] = others_t[i]
     end
   end -- else they are read one by one as the loop meets them
-  st = st_open(state_k, fields)
+  -- the others' fields are read once, by the loop over the backlogs below, before any write: they
+  -- stay out of the view (st_open)
+  local got
+  st, got = st_open(state_k, fields, own_fields)
+  if others_read then
+    for i = 1, #others do
+      others_wv[i], others_tv[i] = got[own_fields + 2 * i - 1], got[own_fields + 2 * i]
+    end
+  end
   -- A hash of a few dozen fields is a listpack to Redis, read by a scan of every field for each
   -- field read (about 5.5 k instructions a field at 45 fields, against 2.5 k in a hashtable,
   -- measured with callgrind); the scripts read and write some 40 fields of it per cycle. One
@@ -242,8 +297,8 @@ if policy_kind == 4 then policy_before = policy_state(st) end
 local model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens = 0, 0, 0, 0, 0, 0
 do
   local above = true
-  for _, c in ipairs(classes) do
-    local j, k = st_num(st, f_jobs(c), 0), st_num(st, f_tokens(c), 0)
+  for i, c in ipairs(classes) do
+    local j, k = st_num(st, S.f_jobs[i], 0), st_num(st, S.f_tokens[i], 0)
     model_jobs, model_tokens = model_jobs + j, model_tokens + k
     if c == cls then
       class_jobs, class_tokens, above = j, k, false
@@ -299,9 +354,9 @@ for _, capped in ipairs(rooms) do
 end
 
 -- FairQueue.start_tag of this job, then every other backlog of its class (FairQueue.backlogs).
--- own: the jobs of this job's tenant queued in its class; victim: the tenant of the heaviest other
--- backlog, of victim_n jobs.
-local own, victim, victim_n = 0, nil, 0
+-- own: the jobs of this job's tenant queued in its class; backlogs: the other tenants with jobs
+-- queued in it, in heap order, with their jobs and tokens there (for the victim, below).
+local own, backlogs, backlogs_n, backlogs_w = 0, {}, {}, {}
 do
   -- scheduler.work_before: the jobs and tokens of a backlog (n jobs of w tokens, its head at tag,
   -- of cost hc and weight hw) that start before a job whose start tag is `start`.
@@ -314,37 +369,33 @@ do
     return k, hc + math.floor((w - hc) * (k - 1) / (n - 1) + 0.5)
   end
 
-  -- Python's order of str: by code point, which is UTF-8's byte order (Lua's < follows the locale).
-  local function name_after(a, b)
-    for i = 1, math.min(#a, #b) do
-      local x, y = string.byte(a, i), string.byte(b, i)
-      if x ~= y then return x > y end
-    end
-    return #a > #b
-  end
-
   -- The head job's cost and weight of a tenant list.
   local function head_of(tq)
-    local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, 0)), 'cost', 'weight')
+    local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, '0')), 'cost', 'weight')
     return tonumber(h[1]), tonumber(h[2]) or 1.0
   end
 
-  local vtime = st_num(st, f_vtime(cls), 0)
+  local vtime = st_num(st, S.f_vtime, 0)
   own = redis.call('LLEN', tq_k)
   local start
   if own > 0 then
     local _, hw = head_of(tq_k)
-    start = st_num(st, f_tag(cls, tenant), vtime) + st_num(st, f_work(tq_k), 0) / hw
-    ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + st_num(st, f_work(tq_k), 0)
+    local w = st_num(st, own_w, 0)
+    start = st_num(st, own_t, vtime) + w / hw
+    ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + w
   else
     start = math.max(vtime, st_num(st, f_finish(cls, tenant), vtime))
   end
-  local victim_w = 0
   for i, other in ipairs(others) do
     local tq = others_tq[i]
     local n = redis.call('LLEN', tq)
     if n > 0 then
-      local w, tag = st_num(st, f_work(tq), 0), st_num(st, f_tag(cls, other), 0)
+      local w, tag
+      if others_read then
+        w, tag = tonumber(others_wv[i]) or 0, tonumber(others_tv[i]) or 0
+      else
+        w, tag = st_num(st, others_w[i], 0), st_num(st, others_t[i], 0)
+      end
       local jobs, tokens = 0, 0
       if tag <= start then
         local hc, hw = head_of(tq)
@@ -354,16 +405,13 @@ do
         jobs, tokens = n - held_n[other], kept_k[other]
       end
       ahead_jobs, ahead_tokens = ahead_jobs + jobs, ahead_tokens + tokens
-      if victim == nil or n > victim_n or (n == victim_n and (w > victim_w
-          or (w == victim_w and name_after(other, victim)))) then
-        victim, victim_n, victim_w = other, n, w
-      end
+      local b = #backlogs + 1
+      backlogs[b], backlogs_n[b], backlogs_w[b] = other, n, w
     end
   end
 end
 
-local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 's:' .. model, 'e', 'h:' .. model,
-  'g:' .. model)
+local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields)) -- p:, n:, s:, e, h:, g:, r:, d:
 local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
 local slow, fill = tonumber(d[5]) or 0, d[6] or ''
 if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
@@ -397,9 +445,29 @@ end
 local evict = false
 local excess = over(model_max_jobs, model_max_tokens, model_jobs, model_tokens)
 if excess <= 0 then excess = over(class_max_jobs, class_max_tokens, class_jobs, class_tokens) end
-local victim_id, victim_cost = nil, nil
+local victim_id, victim_cost, victim, victim_n = nil, nil, nil, 0
+if excess > 0 then
+  -- the tenant of the heaviest other backlog, of victim_n jobs: the most jobs, then the most
+  -- tokens, then the name last in Python's order of str (by code point, which is UTF-8's byte
+  -- order; Lua's < follows the locale)
+  local function name_after(a, b)
+    for i = 1, math.min(#a, #b) do
+      local x, y = string.byte(a, i), string.byte(b, i)
+      if x ~= y then return x > y end
+    end
+    return #a > #b
+  end
+  local victim_w = 0
+  for b, other in ipairs(backlogs) do
+    local n, w = backlogs_n[b], backlogs_w[b]
+    if victim == nil or n > victim_n or (n == victim_n and (w > victim_w
+        or (w == victim_w and name_after(other, victim)))) then
+      victim, victim_n, victim_w = other, n, w
+    end
+  end
+end
 if excess > 0 and victim and victim_n >= own + 2 then
-  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), -1)
+  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), '-1')
   victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
   evict = over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost) <= 0
     and over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost) <= 0
@@ -413,8 +481,9 @@ if samples > 0 then
   local spread = time_spread(per_slot, slow, samples)
   local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread)
   batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
+  local residual = residual_spread(tonumber(d[7]), tonumber(d[8]), spread)
   promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
-    margin_z, ahead_jobs), 1e-3)
+    margin_z, ahead_jobs, residual), 1e-3)
 end
 local service = cost / math.max(slot_rate, 1e-3) -- DrainRate.service_s
 -- DrainRate.slow_service_s: behind a queue at the full batch's pace, alone (nothing queued ahead)
@@ -474,6 +543,8 @@ if refused then
   out[#out + 1] = next_free and num(next_free) or ''
   out[#out + 1] = num(slow)
   out[#out + 1] = fill
+  out[#out + 1] = d[7] or '' -- DrainRate.resid
+  out[#out + 1] = d[8] or '' -- DrainRate.service
   return out
 end
 
@@ -495,13 +566,13 @@ tenant_store(rl, rs, tl, ts)
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
 -- 'kb' names the buckets the job was charged to, which finish settles.
 do
-  local record = { 'state', 'queued', 'seq', 1,
+  local record = { 'state', 'queued', 'seq', '1',
     'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}' }
   if limits_given then
     table.insert(record, 'kb')
     table.insert(record, bucket)
   end
-  for i = record_at, #ARGV do record[#record + 1] = ARGV[i] end
+  for i = RECORD_AT, #ARGV do record[#record + 1] = ARGV[i] end
   redis.call('HSET', job_k, unpack(record))
   fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
 end
@@ -514,7 +585,7 @@ if model_jobs == 0 then
   -- While the model has queued work, every claim that leaves some behind sets the marker again
   -- (claim.lua), so only the first job of an idle queue needs to wake a claimer.
   redis.call('SADD', models_k, model)
-  redis.call('ZADD', marker_k, 0, 'w')
+  redis.call('ZADD', marker_k, '0', 'w')
 end
 local out = { 1, ahead_jobs, num(wait) }
 for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end

@@ -9,14 +9,15 @@
 -- KEYS[5] blocked set   KEYS[6] capacity hash (drain rates; 'ls' counts the leases taken)
 -- then per model, in ARGV order, a block of 2 + ncls keys:
 --   state hash, marker zset, sched zset of every class (highest first)
--- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] lease seconds   ARGV[4] worker id   ARGV[5] lease token
--- ARGV[6] result TTL s   ARGV[7] events kept per stream   ARGV[8] ncls   ARGV[9] nmodels
--- ARGV[10] most expired jobs to settle in this call   ARGV[11] error JSON of an expired job
--- ARGV[12] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
--- ARGV[13] error JSON of a job dropped at dispatch, '{left}' (sluice.core.errors.UNFINISHABLE_LEFT)
---          standing for the seconds it had left
--- ARGV[14] capacity.FILL_RIDGE   ARGV[15] capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
--- then ncls class names, ncls class minimum shares, nmodels model names
+-- ARGV[1] now   ARGV[2] worker id   ARGV[3] lease token
+-- ARGV[4] 1 when the caller was woken by a marker (it passes the wake-up on), else 0
+-- ARGV[5] the settings (settings_of in _keys.lua; ClaimPlan.settings), joined by byte 31:
+--   1 queue prefix  2 lease seconds  3 result TTL s  4 events kept per stream  5 ncls  6 nmodels
+--   7 most expired jobs to settle in this call  8 error JSON of an expired job
+--   9 error JSON of a job dropped at dispatch, '{left}' (sluice.core.errors.UNFINISHABLE_LEFT)
+--     standing for the seconds it had left
+--   10 capacity.FILL_RIDGE  11 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
+--   then ncls class names, ncls class minimum shares, nmodels model names
 -- Returns {1, field, value, ...} the leased job's record
 --         {0}                    nothing to claim
 --         {2}                    the bound of expired jobs was reached: call again
@@ -35,24 +36,39 @@ local active_k, deadline_k, results_k, running_k = KEYS[1], KEYS[2], KEYS[3], KE
 local blocked_k, capacity_k = KEYS[5], KEYS[6]
 local MODEL_KEYS_AT = 7 -- KEYS[MODEL_KEYS_AT ..]: the blocks of keys per model
 
-local now_s, P = ARGV[1], ARGV[2]
+-- The settings, parsed once per text (settings_of), with the state fields every claim reads and
+-- the capacity hash's fields of each model.
+local function parse_settings(v)
+  local s = { P = v[1], lease_s = tonumber(v[2]), result_ttl = tonumber(v[3]), maxlen = v[4] }
+  s.ncls, s.nmodels, s.max_expired = tonumber(v[5]), tonumber(v[6]), tonumber(v[7])
+  s.expired_error, s.unfinishable_error = v[8], v[9]
+  s.fill_ridge, s.max_slowdown = tonumber(v[10]), tonumber(v[11])
+  local NAMES_AT = 12 -- v[NAMES_AT ..]: class names, minimum shares, model names
+  s.classes, s.mins, s.models, s.capacity_fields = {}, {}, {}, {}
+  for i = 1, s.ncls do
+    s.classes[i] = v[NAMES_AT - 1 + i]
+    s.mins[i] = tonumber(v[NAMES_AT - 1 + s.ncls + i])
+  end
+  for m = 1, s.nmodels do
+    local model = v[NAMES_AT - 1 + 2 * s.ncls + m]
+    s.models[m], s.capacity_fields[m] = model, { 'p:' .. model, 'n:' .. model, 'g:' .. model }
+  end
+  s.fields = class_fields(s.classes)
+  return s
+end
+local S = settings_of('claim', ARGV[5], parse_settings)
+
+local now_s, P = ARGV[1], S.P
 local now = tonumber(now_s)
-local lease_s, worker, token = tonumber(ARGV[3]), ARGV[4], ARGV[5]
-local result_ttl, maxlen = tonumber(ARGV[6]), ARGV[7]
-local ncls, nmodels, max_expired = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local expired_error, woken, unfinishable_error = ARGV[11], ARGV[12] == '1', ARGV[13]
-local fill_ridge, max_slowdown = tonumber(ARGV[14]), tonumber(ARGV[15])
-local NAMES_AT = 16 -- ARGV[NAMES_AT ..]: class names, minimum shares, model names
+local lease_s, worker, token = S.lease_s, ARGV[2], ARGV[3]
+local result_ttl, maxlen = S.result_ttl, S.maxlen
+local ncls, nmodels, max_expired = S.ncls, S.nmodels, S.max_expired
+local expired_error, woken, unfinishable_error = S.expired_error, ARGV[4] == '1', S.unfinishable_error
+local fill_ridge, max_slowdown = S.fill_ridge, S.max_slowdown
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local classes, mins, models = {}, {}, {}
-for i = 1, ncls do
-  classes[i] = ARGV[NAMES_AT - 1 + i]
-  mins[i] = tonumber(ARGV[NAMES_AT - 1 + ncls + i])
-end
-for m = 1, nmodels do models[m] = ARGV[NAMES_AT - 1 + 2 * ncls + m] end
-local fields = class_fields(classes)
+local classes, mins, models, fields = S.classes, S.mins, S.models, S.fields
 
 -- The keys of model m: its state hash, its marker, then the sched zset of class i.
 local function model_key(m, j) return KEYS[MODEL_KEYS_AT + (m - 1) * (2 + ncls) + j] end
@@ -87,13 +103,13 @@ end
 -- Anything else (a stale entry, a blocked tenant) goes to fq_peek, which settles it.
 local function peek(m, i)
   local st, c, sched = states[m], classes[i], sched_of(m, i)
-  local top = redis.call('ZRANGE', sched, 0, 0, 'WITHSCORES')
+  local top = redis.call('ZRANGE', sched, '0', '0', 'WITHSCORES')
   if #top == 0 then return nil end
   local member, tag = top[1], tonumber(top[2])
   local tenant = string.sub(member, 16)
   if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tag then
     local tq = tq_key(P, models[m], c, tenant)
-    local id = redis.call('LINDEX', tq, 0)
+    local id = redis.call('LINDEX', tq, '0')
     if id then return { member, tag, tenant, tq, id } end
   end
   return fq_peek(P, st, models[m], c, sched, blocked)
@@ -142,7 +158,7 @@ while true do
   -- only the deadline counts.
   local left, service = tonumber(f.deadline) - now, nil
   if left > 0 then
-    local d = redis.call('HMGET', capacity_k, 'p:' .. models[m], 'n:' .. models[m], 'g:' .. models[m])
+    local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields[m])) -- p:, n:, g:
     if (tonumber(d[2]) or 0) > 0 then
       -- The slowdown is at most max_slowdown, so service is at most `longest`: a job with more
       -- time left than that can finish whatever the fill fit says, and the fit is not parsed
@@ -164,10 +180,10 @@ while true do
     if expired >= max_expired then return { 2 } end
   else
     local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
-    local ls = redis.call('HINCRBY', capacity_k, 'ls', 1) -- the order leases are taken in (reap.lua)
-    local rb = redis.call('HINCRBY', running_k, models[m], 1) -- running with it at its start, itself too
+    local ls = redis.call('HINCRBY', capacity_k, 'ls', '1') -- the order leases are taken in (reap.lua)
+    local rb = redis.call('HINCRBY', running_k, models[m], '1') -- running with it at its start, itself too
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
-      'attempts', attempt, 'seq', seq, 'ls', ls, 'rb', rb })
+      'attempts', int_text(attempt), 'seq', int_text(seq), 'ls', ls, 'rb', int_text(rb) })
     tenant_move(P, blocked_k, f.tenant, 'queued', 'running')
     redis.call('ZADD', active_k, now + lease_s, id)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
@@ -178,7 +194,7 @@ while true do
       for mm = 1, nmodels do
         for c = 1, ncls do
           if counts[mm][c] > 0 then
-            redis.call('ZADD', marker_of(mm), 0, 'w')
+            redis.call('ZADD', marker_of(mm), '0', 'w')
             break
           end
         end
