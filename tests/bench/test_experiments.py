@@ -96,12 +96,8 @@ def test_llm_runs_the_shell_scripts_commands(checkout: Path, monkeypatch: pytest
         f"{run} --mode direct --rate 6 --duration 30 --client-timeout 0 --label capacity",
         f"{each} direct,cap,fifo,deadline,codel {clients} {steady} --label llm-steady",
         f"{each} direct,cap,fifo,deadline,codel {clients} {spike} --label llm-spike",
-        f"{each} codel {clients} {steady} --sluice-args=--queue-burst-rise=1 --label llm-rise1-steady",
-        f"{each} codel {clients} {spike} --sluice-args=--queue-burst-rise=1 --label llm-rise1-spike",
-        "bench compare " + " ".join(f"{o}/llm-steady-{p}.json" for p in policies)
-        + f" {o}/llm-rise1-steady-codel.json --name llm-steady",
-        "bench compare " + " ".join(f"{o}/llm-spike-{p}.json" for p in policies)
-        + f" {o}/llm-rise1-spike-codel.json --name llm-spike",
+        "bench compare " + " ".join(f"{o}/llm-steady-{p}.json" for p in policies) + " --name llm-steady",
+        "bench compare " + " ".join(f"{o}/llm-spike-{p}.json" for p in policies) + " --name llm-spike",
     ]  # fmt: skip
     copied = sorted(p.name for p in (checkout / "docs" / "img").iterdir())
     assert copied == ["llm-spike.png", "llm-steady.png"]

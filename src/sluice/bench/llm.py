@@ -89,16 +89,12 @@ def experiment(
         spike += ["--spike-at", "20", "--spike-for", "10", "--duration", "60"]
         each_policy(policies, *steady, "--label", "llm-steady")
         each_policy(policies, *spike, "--label", "llm-spike")
-        # codel as `sluice serve` runs it in front of the local engine it starts itself (burst_rise
-        # 1.0), then every run of a load in one table and one plot.
-        rise1 = "--sluice-args=--queue-burst-rise=1"
-        each_policy("codel", *steady, rise1, "--label", "llm-rise1-steady")
-        each_policy("codel", *spike, rise1, "--label", "llm-rise1-spike")
+        # Every run of a load in one table and one plot. (codel's burst_rise 1, once the local
+        # engine's own setting, is every engine's default now: no arm of its own.)
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for shape in ("steady", "spike"):
         runs = [str(out / f"llm-{shape}-{p}.json") for p in names]
-        runs.append(str(out / f"llm-rise1-{shape}-codel.json"))
         sluice("bench", "compare", *runs, "--name", f"llm-{shape}")
         copy_plot(out / f"llm-{shape}.png", f"llm-{shape}.png")
 
