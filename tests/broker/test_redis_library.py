@@ -5,6 +5,7 @@ version's library, and a clear error from a Redis without Functions."""
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 from typing import Any
 
 import pytest
@@ -121,3 +122,36 @@ async def test_each_gateways_settings_are_its_own(redis_url: str) -> None:
         # each claim leased its job for its own gateway's lease_s
         assert active[claimed_a.id] == pytest.approx(clock() + tight.lease_s)
         assert active[claimed_b.id] == pytest.approx(clock() + roomy.lease_s)
+
+
+#: Run after lua/_keys.lua in one EVAL: its memos, filled past their bounds.
+_MEMO_CHECK = r"""
+local m = new_memo(3)
+for _, k in ipairs({ 'a', 'b', 'c', 'd', 'a' }) do
+  if not m.t[k] then memo_put(m, k, k .. '!') end
+end
+local first = part('t:1')
+for i = 1, PARTS_MAX + 10 do part('t:' .. i) end
+local parsed = 0
+local function parse(v) parsed = parsed + 1; return v end
+local s = settings_of('check', 'u\31v%1Fw%25', parse)
+settings_of('check', 'u\31v%1Fw%25', parse)
+return { m.n, m.t['b'] or '', m.t['a'], first, part('t:1'), part('t:' .. (PARTS_MAX + 10)), PARTS.n,
+  parsed, s[1], s[2] }
+"""
+
+
+async def test_the_librarys_memos_stay_bounded_and_right(redis_url: str) -> None:
+    """The memos the library keeps between calls (lua/_keys.lua's new_memo: names, parsed settings)
+    start again when full, and what they hand back is what building it anew gives."""
+    keys_lua = (resources.files("sluice") / "lua" / "_keys.lua").read_text(encoding="utf-8")
+    client = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        reply = await client.eval(keys_lua + _MEMO_CHECK, 0)
+    finally:
+        await client.aclose()
+    n, b, a, first, again, last, parts_n, parsed, u, vw = reply
+    assert (n, b, a) == (2, "", "a!")  # a fourth entry emptied the memo of three: it holds d and a
+    assert first == again == "t%3A1" and last == "t%3A4106"
+    assert 0 < parts_n <= 4096  # the names' memo never holds more than its bound
+    assert (parsed, u, vw) == (1, "u", "v\x1fw%")  # parsed once, the separator and '%' unescaped

@@ -13,16 +13,8 @@
 -- tq list:    the tenant's job ids, head first.
 
 -- The state field of the cost queued in a tenant's list tq (memoized as the names of _state.lua).
-local WORK_NAMES, WORK_NAMES_N = {}, 0
-local function f_work(tq)
-  local w = WORK_NAMES[tq]
-  if w == nil then
-    w = 'w:' .. tq
-    if WORK_NAMES_N >= PARTS_MAX then WORK_NAMES, WORK_NAMES_N = {}, 0 end
-    WORK_NAMES[tq], WORK_NAMES_N = w, WORK_NAMES_N + 1
-  end
-  return w
-end
+local WORK_NAMES = new_memo(PARTS_MAX)
+local function f_work(tq) return WORK_NAMES.t[tq] or memo_put(WORK_NAMES, tq, 'w:' .. tq) end
 
 -- Adds cost to the cost queued in list tq (a field only while it is above zero).
 local function fq_add_work(st, tq, cost)

@@ -4,18 +4,22 @@
 -- so they live in the same cluster slot as the declared KEYS.
 -- tests/broker/test_redis.py checks that these builders and redis_keys.py agree.
 
--- part is memoized: a script builds the same few names many times. The memo lives as long as the
--- library (redis_library.py: these files run once, when it is loaded), so it is emptied when it
--- holds PARTS_MAX names: tenants come and go without bound.
-local ESCAPES, PARTS, PARTS_N, PARTS_MAX = { ['%'] = '%25', [':'] = '%3A' }, {}, 0, 4096
+-- A memo of what a script builds the same many times (names, parsed settings). It lives as long
+-- as the library (redis_library.py: these files run once, when it is loaded), so it holds at most
+-- `max` entries and then starts again: tenants and texts come and go without bound, and a rebuild
+-- costs only what every call paid before. Read m.t[key]; memo_put stores a value and returns it.
+local function new_memo(max) return { t = {}, n = 0, max = max } end
+local function memo_put(m, key, value)
+  if m.n >= m.max then m.t, m.n = {}, 0 end
+  m.t[key], m.n = value, m.n + 1
+  return value
+end
+
+-- The size of each memo of names: part's, and those of the state's and the tenants' fields.
+local PARTS_MAX = 4096
+local ESCAPES, PARTS = { ['%'] = '%25', [':'] = '%3A' }, new_memo(PARTS_MAX)
 local function part(s)
-  local p = PARTS[s]
-  if p == nil then
-    p = string.gsub(s, '[%%:]', ESCAPES)
-    if PARTS_N >= PARTS_MAX then PARTS, PARTS_N = {}, 0 end
-    PARTS[s], PARTS_N = p, PARTS_N + 1
-  end
-  return p
+  return PARTS.t[s] or memo_put(PARTS, s, (string.gsub(s, '[%%:]', ESCAPES)))
 end
 
 -- A script's settings: what every call passes the same (the gateway's configuration and the core's
@@ -24,30 +28,24 @@ end
 -- values, as strings, to what the script uses: numbers, lists, field names) and kept while the
 -- library lives. An argument costs Redis about 1.1 k instructions and a tonumber of 17 digits
 -- about 3 k: admit's 30 fixed values were a tenth of its cost. The memo holds SETTINGS_MAX texts
--- per script, then starts again (a parse costs what every call paid before). What parse returns
--- is shared by every later call with that text: a call may keep a memo of its own in it, and
--- must change nothing else.
-local SETTINGS, SETTINGS_N, SETTINGS_MAX = {}, {}, 1024
+-- per script (new_memo). What parse returns is shared by every later call with that text: a call
+-- may keep a memo of its own in it, and must change nothing else.
+local SETTINGS, SETTINGS_MAX = {}, 1024 -- script -> its memo of parsed texts
 local function unescape_hex(hex) return string.char(tonumber(hex, 16)) end
 local function settings_of(script, text, parse)
   local memo = SETTINGS[script]
   if memo == nil then
-    memo = {}
-    SETTINGS[script], SETTINGS_N[script] = memo, 0
+    memo = new_memo(SETTINGS_MAX)
+    SETTINGS[script] = memo
   end
-  local s = memo[text]
+  local s = memo.t[text]
   if s == nil then
     local values = {}
     for v in string.gmatch(text .. '\31', '([^\31]*)\31') do
       if string.find(v, '%', 1, true) then v = string.gsub(v, '%%(%x%x)', unescape_hex) end
       values[#values + 1] = v
     end
-    s = parse(values)
-    if SETTINGS_N[script] >= SETTINGS_MAX then
-      memo = {}
-      SETTINGS[script], SETTINGS_N[script] = memo, 0
-    end
-    memo[text], SETTINGS_N[script] = s, SETTINGS_N[script] + 1
+    s = memo_put(memo, text, parse(values))
   end
   return s
 end

@@ -49,16 +49,14 @@ end
 
 -- Field names; a class name is escaped so that '<class>:<tenant>' cannot be read two ways. They
 -- are memoized while the library lives (a name built is a new string, ~1.5 k instructions; a
--- script builds the same few dozen each call): per class, and per class and tenant, each memo
--- emptied when it holds PARTS_MAX names, as part's.
-local CLASS_NAMES, CLASS_NAMES_N = {}, 0
+-- script builds the same few dozen each call): per class (new_memo), and in it per tenant.
+local CLASS_NAMES = new_memo(PARTS_MAX)
 local function class_names(c)
-  local n = CLASS_NAMES[c]
+  local n = CLASS_NAMES.t[c]
   if n == nil then
     local p = part(c)
-    n = { j = 'j:' .. p, k = 'k:' .. p, c = 'c:' .. p, v = 'v:' .. p, s = 's:' .. p, t = {}, f = {}, tn = 0 }
-    if CLASS_NAMES_N >= PARTS_MAX then CLASS_NAMES, CLASS_NAMES_N = {}, 0 end
-    CLASS_NAMES[c], CLASS_NAMES_N = n, CLASS_NAMES_N + 1
+    n = memo_put(CLASS_NAMES, c, { j = 'j:' .. p, k = 'k:' .. p, c = 'c:' .. p, v = 'v:' .. p, s = 's:' .. p,
+      tenants = new_memo(PARTS_MAX) })
   end
   return n
 end
@@ -67,26 +65,18 @@ local function f_tokens(c) return class_names(c).k end
 local function f_credit(c) return class_names(c).c end
 local function f_vtime(c) return class_names(c).v end
 local function f_seq(c) return class_names(c).s end
--- The tag and finish fields of a tenant in class c.
+-- The tag and finish fields of a tenant in class c: { tag, finish }.
 local function tenant_names(c, tenant)
-  local n = class_names(c)
-  local tag = n.t[tenant]
-  if tag == nil then
-    if n.tn >= PARTS_MAX then n.t, n.f, n.tn = {}, {}, 0 end
+  local memo = class_names(c).tenants
+  local n = memo.t[tenant]
+  if n == nil then
     local p = part(c)
-    tag = 't:' .. p .. ':' .. tenant
-    n.t[tenant], n.f[tenant], n.tn = tag, 'f:' .. p .. ':' .. tenant, n.tn + 1
+    n = memo_put(memo, tenant, { 't:' .. p .. ':' .. tenant, 'f:' .. p .. ':' .. tenant })
   end
-  return n, tag
+  return n
 end
-local function f_tag(c, tenant)
-  local _, tag = tenant_names(c, tenant)
-  return tag
-end
-local function f_finish(c, tenant)
-  local n = tenant_names(c, tenant)
-  return n.f[tenant]
-end
+local function f_tag(c, tenant) return tenant_names(c, tenant)[1] end
+local function f_finish(c, tenant) return tenant_names(c, tenant)[2] end
 
 -- The jobs, tokens and credit fields of every class, for one HMGET.
 local function class_fields(classes)

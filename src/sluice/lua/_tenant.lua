@@ -16,14 +16,13 @@
 
 -- The fields of the buckets of key id K in its tenant's hash (memoized as part is; the table is
 -- shared: read it only).
-local BUCKET_FIELDS, BUCKET_FIELDS_N = {}, 0
+local BUCKET_FIELDS = new_memo(PARTS_MAX)
 local function bucket_fields(K)
-  local B = BUCKET_FIELDS[K]
+  local B = BUCKET_FIELDS.t[K]
   if B == nil then
     local k = part(K)
-    B = { rl = 'rl:' .. k, rs = 'rs:' .. k, tpm = 'tpm:' .. k, tl = 'tl:' .. k, ts = 'ts:' .. k }
-    if BUCKET_FIELDS_N >= PARTS_MAX then BUCKET_FIELDS, BUCKET_FIELDS_N = {}, 0 end
-    BUCKET_FIELDS[K], BUCKET_FIELDS_N = B, BUCKET_FIELDS_N + 1
+    B = memo_put(BUCKET_FIELDS, K,
+      { rl = 'rl:' .. k, rs = 'rs:' .. k, tpm = 'tpm:' .. k, tl = 'tl:' .. k, ts = 'ts:' .. k })
   end
   return B
 end

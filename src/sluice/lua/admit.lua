@@ -17,7 +17,8 @@
 -- ARGV[7]  1 when limits come with the job, else 0 (none are checked; the tenant's cap stays)
 -- ARGV[8]  the key's bucket id (TenantLimits.bucket_id)
 -- ARGV[9]  rpm   ARGV[10] tpm   ARGV[11] max queued   ARGV[12] max concurrent   (-1: none)
--- ARGV[13] the settings (settings_of in _keys.lua; redis_codec.admit_settings), joined by byte 31:
+-- ARGV[13] the settings (settings_of in _keys.lua; redis_codec.settings_text of the job's model, class
+--   and bounds, then RedisCore._admit_settings), joined by byte 31:
 --   1 model  2 the job's class  3 model max jobs  4 model max tokens  5 class max jobs
 --   6 class max tokens (-1: unbounded)  7 drain prior per slot
 --   8 the queue policy's kind  9 .. 13 its five numbers (QueuePolicy.lua_args)
@@ -100,7 +101,7 @@ local function parse_settings(v)
   if s.policy_kind == 4 then -- only codel keeps state
     for _, f in ipairs(POLICY_FIELDS) do s.fields[#s.fields + 1] = f end
   end
-  s.names, s.names_P, s.names_n = {}, nil, 0 -- names_of's memo
+  s.names, s.names_P = nil, nil -- names_of's memo, and the prefix it is for
   return s
 end
 local S = settings_of('admit', ARGV[13], parse_settings)
@@ -108,12 +109,11 @@ local S = settings_of('admit', ARGV[13], parse_settings)
 -- A tenant's list of the job's model and class and its two state fields there (work, tag),
 -- memoized with the settings for the shard's prefix P (bounded as part's memo is).
 local function names_of(P, tenant)
-  if S.names_P ~= P or S.names_n >= PARTS_MAX then S.names, S.names_P, S.names_n = {}, P, 0 end
-  local n = S.names[tenant]
+  if S.names_P ~= P then S.names, S.names_P = new_memo(PARTS_MAX), P end
+  local n = S.names.t[tenant]
   if n == nil then
     local tq = tq_key(P, S.model, S.cls, tenant)
-    n = { tq, f_work(tq), f_tag(S.cls, tenant) }
-    S.names[tenant], S.names_n = n, S.names_n + 1
+    n = memo_put(S.names, tenant, { tq, f_work(tq), f_tag(S.cls, tenant) })
   end
   return n
 end
