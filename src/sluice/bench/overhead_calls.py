@@ -38,9 +38,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.bench.overhead import FAST_ENGINE, FLOOD_ENGINE
 from sluice.bench.overhead_load import Load, Reply, _Client, _new_loop, request_bytes
@@ -66,11 +70,7 @@ def count_each(frame, event, arg):
     elif event == "c_call":
         calls[0] += 1
         each[arg] = each.get(arg, 0) + 1
-def name(key):
-    code = getattr(key, "co_qualname", None)
-    if code is not None:
-        return f"{code} ({key.co_filename.rsplit('/', 2)[-1]}:{key.co_firstlineno})"
-    return f"{getattr(key, '__qualname__', repr(key))} (C)"
+from sluice.bench.overhead_profile import function_name as name
 def write():
     tmp = path + ".tmp"
     while True:
@@ -132,20 +132,54 @@ async def _connect(url: str) -> _Client:
     return client
 
 
-#: Per phase: each function's calls a request, net of the idle rate (with ``--by-function``).
-BY_FUNCTION: dict[str, dict[str, float]] = {}
+#: A reading of a counted gateway: its calls so far, by function (empty without
+#: ``--by-function``), and when (perf_counter seconds).
+Mark = tuple[int, dict[str, int], float]
 
 
-async def phase(gateway: Counted, load: Load, requests: int, expect: int, label: str) -> tuple[float, float]:
-    """Calls per request of ``requests`` sent one at a time (each answered ``expect``), net of the
-    idle rate measured over the second before; and that idle rate (calls a second)."""
+@dataclass(frozen=True)
+class PhaseCalls:
+    """What one phase cost the gateway, net of what it does idle.
+
+    Attributes:
+        per_request: calls a request.
+        idle_rate: the gateway's calls a second while idle, around the phase.
+        by_function: each function's calls a request (empty without ``--by-function``).
+    """
+
+    per_request: float
+    idle_rate: float
+    by_function: dict[str, float]
+
+
+def net_of_idle(marks: Sequence[Mark], requests: int) -> PhaseCalls:
+    """The calls of ``requests`` sent between the second and the third of four readings, less the
+    idle rate of the windows before (first to second) and after (third to fourth) them."""
+    (c0, e0, t0), (c1, e1, t1), (c2, e2, t2), (c3, e3, t3) = marks
+    idle_s, busy_s = (t1 - t0) + (t3 - t2), t2 - t1
+    rate = ((c1 - c0) + (c3 - c2)) / idle_s
+    by_function = {
+        key: (
+            e2.get(key, 0)
+            - e1.get(key, 0)
+            - (e1.get(key, 0) - e0.get(key, 0) + e3.get(key, 0) - e2.get(key, 0)) * busy_s / idle_s
+        )
+        / requests
+        for key in e3
+    }
+    return PhaseCalls((c2 - c1 - rate * busy_s) / requests, rate, by_function)
+
+
+async def phase(gateway: Counted, load: Load, requests: int, expect: int) -> PhaseCalls:
+    """``requests`` sent one at a time (each answered ``expect``), counted net of the idle rate
+    measured over :data:`IDLE_S` before and after them."""
     client = await _connect(gateway.url)
     request = request_bytes(gateway.url, load)
     try:
         for _ in range(3):  # the connection's first requests, the engine's connection warm
             await client.exchange(request)
         await asyncio.sleep(SETTLE_S)
-        marks = [(gateway.calls(), gateway.each(), time.perf_counter())]
+        marks: list[Mark] = [(gateway.calls(), gateway.each(), time.perf_counter())]
         await asyncio.sleep(IDLE_S)
         marks.append((gateway.calls(), gateway.each(), time.perf_counter()))
         for _ in range(requests):
@@ -158,21 +192,7 @@ async def phase(gateway: Counted, load: Load, requests: int, expect: int, label:
         marks.append((gateway.calls(), gateway.each(), time.perf_counter()))
     finally:
         client.close()
-    (c0, e0, t0), (c1, e1, t1), (c2, e2, t2), (c3, e3, t3) = marks
-    idle_s, busy_s = (t1 - t0) + (t3 - t2), t2 - t1
-    rate = ((c1 - c0) + (c3 - c2)) / idle_s
-    if e3:
-        keys = set(e3)
-        BY_FUNCTION[label] = {
-            key: (
-                e2.get(key, 0)
-                - e1.get(key, 0)
-                - (e1.get(key, 0) - e0.get(key, 0) + e3.get(key, 0) - e2.get(key, 0)) * busy_s / idle_s
-            )
-            / requests
-            for key in keys
-        }
-    return (c2 - c1 - rate * busy_s) / requests, rate
+    return net_of_idle(marks, requests)
 
 
 async def _hold(url: str, tokens: int) -> _Client:
@@ -183,20 +203,39 @@ async def _hold(url: str, tokens: int) -> _Client:
     return client
 
 
-async def measure(fast: Counted, refusing: Counted, requests: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    out["short"], out["idle"] = await phase(fast, Load(1, 8, stream=False), requests, 200, "short")
-    out["stream 8"], _ = await phase(fast, Load(1, 8, stream=True), requests, 200, "stream 8")
-    out["stream 64"], _ = await phase(fast, Load(1, 64, stream=True), requests, 200, "stream 64")
-    out["per extra token"] = (out["stream 64"] - out["stream 8"]) / 56
+async def _until_held(url: str, running: int, queued: int, timeout_s: float = 30.0) -> None:
+    """Wait, bounded, until the gateway's /metrics say ``running`` jobs run and ``queued`` wait."""
+    wanted = {"sluice_running_jobs": running, "sluice_queued_jobs": queued}
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while time.monotonic() < deadline:
+            text = (await http.get(url + "/metrics")).text
+            seen = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name in wanted
+            }
+            if all(seen.get(name, 0) >= n for name, n in wanted.items()):
+                return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url}: the held answers did not take the slot and the queue: {seen}")
+
+
+async def measure(fast: Counted, refusing: Counted, requests: int) -> dict[str, PhaseCalls]:
+    """Each phase's calls: ``short``, ``stream 8``, ``stream 64``, ``refusal``."""
+    out = {
+        "short": await phase(fast, Load(1, 8, stream=False), requests, 200),
+        "stream 8": await phase(fast, Load(1, 8, stream=True), requests, 200),
+        "stream 64": await phase(fast, Load(1, 64, stream=True), requests, 200),
+    }
     held = [await _hold(refusing.url, 4_000)]
-    await asyncio.sleep(0.5)  # the first one running: the second one queued behind it
+    await _until_held(refusing.url, running=1, queued=0)  # the first one running ...
     held.append(await _hold(refusing.url, 4_000))
-    await asyncio.sleep(0.5)
+    await _until_held(refusing.url, running=1, queued=1)  # ... the second one queued behind it
     try:
-        out["refusal"], out["idle, refusing"] = await phase(
-            refusing, Load(1, 8, stream=False), requests, 429, "refusal"
-        )
+        out["refusal"] = await phase(refusing, Load(1, 8, stream=False), requests, 429)
     finally:
         for client in held:
             client.close()
@@ -218,16 +257,17 @@ def main(requests: int, by_function: int) -> None:
                 spawner, "refusing", slow, ["--max-concurrency", "1", "--max-queued-jobs", "1"], out
             )
             with asyncio.Runner(loop_factory=_new_loop) as runner:
-                figures = runner.run(measure(fast, refusing, requests))
+                phases = runner.run(measure(fast, refusing, requests))
         finally:
             spawner.stop_all()
     print(f"{requests} requests a phase, one at a time; gateway calls (Python + C) counted in its process")
-    for name, value in figures.items():
-        unit = "calls a second" if name.startswith("idle") else "calls"
-        print(f"{name:<18} {value:>10,.1f} {unit}")
-    for label, each in BY_FUNCTION.items():
-        print(f"\n{label}: the {by_function} functions called most a request")
-        for key, value in sorted(each.items(), key=lambda kv: -kv[1])[:by_function]:
+    for name, calls in phases.items():
+        print(f"{name:<18} {calls.per_request:>10,.1f} calls   (idle {calls.idle_rate:,.0f} calls a second)")
+    extra = (phases["stream 64"].per_request - phases["stream 8"].per_request) / 56
+    print(f"{'per extra token':<18} {extra:>10,.1f} calls")
+    for name, calls in phases.items() if by_function else ():
+        print(f"\n{name}: the {by_function} functions called most a request")
+        for key, value in sorted(calls.by_function.items(), key=lambda kv: -kv[1])[:by_function]:
             print(f"{value:>8.1f}  {key}")
 
 

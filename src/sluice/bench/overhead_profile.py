@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -175,3 +176,13 @@ def print_profile(path: Path) -> None:
     print("\n| total | self | frame |\n|---|---|---|")
     for frame, total, own in top_frames(path):
         print(f"| {total:.1%} | {own:.1%} | `{frame}` |")
+
+
+def function_name(key: Any) -> str:
+    """A function counted by a profile hook (``sys.setprofile``: a code object for a Python call,
+    the C function for a C call), named as its qualified name and where it is (a C function: its
+    name only); :mod:`sluice.bench.ttft_path` and :mod:`sluice.bench.overhead_calls` count by it."""
+    code = getattr(key, "co_qualname", None)
+    if code is not None:
+        return f"{code} ({key.co_filename.rsplit('/', 2)[-1]}:{key.co_firstlineno})"
+    return f"{getattr(key, '__qualname__', repr(key))} (C)"

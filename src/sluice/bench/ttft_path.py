@@ -38,6 +38,7 @@ import aiohttp.client_reqrep
 import uvloop
 
 from sluice.backends.openai import OpenAIBackend
+from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
@@ -144,14 +145,6 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int]]:
     done = await broker.wait(job.id, 30)
     assert done is not None and done.state is JobState.SUCCEEDED, done
     return marks.at
-
-
-def function_name(key: Any) -> str:
-    """A counted function's name: its qualified name and where (a C function: its name only)."""
-    code = getattr(key, "co_qualname", None)
-    if code is not None:
-        return f"{code} ({key.co_filename.rsplit('/', 2)[-1]}:{key.co_firstlineno})"
-    return f"{getattr(key, '__qualname__', repr(key))} (C)"
 
 
 async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, dict[str, list[float]]]:
