@@ -204,6 +204,8 @@ class RedisCore(Broker):
         )
         self._min_shares = [repr(float(c.min_share)) for c in self.settings.classes]
         self._drain_alpha = repr(DrainRate().alpha)
+        # finish.lua's settings texts, by (prefix, capacity.WEIGHT_PER_SLOT, capacity.FILL_ALPHA)
+        self._finish_texts: dict[tuple[str, bool, float], str] = {}
         self._task: asyncio.Task[None] | None = None
 
     def _make_shard(self, number: int | None, keys: QueueKeys) -> Shard:

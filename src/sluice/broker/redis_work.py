@@ -260,6 +260,28 @@ class WorkMixin(RedisCore):
         used = usage.get("total_tokens") if usage is not None else None
         return await self._finish(job_id, worker_id, state, used if isinstance(used, int) else -1, fields)
 
+    def _finish_settings(self, prefix: str) -> str:
+        """finish.lua's settings (its header): what every finish on a shard passes the same, joined
+        once per distinct value; capacity's switches are read at each call (tests flip them)."""
+        per_slot, fill_alpha = capacity.WEIGHT_PER_SLOT, capacity.FILL_ALPHA
+        memo_key = (prefix, per_slot, fill_alpha)
+        text = self._finish_texts.get(memo_key)
+        if text is None:
+            text = settings_text(
+                [
+                    prefix,
+                    repr(float(self.settings.result_ttl_s)),
+                    STREAM_MAXLEN,
+                    self._drain_alpha,
+                    repr(SLOW_QUANTILE),
+                    repr(SLOW_STEP),
+                    1 if per_slot else 0,
+                    repr(fill_alpha),
+                ]
+            )
+            self._finish_texts[memo_key] = text
+        return text
+
     async def _finish(
         self, job_id: str, worker_id: str, state: JobState, used: int, fields: list[str]
     ) -> Job | None:
@@ -281,19 +303,12 @@ class WorkMixin(RedisCore):
             ],
             [
                 self._now(),
-                k.prefix,
                 job_id,
                 worker_id,
                 token,
                 state.value,
-                repr(float(self.settings.result_ttl_s)),
-                STREAM_MAXLEN,
-                self._drain_alpha,
-                repr(SLOW_QUANTILE),
-                repr(SLOW_STEP),
                 used,
-                1 if capacity.WEIGHT_PER_SLOT else 0,  # read at each call: a switch tests may flip
-                repr(capacity.FILL_ALPHA),
+                self._finish_settings(k.prefix),
                 *fields,
             ],
             shard,

@@ -9,15 +9,17 @@
 -- KEYS[1] job hash   KEYS[2] event stream   KEYS[3] active zset   KEYS[4] results zset
 -- KEYS[5] running hash   KEYS[6] capacity hash   KEYS[7] blocked set   KEYS[8] workers zset
 -- KEYS[9] worker slots hash (to recount the slots when a worker may have died, as admit does)
--- ARGV[1] now   ARGV[2] queue prefix   ARGV[3] job id   ARGV[4] worker id   ARGV[5] lease token ('' = any)
--- ARGV[6] terminal state   ARGV[7] result TTL s   ARGV[8] events kept per stream   ARGV[9] drain EWMA weight
--- ARGV[10] the quantile of DrainRate.slow (capacity.SLOW_QUANTILE)   ARGV[11] its step (SLOW_STEP)
--- ARGV[12] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
---          (what the job was charged and did not use comes back; what it used beyond, is taken)
--- ARGV[13] 1 when the EWMA weight is per slot (DrainRate.weight: ARGV[9] over the model's slots),
---          0 when it is ARGV[9] as is (capacity.WEIGHT_PER_SLOT)
--- ARGV[14] the weight of the newest job in the fill fit (capacity.FILL_ALPHA)
--- ARGV[15 ..] field, value pairs to record (result, usage, error, attempts, backend)
+-- ARGV[1] now   ARGV[2] job id   ARGV[3] worker id   ARGV[4] lease token ('' = any)
+-- ARGV[5] terminal state
+-- ARGV[6] tokens the engine reported using (-1: unknown), to settle the tenant's bucket with
+--         (what the job was charged and did not use comes back; what it used beyond, is taken)
+-- ARGV[7] the settings (settings_of in _keys.lua; RedisWork._finish_settings), joined by byte 31:
+--   1 queue prefix   2 result TTL s   3 events kept per stream   4 drain EWMA weight
+--   5 the quantile of DrainRate.slow (capacity.SLOW_QUANTILE)   6 its step (SLOW_STEP)
+--   7 1 when the EWMA weight is per slot (DrainRate.weight: 4 over the model's slots),
+--     0 when it is 4 as is (capacity.WEIGHT_PER_SLOT)
+--   8 the weight of the newest job in the fill fit (capacity.FILL_ALPHA)
+-- ARGV[8 ..] field, value pairs to record (result, usage, error, attempts, backend)
 -- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 -- (decoded by redis_codec.JobReply)
@@ -30,12 +32,26 @@
 
 local job_k, active_k, results_k, running_k = KEYS[1], KEYS[3], KEYS[4], KEYS[5]
 local capacity_k, blocked_k, workers_k, wslots_k = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-local now_s, P, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local result_ttl, maxlen, drain_alpha = tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
-local slow_q, slow_step, used = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local per_slot_weight = ARGV[13] == '1'
-local fill_alpha = tonumber(ARGV[14])
-local CHANGES_AT = 15 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
+-- The settings, parsed once per text (settings_of), with a memo of each model's capacity fields.
+local function parse_settings(v)
+  return {
+    P = v[1], result_ttl = tonumber(v[2]), maxlen = v[3], drain_alpha = tonumber(v[4]),
+    slow_q = tonumber(v[5]), slow_step = tonumber(v[6]), per_slot_weight = v[7] == '1',
+    fill_alpha = tonumber(v[8]), fields = new_memo(PARTS_MAX),
+  }
+end
+local S = settings_of('finish', ARGV[7], parse_settings)
+-- A model's capacity fields: p:, n:, d:, h:, s:, g:, r: (the names of redis_keys.py)
+local function capacity_fields(model)
+  return S.fields.t[model] or memo_put(S.fields, model, {
+    'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model, 's:' .. model, 'g:' .. model, 'r:' .. model,
+  })
+end
+local now_s, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local used = tonumber(ARGV[6])
+local P, result_ttl, maxlen, drain_alpha = S.P, S.result_ttl, S.maxlen, S.drain_alpha
+local slow_q, slow_step, per_slot_weight, fill_alpha = S.slow_q, S.slow_step, S.per_slot_weight, S.fill_alpha
+local CHANGES_AT = 8 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
 local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -58,12 +74,12 @@ if state == 'succeeded' and started then
   local cost, service = tonumber(f.cost), now - tonumber(started)
   if cost > 0 and service > 0 then
     local model = f.model
-    local d = redis.call('HMGET', capacity_k, 'p:' .. model, 'n:' .. model, 'd:' .. model, 'h:' .. model,
-      's:' .. model, 'g:' .. model, 'e', 'r:' .. model)
+    local F = capacity_fields(model)
+    local d = redis.call('HMGET', capacity_k, F[1], F[2], F[3], F[4], F[5], F[6], 'e', F[7])
     if d[7] and now > tonumber(d[7]) then -- some worker may have died: recount the slots
       workers_refresh(workers_k, wslots_k, capacity_k, now_s)
       workers_mark(workers_k, capacity_k)
-      d[5] = redis.call('HGET', capacity_k, 's:' .. model)
+      d[5] = redis.call('HGET', capacity_k, F[5])
     end
     local per_slot, samples = tonumber(d[1]) or 0, tonumber(d[2]) or 0
     local mean_s, slow = tonumber(d[3]) or 0, tonumber(d[4]) or 0
@@ -90,8 +106,8 @@ if state == 'succeeded' and started then
     else
       slow = slow * math.exp(-slow_step * (1 - slow_q))
     end
-    local fields = { 'p:' .. model, num(per_slot), 'n:' .. model, samples + 1, 'd:' .. model, num(mean_s),
-      'h:' .. model, num(slow), 'r:' .. model, num(resid) }
+    local fields = { F[1], num(per_slot), F[2], int_text(samples + 1), F[3], num(mean_s),
+      F[4], num(slow), F[7], num(resid) }
     local rb = tonumber(f.rb)
     local beside = rb and (rb + running_now) / 2
     if beside and beside > 0 then -- DrainRate.observe_fill
@@ -107,7 +123,7 @@ if state == 'succeeded' and started then
         g[5] = g[5] + fill_alpha * (u * per_cost - g[5])
       end
       g[6] = g[6] + 1
-      fields[#fields + 1] = 'g:' .. model
+      fields[#fields + 1] = F[6]
       fields[#fields + 1] = table.concat({ num(g[1]), num(g[2]), num(g[3]), num(g[4]), num(g[5]), g[6] }, ' ')
     end
     redis.call('HSET', capacity_k, unpack(fields))
