@@ -755,6 +755,50 @@ async def test_a_pipelined_transaction_runs_whole_and_alone(broker: RedisBroker)
     assert await batch.call(("ZRANGE", key, 0, -1)) == ["a", "c"]
 
 
+async def test_a_tenants_list_keeps_integer_scores_and_still_reads_the_older_form(
+    broker: RedisBroker, clock: FakeClock
+) -> None:
+    """Admissions list a job under its created_at in whole microseconds (an integer score, which a
+    listpack keeps as an integer); the jobs an earlier version listed in the older key, scored in
+    seconds, still list after them, newest first, and pages run on across the two lists."""
+    raw = broker._redis
+    keys = broker.keys
+    older = []
+    for _ in range(3):
+        older.append(make_job(clock, tenant="a"))
+        await broker.admit(older[-1])
+        clock.advance(0.01)
+    # as the version before wrote them: seconds as scores, in the older key
+    for job in older:
+        await raw.zrem(keys.tenant_jobs_us("a"), job.id)
+        await raw.zadd(keys.tenant_jobs("a"), {job.id: float(job.created_at)})
+    newer = []
+    for _ in range(2):
+        newer.append(make_job(clock, tenant="a"))
+        await broker.admit(newer[-1])
+        clock.advance(0.01)
+    assert await raw.zscore(keys.tenant_jobs_us("a"), newer[-1].id) == round(newer[-1].created_at * 1_000_000)
+    assert await raw.object("encoding", keys.tenant_jobs_us("a")) == "listpack"
+    newest_first = [j.id for j in reversed(older + newer)]
+    assert [j.id for j in (await broker.list_jobs("a", 10)).jobs] == newest_first
+    seen, after = [], None
+    while True:
+        page = await broker.list_jobs("a", 2, after=after)
+        seen += [j.id for j in page.jobs]
+        if not page.has_more:
+            break
+        after = page.jobs[-1].id
+    assert seen == newest_first
+    # a cursor in the older list goes on in it
+    rest = await broker.list_jobs("a", 10, after=older[-1].id)
+    assert [j.id for j in rest.jobs] == [older[1].id, older[0].id] and not rest.has_more
+    # an expired job leaves whichever list holds it
+    await raw.delete(keys.job(older[1].id), keys.job(newer[0].id))
+    assert [j.id for j in (await broker.list_jobs("a", 10)).jobs] == [newer[1].id, older[2].id, older[0].id]
+    assert await raw.zscore(keys.tenant_jobs("a"), older[1].id) is None
+    assert await raw.zscore(keys.tenant_jobs_us("a"), newer[0].id) is None
+
+
 async def test_a_model_queue_state_is_kept_a_hashtable(broker: RedisBroker, clock: FakeClock) -> None:
     """admit.lua stores one value longer than hash-max-listpack-value in the model's state hash, so
     that Redis keeps it a hashtable: as a listpack every field read scans the whole hash, and each

@@ -252,6 +252,13 @@ def bound(value: int | None) -> int:
 SETTINGS_SEPARATOR = "\x1f"
 
 
+def created_us(created_at: float) -> int:
+    """A job's score in its tenant's list (``QueueKeys.tenant_jobs_us``): its ``created_at`` in whole
+    microseconds, an integer below 2**52 (Redis keeps such a score as an integer) until the year
+    2112. Jobs created within one microsecond tie, and a tie lists by job id, as equal times do."""
+    return round(created_at * 1_000_000)
+
+
 def _settings_part(value: str | int | float) -> str:
     text = str(value)
     if "%" in text or SETTINGS_SEPARATOR in text:  # names and JSON only; settings_of undoes it

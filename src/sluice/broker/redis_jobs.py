@@ -17,6 +17,7 @@ from sluice.broker.redis_codec import (
     AdmitReply,
     JobReply,
     bound,
+    created_us,
     decode_job,
     encode_job,
     pairs,
@@ -124,39 +125,44 @@ class JobsMixin(RedisCore):
         """Add an admitted job to its tenant's list, which then lives at least as long as the job's
         record can (NX sets a first expiry, GT only ever lengthens it). The list is in the home
         shard: it spans the tenant's models, and holds only ids, which name their shards."""
-        key = self.keys.tenant_jobs(job.tenant)
+        key = self.keys.tenant_jobs_us(job.tenant)
         ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
         await self._batch.transaction(
-            ("ZADD", key, repr(float(job.created_at)), job.id),
+            ("ZADD", key, created_us(job.created_at), job.id),
             ("PEXPIRE", key, ttl_ms, "NX"),
             ("PEXPIRE", key, ttl_ms, "GT"),
         )
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
-        key = self.keys.tenant_jobs(tenant)
-        start = 0
+        # The list admissions write now, then the older form's (seconds as scores), whose jobs are
+        # all older: read one after the other, they are one list newest first.
+        keys = (self.keys.tenant_jobs_us(tenant), self.keys.tenant_jobs(tenant))
+        source, start = 0, 0
         if after is not None:
-            rank = await self._batch.call(("ZREVRANK", key, after))
-            if rank is None:
+            ranks = await asyncio.gather(*(self._batch.call(("ZREVRANK", key, after)) for key in keys))
+            found = [(i, int(rank)) for i, rank in enumerate(ranks) if rank is not None]
+            if not found:
                 return JobPage([], False)
-            start = int(rank) + 1
+            source, start = found[0][0], found[0][1] + 1
         jobs: list[Job] = []
-        gone: list[str] = []
+        gone: dict[str, list[str]] = {}
         # One more than the page, to know whether more follow; members whose record expired are
         # dropped from the list and the next ones read in their place.
-        while len(jobs) <= limit:
+        while len(jobs) <= limit and source < len(keys):
             want = limit + 1 - len(jobs)
+            key = keys[source]
             ids: list[str] = await self._batch.call(("ZREVRANGE", key, start, start + want - 1))
-            if not ids:
-                break
-            start += len(ids)
+            if len(ids) < want:  # this list ends here: the next one follows
+                source, start = source + 1, 0
+            else:
+                start += len(ids)
             for job_id, job in zip(ids, await asyncio.gather(*(self.get(i) for i in ids)), strict=True):
                 if job is None:
-                    gone.append(job_id)
+                    gone.setdefault(key, []).append(job_id)
                 else:
                     jobs.append(job)
-        if gone:
-            await self._batch.call(("ZREM", key, *gone))
+        for key, ids in gone.items():
+            await self._batch.call(("ZREM", key, *ids))
         return JobPage(jobs[:limit], len(jobs) > limit)
 
     async def _record(self, job_id: str) -> dict[str, str]:

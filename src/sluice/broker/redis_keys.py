@@ -206,6 +206,14 @@ class QueueKeys:
         lives no longer than the record of the newest job in it."""
         return f"{self.prefix}tjobs:{part(tenant)}"
 
+    def tenant_jobs_us(self, tenant: str) -> str:
+        """Zset: a tenant's jobs, job id → created_at in whole microseconds, where admissions list
+        them now (``tenant_jobs`` is the older form, read until its last member expires). An
+        integer score is stored as an integer in a listpack, so a ``ZADD`` that walks one (under
+        128 members) compares integers instead of parsing every score's text; kept and trimmed as
+        ``tenant_jobs`` is."""
+        return f"{self.prefix}tjobsu:{part(tenant)}"
+
     @property
     def model_info(self) -> str:
         """Hash: worker id → JSON ``{model: ModelInfo}``, what each worker knows of the models it
