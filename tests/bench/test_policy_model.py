@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.bench.policy_model import ARTICLE, capacity, draw_engine, loads, run, saturated
+from sluice.bench.policy_model import ARTICLE, capacity, draw_engine, loads, run, saturated, seed_line
 from sluice.core.capacity import EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 
@@ -99,3 +99,19 @@ def test_a_burst_on_a_small_engine_with_long_tailed_answers_keeps_every_promise(
     r = run(CoDelPolicy(), spike, 22, engine=engine, retriers=0.1, full_rate=full_rate)
     assert r.admitted > 300 and r.goodput / answers_s > 0.73, r
     assert r.broken == 0 and not r.causes, r.causes
+
+
+def test_a_seeds_line_names_the_engine_and_the_runs_own_figures() -> None:
+    """``--per-seed``: a run's line carries its engine's shape and the figures the table's medians
+    are made of, so that the engines missing a target are named (seed 12 of the family, the
+    standing overload: 5 slots of fixed answers)."""
+    engine = draw_engine(12)
+    answers_s = saturated(engine)[0]
+    r = run(CoDelPolicy(), loads(answers_s)["steady 1.8x"], 12, engine=engine, retriers=0.1)
+    pct = 100 * r.goodput_steady / answers_s
+    line = seed_line(12, engine, pct, r, on_served=97.95)
+    assert line.startswith("  - seed 12 (5 slots, fixed answers): goodput ")
+    assert f"goodput {pct:.1f} % (98.0 % on its served jobs)" in line
+    assert f"ok p99 {r.ok_p99:.1f} s, broken {r.broken} of {r.admitted}" in line
+    assert f"retries ok {r.retries_ok} of {r.retries}" in line
+    assert "on its served jobs" not in seed_line(12, engine, pct, r)

@@ -573,6 +573,19 @@ class _AdaptiveLifo(QueuePolicy):
         return f"{self.inner.describe()} + adaptive LIFO"
 
 
+def seed_line(seed: int, engine: Engine, pct: float, result: Result, on_served: float | None = None) -> str:
+    """One run's figures on one line (``--per-seed``): the medians of a table hide which engines
+    miss a target, and the work on a rule starts from those. ``pct``: goodput in % of the
+    engine's capacity (the table's figure); ``on_served``: against the capacity on the jobs the
+    run served (the standing overload's)."""
+    served = "" if on_served is None else f" ({on_served:.1f} % on its served jobs)"
+    return (
+        f"  - seed {seed} ({engine.slots} slots, {engine.answers} answers): goodput {pct:.1f} %{served}, "
+        f"ok p99 {result.ok_p99:.1f} s, broken {result.broken} of {result.admitted}, "
+        f"wasted {100 * result.wasted_share:.1f} %, retries ok {result.retries_ok} of {result.retries}"
+    )
+
+
 def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
     """Median, and the worst tenth's bound, of per-run figures."""
     ordered = sorted(v for v in values if not math.isnan(v))
@@ -621,6 +634,9 @@ def main() -> None:
         type=float,
         default=capacity_rules.WAIT_MARGIN_Z,
         help="standard errors of the rate a promised wait leaves room for (capacity.WAIT_MARGIN_Z)",
+    )
+    ap.add_argument(
+        "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
 
@@ -673,6 +689,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     causes: list[str] = []
     matched: list[str] = []
+    per_seed: list[str] = []
     for policy in policies:
         for load in ("steady", "spike"):
             results = []
@@ -723,6 +740,12 @@ def main() -> None:
                 f"| {sum(r.broken for _, r in results)} of {sum(r.admitted for _, r in results)} "
                 f"| {retry_ok:.0f} % of {retries} | {sum(r.told_not_to for _, r in results)} |"
             )
+            if args.per_seed:
+                per_seed.append(f"- {policy.describe()}, {load}:")
+                per_seed.extend(
+                    seed_line(s, engines[s], p, r, on_served.get(s))
+                    for s, p, (_, r) in zip(seeds, pct, results, strict=True)
+                )
             below = ", ".join(f"{s}: {p:.1f} %" for s, p in on_served.items() if p < target) or "none"
             if on_served:
                 matched.append(
@@ -740,6 +763,9 @@ def main() -> None:
                 )
                 why = "; ".join(f"{n} {cause}" for cause, n in by_cause.most_common())
                 causes.append(f"- {policy.name}, {load}: {why} (by seed: {where})")
+    if per_seed:
+        print("\nEach seed's run (goodput in % of its engine's capacity):")
+        print("\n".join(per_seed))
     if matched:
         print("\nSteady goodput against the capacity on the jobs each run served (the engine kept")
         print("saturated with them: a run's answers are a sample, some percent off the engine's):")
