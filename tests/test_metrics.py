@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
+import sluice.metrics as metrics_module
 from sluice.bench.load import parse_prometheus
 from sluice.broker.base import ModelStats
+from sluice.core.job import Endpoint, Job, JobState
 from sluice.metrics import Metrics
 
 
@@ -53,3 +56,54 @@ def test_every_scaling_gauge_is_documented() -> None:
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
         for label in gauge._labelnames:
             assert f"`{label}`" in row, (name, label)
+
+
+def _finished(model: str, state: str, *, started: bool, token: bool, usage: object) -> Job:
+    job = Job("job_x", model, Endpoint.CHAT, {}, "t", "normal", 1, 8, created_at=100.0, deadline=200.0)
+    job.state = JobState(state)
+    job.started_at = 100.25 if started else None
+    job.first_token_at = 100.5 if token else None
+    job.usage = {"completion_tokens": usage} if usage is not None else None
+    return job
+
+
+def _reference(metrics: Metrics, job: Job) -> None:
+    """What observe_job did before it kept its children: a labels() lookup for each observation."""
+    metrics.jobs.labels(job.model, job.state.value).inc()
+    if job.started_at is not None:
+        metrics.queue_wait.labels(job.model).observe(max(job.started_at - job.created_at, 0))
+    if job.first_token_at is not None:
+        metrics.ttft.labels(job.model).observe(max(job.first_token_at - job.created_at, 0))
+    if job.usage and isinstance(job.usage.get("completion_tokens"), int):
+        metrics.tokens.labels(job.model).inc(job.usage["completion_tokens"])
+
+
+def test_observe_job_exports_what_a_lookup_per_observation_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept children (a small bound, so the caches start again mid-way) export the same series and
+    values, and no series for an observation never made (a job that never started has no wait)."""
+    monkeypatch.setattr(metrics_module, "CHILDREN_MAX", 2)
+    kept, looked_up = Metrics(), Metrics()
+    jobs = [
+        _finished(model, state, started=started, token=token, usage=usage)
+        for model in ("a", "b", "c")
+        for state, started, token, usage in (
+            ("succeeded", True, True, 7),
+            ("failed", False, False, None),
+            ("succeeded", True, False, "7"),
+            ("cancelled", True, True, 3),
+        )
+    ]
+    jobs.append(_finished("d", "failed", started=False, token=False, usage=None))
+    for job in jobs * 2:
+        kept.observe_job(job)
+        _reference(looked_up, job)
+    assert _series(kept) == _series(looked_up)
+    assert all(len(cache) <= 2 for cache in (kept._jobs_by, kept._queue_wait_by, kept._ttft_by))
+    assert 'sluice_queue_wait_seconds_count{model="d"}' not in _series(kept)
+    assert 'sluice_jobs_total{model="d",status="failed"} 2.0' in _series(kept)
+
+
+def _series(metrics: Metrics) -> list[str]:
+    """The exported lines, less the ``_created`` ones (when each child was made: they differ)."""
+    lines = generate_latest(metrics.registry).decode().splitlines()
+    return [line for line in lines if "_created" not in line]

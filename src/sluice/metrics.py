@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sluice.broker.base import ModelStats
@@ -10,6 +12,9 @@ from sluice.core.job import Job
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 #: Retry-After runs from 0.5 s to 120 s (sluice.core.admission.clamp_retry_after)
 RETRY_AFTER_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120)
+#: The most label sets :meth:`Metrics.observe_job` keeps the children of, per metric: a deployment
+#: serves a few models and a job ends in one of a handful of states; past it a cache starts again.
+CHILDREN_MAX = 1_000
 
 
 class Metrics:
@@ -56,6 +61,12 @@ class Metrics:
             registry=r,
         )
         self._broken_seen: dict[str, int] = {}
+        # observe_job's children per label values, each made on its first observation (as labels()
+        # makes it): labels() takes a lock and builds its key on every call, for every finished job.
+        self._jobs_by: dict[tuple[str, str], Any] = {}
+        self._queue_wait_by: dict[str, Any] = {}
+        self._ttft_by: dict[str, Any] = {}
+        self._tokens_by: dict[str, Any] = {}
         # The scaling signal (sluice.scaling_signal; docs/autoscaling.md): every gateway computes it
         # from the shared broker state, so on Redis they all agree: scrape any one, or take the max.
         self.desired_engines = Gauge(
@@ -130,10 +141,32 @@ class Metrics:
             self._broken_seen[model] = s.broken_promises
 
     def observe_job(self, job: Job) -> None:
-        self.jobs.labels(job.model, job.state.value).inc()
+        model = job.model
+        key = (model, job.state.value)
+        jobs = self._jobs_by.get(key)
+        if jobs is None:
+            jobs = _kept(self._jobs_by, key, self.jobs.labels(*key))
+        jobs.inc()
         if job.started_at is not None:
-            self.queue_wait.labels(job.model).observe(max(job.started_at - job.created_at, 0))
+            wait = self._queue_wait_by.get(model)
+            if wait is None:
+                wait = _kept(self._queue_wait_by, model, self.queue_wait.labels(model))
+            wait.observe(max(job.started_at - job.created_at, 0))
         if job.first_token_at is not None:
-            self.ttft.labels(job.model).observe(max(job.first_token_at - job.created_at, 0))
-        if job.usage and isinstance(job.usage.get("completion_tokens"), int):
-            self.tokens.labels(job.model).inc(job.usage["completion_tokens"])
+            ttft = self._ttft_by.get(model)
+            if ttft is None:
+                ttft = _kept(self._ttft_by, model, self.ttft.labels(model))
+            ttft.observe(max(job.first_token_at - job.created_at, 0))
+        if job.usage and isinstance(tokens := job.usage.get("completion_tokens"), int):
+            counter = self._tokens_by.get(model)
+            if counter is None:
+                counter = _kept(self._tokens_by, model, self.tokens.labels(model))
+            counter.inc(tokens)
+
+
+def _kept(cache: dict[Any, Any], key: Any, child: Any) -> Any:
+    """``child`` kept in ``cache`` under ``key`` (the cache emptied first when full); returned."""
+    if len(cache) >= CHILDREN_MAX:
+        cache.clear()
+    cache[key] = child
+    return child
