@@ -13,6 +13,7 @@ from sluice.core.capacity import DrainRate
 from sluice.core.policy import (
     LEARNING_BATCHES,
     POLICIES,
+    RISE_WINDOW,
     Candidate,
     CapPolicy,
     CoDelPolicy,
@@ -149,6 +150,30 @@ def test_codel_steep_rise_is_standing_after_the_interval() -> None:
         jobs += 6  # 1.5 s of delay per 0.25 s: a burst
     assert s.standing_since == pytest.approx(2.5)
     assert s.limit_s > 10  # the burst keeps the deep queue it built
+
+
+def test_codel_burst_whose_queue_stops_growing_keeps_it_until_the_interval() -> None:
+    """A burst that has built 2 s of excess delay half a second in, then stops growing (the
+    deadline admits no deeper queue), has an average rise that falls below ``burst_rise`` as the
+    seconds pass. Its rise is judged over at most RISE_WINDOW early_s's, so it is still a burst's
+    at 2.2 s (judged over all 2.2 s it read as slow and was held to the target mid-burst), and it
+    keeps its queue when the interval ends."""
+    p, s = CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=1.0), PolicyState()
+    assert RISE_WINDOW * p.early_s == 1.0
+    p.admit(candidate(0.0, jobs=4), s)  # 1 s of delay (a job is 0.25 s): above the target
+    p.admit(candidate(0.5, jobs=10), s)  # 2.5 s: 2 s of excess in 0.5 s, a burst
+    for t in (1.0, 1.5, 2.0, 2.2):  # the queue holds at 2.5 s: 2 s of excess, under 1 s/s x 2.2 s
+        p.admit(candidate(t, jobs=10), s)
+        assert s.standing_since is None, t
+    p.admit(candidate(2.5, jobs=10), s)
+    assert s.standing_since == 2.5 and s.limit_s == pytest.approx(2.5)  # the burst keeps its queue
+    # A rise that has gained less than burst_rise x 1 s is still slow after that long.
+    p2, s2 = CoDelPolicy(target_s=0.5, interval_s=2.5, early_s=0.5, burst_rise=1.0), PolicyState()
+    p2.admit(candidate(0.0, jobs=3), s2)  # 0.75 s
+    p2.admit(candidate(0.4, jobs=4), s2)  # before early_s
+    with contextlib.suppress(Refused):
+        p2.admit(candidate(1.5, jobs=5), s2)  # 1.25 s: 0.75 s of excess, under 1 s/s x 1 s
+    assert s2.standing_since == 1.5 and s2.limit_s == pytest.approx(0.5)
 
 
 def test_codel_steep_rise_while_the_rate_is_learning_is_held_to_the_target() -> None:

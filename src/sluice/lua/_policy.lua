@@ -19,6 +19,9 @@ end
 -- drain rate has seen fewer than LEARNING_BATCHES batches of jobs finish: a queue above the
 -- target for early_s is held to it, since the delay's rise is partly the rate's own learning).
 local LEARNING_BATCHES = 2
+-- policy.RISE_WINDOW: the rise is judged over at most this many early_s's (early_s 0: all the
+-- time above), so that a burst whose queue stopped growing is not read as a slow rise.
+local RISE_WINDOW = 2.0
 local function codel_observe(st, p, target, delay, now, now_s, learning)
   local interval, early, rise, half_life = p[2], p[3], p[4], p[5]
   local above_since, standing_since = st_num(st, 'pa', nil), st_num(st, 'ps', nil)
@@ -36,7 +39,9 @@ local function codel_observe(st, p, target, delay, now, now_s, learning)
   end
   if standing_since then return end
   local above = now - above_since
-  if above >= early and (learning or delay - target < rise * above) then -- mild: held to the target
+  local judged = above
+  if early > 0 then judged = math.min(above, RISE_WINDOW * early) end
+  if above >= early and (learning or delay - target < rise * judged) then -- mild: held to the target
     st_set(st, 'ps', now_s)
     if learning then st_set(st, 'pl', num(0)) else st_set(st, 'pl', num(target)) end
   elseif above >= interval then -- a burst keeps the queue it built
