@@ -8,7 +8,8 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
@@ -274,14 +275,14 @@ async def _still_valid(alive: KeyCheck) -> bool:
 REVOKED = {"message": "The API key was revoked.", "type": "invalid_request_error", "code": "invalid_api_key"}
 
 
-async def openai_stream(
+def openai_stream(
     broker: Broker,
     job: Job,
     include_usage: bool,
     held: contextlib.AsyncExitStack | None = None,
     alive: KeyCheck | None = None,
     after: int = 0,
-) -> AsyncIterator[str]:
+) -> OpenAIStream:
     """SSE payloads (each one event's ``data``) of an OpenAI stream, fed by the job's events, for
     :class:`EventStream`, which bounds the stream's time. Cancels the job if the stream ends before
     the job does (the client left, the stream's time is up), or if the caller's key is revoked
@@ -291,47 +292,200 @@ async def openai_stream(
     ``after``: the events up to this id are not read (what :func:`engine_accepted` read and this
     stream would skip).
     """
-    sent_tokens = False
-    finished = False
-    tokens = TokenChunks(job)
+    return OpenAIStream(broker, job, include_usage, held, alive, after)
+
+
+#: A stream's error when its engine failed after some of its tokens were sent.
+MID_ANSWER = {
+    "message": "The engine failed mid-answer; retry the request.",
+    "code": "engine_error",
+    "type": "server_error",
+    "param": None,
+}
+
+#: The events an OpenAI stream passes over (it reads tokens, a retry, the end).
+_PASSED_OVER = frozenset(EventType) - {EventType.TOKEN, EventType.RETRY, EventType.DONE, EventType.ERROR}
+
+
+class OpenAIStream:
+    """:func:`openai_stream`'s payloads: an async iterator of each event's ``data``, which
+    :meth:`relay_tokens` may take the first tokens of straight to the client.
+
+    On a broker that calls its readers back (one with ``follow``: the memory broker), the stream's
+    tokens do not wake the stream's task: the broker calls it back with each token as the
+    dispatcher publishes it, and the token's frame is written in that call (:meth:`relay_tokens`).
+    Anything but a token (a retry, the end, an error) and whatever follows it is read by the
+    iterator, as on any broker, from the event after the last token relayed so."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        job: Job,
+        include_usage: bool,
+        held: contextlib.AsyncExitStack | None,
+        alive: KeyCheck | None,
+        after: int,
+    ) -> None:
+        self.broker = broker
+        self.job = job
+        self.include_usage = include_usage
+        self.held = held
+        self.alive = alive
+        #: the id of the last event read (or skipped)
+        self.after = after
+        self.tokens = TokenChunks(job)
+        self.sent_tokens = False
+        self.finished = False
+        self._closed = False
+        self._payloads: AsyncIterator[str] | None = None
+
+    def __aiter__(self) -> OpenAIStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._payloads is None:
+            self._payloads = self._read()
+        try:
+            return await anext(self._payloads)
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+
+    async def _read(self) -> AsyncIterator[str]:
+        try:
+            async for event in revocable(self.broker.events(self.job.id, self.after), self.alive):
+                self.after = event.id
+                if event.type is EventType.TOKEN:
+                    self.sent_tokens = True
+                    yield self.tokens.encode(event.data)
+                elif event.type is EventType.RETRY and self.sent_tokens:
+                    # Tokens already sent cannot be taken back: end this stream with an error.
+                    self.finished = True
+                    yield json.dumps({"error": MID_ANSWER})
+                    yield "[DONE]"
+                    await cancel_quietly(self.broker, self.job.id)
+                    return
+                elif event.type is EventType.DONE:
+                    self.finished = True
+                    if self.include_usage:
+                        # The answer's own fields (the engine's latest system_fingerprint, ...) ride
+                        # with the usage, as on OpenAI's last chunk.
+                        result = event.data.get("result")
+                        fields = chunk_fields(result) if isinstance(result, dict) else None
+                        usage = event.data.get("usage")
+                        yield json.dumps(chunk(self.job, [], usage=usage, fields=fields))
+                    yield "[DONE]"
+                    return
+                elif event.type is EventType.ERROR:
+                    self.finished = True
+                    final = await self.broker.get(self.job.id)
+                    error = failure(final or self.job)
+                    yield json.dumps(error_body(error.message, error.type, error.code, error.param))
+                    yield "[DONE]"
+                    return
+        except KeyRevoked:
+            yield json.dumps({"error": REVOKED})
+
+    async def aclose(self) -> None:
+        """The end, however it came: the job cancelled if it has not ended, the slot released."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._payloads is not None:
+                await self._payloads.aclose()  # type: ignore[attr-defined]
+        finally:
+            if not self.finished:
+                await cancel_quietly(self.broker, self.job.id)
+            if self.held is not None:
+                await self.held.aclose()
+
+    async def relay_tokens(self, send: Send) -> None:
+        """Write the stream's tokens to ``send`` as the broker calls back with each, until
+        anything but a token comes (which the iterator then reads, and what follows it). Returns at
+        once where the broker does not call back (no ``follow``), where the key is to be checked
+        as the stream goes (``alive``), or once the iterator has begun.
+
+        Each token's frame is written in the broker's call, by running ``send`` at once: the
+        server's ``send`` (uvicorn's) returns without waiting unless the connection's buffer is
+        full. When one waits, the frames after it are kept in order, and this task finishes the
+        waiting ``send`` and writes them, then takes the callbacks again."""
+        follow = getattr(self.broker, "follow", None)
+        if follow is None or self.alive is not None or self._payloads is not None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        wake: asyncio.Future[None] = loop.create_future()
+        #: frames that came while a send waited, in order; None: none waits
+        queued: list[bytes] | None = None
+        #: the rest of a send that waits
+        waiting: Awaitable[None] | None = None
+        failed: BaseException | None = None
+        handed = False
+        encode = self.tokens.encode
+
+        def follower(event_id: int, type: EventType, data: Any) -> bool:
+            nonlocal queued, waiting, failed, handed
+            if type is EventType.TOKEN:
+                self.after = event_id
+                self.sent_tokens = True
+                frame = sse_frame(encode(data))
+                if queued is not None:
+                    queued.append(frame)
+                    return True
+                writing = send({"type": "http.response.body", "body": frame, "more_body": True})
+                if isinstance(writing, types.CoroutineType):
+                    try:
+                        pending = writing.send(None)
+                    except StopIteration:
+                        return True
+                    except BaseException as exc:  # the send's own error: the stream's task raises it
+                        failed = exc
+                    else:
+                        waiting, queued = _resumed(writing, pending), []
+                else:  # an awaitable that is not a coroutine: the stream's task awaits it
+                    waiting, queued = writing, []
+            elif type in _PASSED_OVER:
+                self.after = event_id
+                return True
+            else:
+                handed = True
+            if not wake.done():
+                wake.set_result(None)
+            return failed is None and not handed
+
+        stop = follow(self.job.id, self.after, follower)
+        if stop is None:
+            return
+        try:
+            while True:
+                await wake
+                if failed is not None:
+                    raise failed
+                if waiting is not None:
+                    rest, waiting = waiting, None
+                    await rest
+                    while queued:
+                        frames, queued = queued, []
+                        for frame in frames:
+                            await send({"type": "http.response.body", "body": frame, "more_body": True})
+                    queued = None
+                if handed:
+                    return
+                wake = loop.create_future()
+        finally:
+            stop()
+
+
+@types.coroutine
+def _resumed(writing: Coroutine[Any, Any, None], pending: Any) -> Generator[Any, None, None]:
+    """The rest of a coroutine run by hand (``send(None)``) up to its first wait, as an awaitable:
+    the task waits for what it waited on (``pending``, the future it yielded), then runs it on."""
     try:
-        async for event in revocable(broker.events(job.id, after), alive):
-            if event.type is EventType.TOKEN:
-                sent_tokens = True
-                yield tokens.encode(event.data)
-            elif event.type is EventType.RETRY and sent_tokens:
-                # Tokens already sent cannot be taken back: end this stream with an error.
-                finished = True
-                err = {"message": "The engine failed mid-answer; retry the request.", "code": "engine_error"}
-                yield json.dumps({"error": {**err, "type": "server_error", "param": None}})
-                yield "[DONE]"
-                await cancel_quietly(broker, job.id)
-                return
-            elif event.type is EventType.DONE:
-                finished = True
-                if include_usage:
-                    # The answer's own fields (the engine's latest system_fingerprint, ...) ride
-                    # with the usage, as on OpenAI's last chunk.
-                    result = event.data.get("result")
-                    fields = chunk_fields(result) if isinstance(result, dict) else None
-                    usage = event.data.get("usage")
-                    yield json.dumps(chunk(job, [], usage=usage, fields=fields))
-                yield "[DONE]"
-                return
-            elif event.type is EventType.ERROR:
-                finished = True
-                final = await broker.get(job.id)
-                error = failure(final or job)
-                yield json.dumps(error_body(error.message, error.type, error.code, error.param))
-                yield "[DONE]"
-                return
-    except KeyRevoked:
-        yield json.dumps({"error": REVOKED})
-    finally:
-        if not finished:
-            await cancel_quietly(broker, job.id)
-        if held is not None:
-            await held.aclose()
+        yield pending
+    except BaseException:
+        writing.close()
+        raise
+    yield from writing
 
 
 #: SSE headers, as sse-starlette sent them: no cache may keep the stream, nor a proxy buffer it.
@@ -445,8 +599,13 @@ class EventStream:
         else:
             reader = asyncio.create_task(_call_when_gone(receive, gone))
         pings = _Pings(loop, send, self.ping_s)
+        relay_tokens = getattr(self.payloads, "relay_tokens", None)
         try:
             async with asyncio.timeout(self.limit_s):
+                if relay_tokens is not None:
+                    # The payloads write their first tokens themselves, as the broker hands them
+                    # (OpenAIStream), then the rest comes through here.
+                    await relay_tokens(send)
                 async for data in self.payloads:
                     frame = data if isinstance(data, bytes) else sse_frame(data)
                     await send({"type": "http.response.body", "body": frame, "more_body": True})

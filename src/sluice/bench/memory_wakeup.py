@@ -217,7 +217,7 @@ async def whole_path(jobs: int, per_read: int, counter: Counter | None) -> tuple
     return spent / tokens * 1e6, calls, hashlib.sha256(b"".join(sent)).hexdigest()[:16]
 
 
-def whole(tokens: int, per_read: int, runs: int, by_function: int) -> None:
+def whole(tokens: int, per_read: int, runs: int, by_function: int, count: bool = True) -> None:
     jobs = max(tokens // JOB_TOKENS, 1)
     print(
         f"the whole per-token path: {jobs} streamed jobs of {JOB_TOKENS} tokens one at a time, "
@@ -226,6 +226,8 @@ def whole(tokens: int, per_read: int, runs: int, by_function: int) -> None:
     for _ in range(runs):
         us, _, digest = uvloop.run(whole_path(jobs, per_read, None))
         print(f"{us:.2f} µs of CPU per token   (client bytes {digest})")
+    if not count:
+        return
     counter = Counter(each={} if by_function else None)
     _, calls, digest = uvloop.run(whole_path(jobs, per_read, counter))
     print(f"{calls:.1f} calls per token (client bytes {digest})")
@@ -247,9 +249,14 @@ def main() -> None:
     parser.add_argument(
         "--by-function", type=int, default=0, metavar="N", help="--whole: the N functions called most"
     )
+    parser.add_argument(
+        "--no-count",
+        action="store_true",
+        help="--whole: no counted pass (under valgrind: instructions per token from two --tokens)",
+    )
     args = parser.parse_args()
     if args.whole:
-        whole(args.tokens, args.per_read, args.runs, args.by_function)
+        whole(args.tokens, args.per_read, args.runs, args.by_function, count=not args.no_count)
         return
     for _ in range(args.runs):
         print(f"{uvloop.run(per_token_us(args.tokens)):.2f} µs of CPU per token")

@@ -8,7 +8,7 @@ import contextlib
 import heapq
 import json
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from sluice.broker.base import (
     QueueBreakdown,
     TenantDepth,
 )
-from sluice.broker.memory_record import JobRecord
+from sluice.broker.memory_record import Follower, JobRecord
 from sluice.broker.signal import Signal
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
@@ -162,9 +162,18 @@ class MemoryBroker(Broker):
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
         rec.events.append((type, data))
-        if type in TERMINAL_EVENTS:
+        terminal = type in TERMINAL_EVENTS
+        if terminal:
             rec.ended_stream = True
             self._to_pack.append((time.monotonic() + PACK_AFTER_S, rec.job.id))
+        follower = rec.follower
+        if follower is not None:
+            try:
+                keep = follower(rec.count, type, data)
+            except Exception:  # a follower's failure is its own: the publisher goes on
+                keep = False
+            if terminal or not keep:
+                rec.follower = None
         rec.notify()
 
     def _tenant(self, name: str) -> _Tenant:
@@ -361,6 +370,33 @@ class MemoryBroker(Broker):
                     await rec.next_event()
             except TimeoutError:
                 return
+
+    def follow(self, job_id: str, after: int, follower: Follower) -> Callable[[], None] | None:
+        """Call ``follower`` with each event of the job after ``after`` (its id, type and data): at
+        once with those published already, then with each as it is published, inside the
+        publisher's own call (no task of the reader's is woken for it), until it returns False,
+        the stream ends (the terminal event is its last call), or the call returned is made. What
+        :meth:`events` reads, as callbacks; a follower must not raise (one that does is dropped)
+        nor await. One follower a job: None when the job has one already, or is not known (the
+        caller then reads :meth:`events`, which says how the stream stands)."""
+        rec = self._records.get(job_id)
+        if rec is None or rec.follower is not None:
+            return None
+        event_id = max(after, 0)
+        if event_id < rec.count:
+            for type, data in rec.since(event_id):
+                event_id += 1
+                if not follower(event_id, type, data) or type in TERMINAL_EVENTS:
+                    return _unfollowed
+        if rec.ended_stream:
+            return _unfollowed
+        rec.follower = follower
+
+        def stop() -> None:
+            if rec.follower is follower:
+                rec.follower = None
+
+        return stop
 
     async def cancel(self, job_id: str) -> Job | None:
         rec = self._records.get(job_id)
@@ -729,3 +765,7 @@ class MemoryBroker(Broker):
             idem = (rec.job.tenant, rec.job.idempotency_key)
             if self._idempotency.get(idem) == job_id:
                 del self._idempotency[idem]
+
+
+def _unfollowed() -> None:
+    """The stop of a follow that has ended already."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import marshal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,11 @@ from sluice.broker.base import EventType
 from sluice.broker.signal import Signal
 from sluice.core.job import Job
 
-__all__ = ["JobRecord", "pack_events", "unpack_events"]
+__all__ = ["Follower", "JobRecord", "pack_events", "unpack_events"]
+
+#: What the broker calls with each event of a followed job as it is published (its id, its type,
+#: its data): True to be called with the next one too, False to stop (see ``MemoryBroker.follow``).
+Follower = Callable[[int, EventType, Any], bool]
 
 
 @dataclass(slots=True)
@@ -47,6 +52,9 @@ class JobRecord:
     #: next event (:meth:`notify`); a reader that stopped waiting (cancelled, timed out) leaves its
     #: future done, and the next event drops it
     readers: list[asyncio.Future[None]] = field(default_factory=list)
+    #: the one reader the broker calls with each event as it is published, in the publisher's own
+    #: turn (``MemoryBroker.follow``): no wake-up of a task per token; None: none follows
+    follower: Follower | None = None
     #: the end of the job only: waiters for the outcome do not wake for every token
     ended: Signal = field(default_factory=Signal)
     #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
