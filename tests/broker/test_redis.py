@@ -21,7 +21,7 @@ from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
 from sluice.broker.redis_codec import capacity_drain
-from sluice.broker.redis_keys import QueueKeys, queued_jobs_field, queued_tokens_field
+from sluice.broker.redis_keys import QueueKeys, head_field, queued_jobs_field, queued_tokens_field
 from sluice.broker.redis_pipe import Batcher
 from sluice.broker.redis_shards import shard_of_model, shard_queue
 from sluice.core.admission import Refused
@@ -302,11 +302,14 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
 
 async def test_lua_field_builders_match_redis_keys(redis_url: str) -> None:
     folder = resources.files("sluice") / "lua"
-    lib = "".join((folder / f).read_text(encoding="utf-8") for f in ("_keys.lua", "_state.lua"))
+    files = ("_keys.lua", "_state.lua", "_fairqueue.lua")
+    lib = "".join((folder / f).read_text(encoding="utf-8") for f in files)
     async with Redis.from_url(redis_url, decode_responses=True) as r:
         for cls in ("normal", "a:b", "50%"):
             got = await r.eval(lib + "return {f_jobs(ARGV[1]), f_tokens(ARGV[1])}", 0, cls)
             assert got == [queued_jobs_field(cls), queued_tokens_field(cls)]
+        tq = QueueKeys().tq("m", "a:b", "t")
+        assert await r.eval(lib + "return f_head(ARGV[1])", 0, tq) == head_field(tq)
 
 
 def test_escaped_names_never_collide() -> None:
@@ -797,6 +800,37 @@ async def test_a_tenants_list_keeps_integer_scores_and_still_reads_the_older_for
     assert [j.id for j in (await broker.list_jobs("a", 10)).jobs] == [newer[1].id, older[2].id, older[0].id]
     assert await raw.zscore(keys.tenant_jobs("a"), older[1].id) is None
     assert await raw.zscore(keys.tenant_jobs_us("a"), newer[0].id) is None
+
+
+async def test_admit_keeps_the_head_it_read_while_the_list_and_tag_hold(
+    broker: RedisBroker, clock: FakeClock
+) -> None:
+    """admit.lua stores what it read of another tenant's head job (the list's hd: field, with the
+    list's length and its tenant's tag) and reads the job again only when those moved; a cancel of
+    the head and a job handed back to the front, which may leave both as they were, drop it."""
+    raw = broker._redis
+    state, tq = broker.keys.state("m"), broker.keys.tq("m", "normal", "a")
+    field = head_field(tq)
+    mine = [make_job(clock, tenant="a", max_tokens=n) for n in (10, 300, 20)]  # costs 20, 310, 30
+    for job in mine:
+        await broker.admit(job)
+    # read by the tenant's own second admission, and kept on by its third (one job more)
+    cost, _weight, at = (await raw.hget(state, field)).split(" ")
+    assert cost == "20" and at.startswith("3:")
+    await broker.admit(make_job(clock, tenant="b"))
+    assert (await raw.hget(state, field)).split(" ")[2] == at  # another's read it and kept it
+    await broker.cancel(mine[0].id)  # the head goes; the tag stays
+    assert await raw.hget(state, field) is None
+    await broker.admit(make_job(clock, tenant="b"))
+    cost, _weight, at = (await raw.hget(state, field)).split(" ")
+    assert cost == "310" and at.startswith("2:")
+    claimed = await broker.claim("w", ["m"], timeout=1.0)
+    assert claimed is not None and claimed.id == mine[1].id
+    assert await broker.release(mine[1].id, "w")  # back at the front
+    assert await raw.hget(state, field) is None
+    await broker.admit(make_job(clock, tenant="b"))
+    cost, _weight, at = (await raw.hget(state, field)).split(" ")
+    assert cost == "310" and at.startswith("2:")
 
 
 async def test_a_model_queue_state_is_kept_a_hashtable(broker: RedisBroker, clock: FakeClock) -> None:

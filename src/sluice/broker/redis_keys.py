@@ -73,7 +73,8 @@ class QueueKeys:
         """Hash: a model's queue state, read and written in one call by the scripts. Per class ``<c>``
         (escaped): ``j:<c>`` jobs, ``k:<c>`` tokens, ``c:<c>`` credit, ``v:<c>`` virtual time,
         ``s:<c>`` sequence; per class and tenant: ``t:<c>:<tenant>`` start tag and ``f:<c>:<tenant>``
-        finish tag; per tenant list, ``w:<tq key>`` the cost queued in it; ``ht``, a long value that
+        finish tag; per tenant list, ``w:<tq key>`` the cost queued in it and ``hd:<tq key>``
+        (:func:`head_field`) what admit.lua last read of its head job; ``ht``, a long value that
         keeps the hash in Redis's hashtable encoding (admit.lua says why). Mirrored in Lua."""
         return f"{self.prefix}qs:{part(model)}"
 
@@ -264,6 +265,13 @@ JOB_OWN_FIELDS: Final = frozenset(
 
 
 # --- fields of a model's queue state (QueueKeys.state) and of the capacity hash ------------------------
+
+
+def head_field(tq_key: str) -> str:
+    """Field of a model's state hash: what admit.lua last read of the head job of the tenant list
+    ``tq_key``, ``'<cost> <weight> <jobs>:<tag>'``, which holds while the list has ``<jobs>`` jobs
+    and its tenant's tag field reads ``<tag>`` (lua/_fairqueue.lua, ``f_head``). Mirrored in Lua."""
+    return f"hd:{tq_key}"
 
 
 def queued_jobs_field(cls: str) -> str:

@@ -5,7 +5,9 @@
 --             per tenant t:c:<tenant> its tag (the start tag of its head job while it has work) and
 --             f:c:<tenant> the finish tag of its last dispatched job. A tenant FairQueue forgets
 --             has neither field. Per tenant list, w:<tq key> the cost of the jobs in it (the
---             tenant's ``tokens`` in FairQueue), absent for none.
+--             tenant's ``tokens`` in FairQueue), absent for none; hd:<tq key> what admit.lua last
+--             read of the list's head job, '<cost> <weight> <jobs>:<tag>' (head_of there), which
+--             holds while the list has <jobs> jobs and its tenant's tag field is <tag> as text.
 -- sched zset: FairQueue's heap. Member '<15-digit seq><tenant>', score the tag it was pushed with:
 --             Redis orders equal scores by member, and the fixed-width seq makes that (tag, seq).
 --             As in the heap, an entry whose tag is no longer its tenant's, or whose tenant has no
@@ -15,6 +17,13 @@
 -- The state field of the cost queued in a tenant's list tq (memoized as the names of _state.lua).
 local WORK_NAMES = new_memo(PARTS_MAX)
 local function f_work(tq) return WORK_NAMES.t[tq] or memo_put(WORK_NAMES, tq, 'w:' .. tq) end
+
+-- The state field of what admit.lua last read of the head job of list tq (memoized as f_work).
+-- Every change of a list's head changes its length or its tenant's tag, so the field goes stale
+-- by itself; the changes that keep both (a job handed back to the front at the same tag, a job
+-- removed and another queued in between) drop it here as well.
+local HEAD_NAMES = new_memo(PARTS_MAX)
+local function f_head(tq) return HEAD_NAMES.t[tq] or memo_put(HEAD_NAMES, tq, 'hd:' .. tq) end
 
 -- Adds cost to the cost queued in list tq (a field only while it is above zero).
 local function fq_add_work(st, tq, cost)
@@ -35,6 +44,7 @@ end
 local function fq_push(st, c, sched, tq, tenant, id, cost, front)
   local vtime = st_num(st, f_vtime(c), 0)
   if front then
+    st_set(st, f_head(tq), false) -- a new head, maybe at the same tag
     local was_idle = redis.call('LPUSH', tq, id) == 1
     if was_idle then
       fq_schedule(st, c, sched, tenant, vtime)
@@ -101,10 +111,13 @@ local function fq_pop(st, c, sched, head, cost, weight)
   st_set(st, f_finish(c, tenant), finish)
   if redis.call('LLEN', tq) > 0 then
     fq_schedule(st, c, sched, tenant, finish)
-  elseif finish <= tag then
-    -- nothing to remember: max(vtime, finish) is vtime anyway
-    st_set(st, f_tag(c, tenant), false)
-    st_set(st, f_finish(c, tenant), false)
+  else
+    st_set(st, f_head(tq), false)
+    if finish <= tag then
+      -- nothing to remember: max(vtime, finish) is vtime anyway
+      st_set(st, f_tag(c, tenant), false)
+      st_set(st, f_finish(c, tenant), false)
+    end
   end
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) - 1)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) - cost)
@@ -113,6 +126,7 @@ end
 -- FairQueue.remove. Returns true when the job was queued there.
 local function fq_remove(st, c, tq, id, cost)
   if redis.call('LREM', tq, '1', id) == 0 then return false end
+  st_set(st, f_head(tq), false) -- it may have been the head
   fq_add_work(st, tq, -cost)
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) - 1)
   st_set(st, f_tokens(c), st_num(st, f_tokens(c), 0) - cost)

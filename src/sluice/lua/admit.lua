@@ -56,7 +56,8 @@
 -- how a job slows as the batch fills (DrainRate.slowdown), which the rate and that pace are at.
 -- Reads the earlier job's record for idempotency, the hashes and lists of the tenants in the
 -- capped set and the lists of the tenants backlogged in the job's class (their keys built from the
--- prefix, same slot).
+-- prefix, same slot), and of their head jobs what the state hash's hd: fields do not hold (head_of
+-- below; it stores there what it read).
 
 -- @include _keys.lua
 -- @include _state.lua
@@ -244,9 +245,9 @@ end
 -- lists are empty), first: their fair-queue fields come in the same HMGET as the state's own.
 -- (Blocks of do ... end keep the main function under Lua's 200 local variables.)
 local others, others_tq, others_w, others_t = {}, {}, {}, {} -- their names, lists, work and tag fields
-local others_read = false -- whether others_wv and others_tv hold their work and tag, read with the state
-local others_wv, others_tv = {}, {}
-local own_w, own_t = f_work(tq_k), f_tag(cls, tenant) -- this tenant's
+local others_read = false -- whether others_wv, _tv and _hv hold their work, tag and head, read with the state
+local others_wv, others_tv, others_hv = {}, {}, {}
+local own_w, own_t, own_h = f_work(tq_k), f_tag(cls, tenant), f_head(tq_k) -- this tenant's
 local st
 do
   -- the state hash's field that keeps it a hashtable (below), and its value, over 64 bytes
@@ -268,12 +269,14 @@ do
   fields[#fields + 1] = own_t
   fields[#fields + 1] = f_finish(cls, tenant)
   fields[#fields + 1] = own_w
+  fields[#fields + 1] = own_h
   local own_fields = #fields
   others_read = #others <= 1000 -- an HMGET of ~3,000 fields at most (Lua's unpack has a limit)
   if others_read then
     for i = 1, #others do
       fields[#fields + 1] = others_w[i]
       fields[#fields + 1] = others_t[i]
+      fields[#fields + 1] = f_head(others_tq[i])
     end
   end -- else they are read one by one as the loop meets them
   -- the others' fields are read once, by the loop over the backlogs below, before any write: they
@@ -282,7 +285,8 @@ do
   st, got = st_open(state_k, fields, own_fields)
   if others_read then
     for i = 1, #others do
-      others_wv[i], others_tv[i] = got[own_fields + 2 * i - 1], got[own_fields + 2 * i]
+      local at = own_fields + 3 * i
+      others_wv[i], others_tv[i], others_hv[i] = got[at - 2], got[at - 1], got[at]
     end
   end
   -- A hash of a few dozen fields is a listpack to Redis, read by a scan of every field for each
@@ -357,6 +361,7 @@ end
 -- own: the jobs of this job's tenant queued in its class; backlogs: the other tenants with jobs
 -- queued in it, in heap order, with their jobs and tokens there (for the victim, below).
 local own, backlogs, backlogs_n, backlogs_w = 0, {}, {}, {}
+local own_head = nil -- '<cost> <weight> ' of this tenant's head job, when it has jobs queued here
 do
   -- scheduler.work_before: the jobs and tokens of a backlog (n jobs of w tokens, its head at tag,
   -- of cost hc and weight hw) that start before a job whose start tag is `start`.
@@ -369,17 +374,28 @@ do
     return k, hc + math.floor((w - hc) * (k - 1) / (n - 1) + 0.5)
   end
 
-  -- The head job's cost and weight of a tenant list.
-  local function head_of(tq)
+  -- The head job's cost and weight of a tenant list tq of n jobs, its tenant's tag field `tag`
+  -- (the text; nil: not known), and their texts. `cached` is the list's hd: field (_fairqueue.lua):
+  -- while the list's length and the tag are those it was stored with, it is the head's; else the
+  -- head job is read, and stored there (two calls fewer for each later admission that reads it).
+  local function head_of(tq, n, tag, cached)
+    local valid = tag and int_text(n) .. ':' .. tag
+    if cached and valid then
+      local hc, hw, at = string.match(cached, '^(%S+) (%S+) (.*)$')
+      if at == valid then return tonumber(hc), tonumber(hw), hc, hw end
+    end
     local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, '0')), 'cost', 'weight')
-    return tonumber(h[1]), tonumber(h[2]) or 1.0
+    local hw = h[2] or '1'
+    if valid and h[1] then st_set(st, f_head(tq), h[1] .. ' ' .. hw .. ' ' .. valid) end
+    return tonumber(h[1]), tonumber(hw), h[1], hw
   end
 
   local vtime = st_num(st, S.f_vtime, 0)
   own = redis.call('LLEN', tq_k)
   local start
   if own > 0 then
-    local _, hw = head_of(tq_k)
+    local _, hw, hc_text, hw_text = head_of(tq_k, own, st.v[own_t], st.v[own_h])
+    if hc_text then own_head = hc_text .. ' ' .. hw_text .. ' ' end
     local w = st_num(st, own_w, 0)
     start = st_num(st, own_t, vtime) + w / hw
     ahead_jobs, ahead_tokens = ahead_jobs + own, ahead_tokens + w
@@ -398,7 +414,7 @@ do
       end
       local jobs, tokens = 0, 0
       if tag <= start then
-        local hc, hw = head_of(tq)
+        local hc, hw = head_of(tq, n, others_tv[i], others_hv[i])
         jobs, tokens = work_before(n, w, tag, hc, hw, start)
       end
       if held_n[other] and n - held_n[other] < jobs then
@@ -575,6 +591,10 @@ do
   for i = RECORD_AT, #ARGV do record[#record + 1] = ARGV[i] end
   redis.call('HSET', job_k, unpack(record))
   fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
+  -- the same head and tag, one job more: what head_of stored holds on (an empty list's new head
+  -- is stored by the next admission that reads it)
+  local tag = st.v[own_t]
+  if own_head and tag then st_set(st, own_h, own_head .. int_text(own + 1) .. ':' .. tag) end
 end
 st_flush(st)
 redis.call('ZADD', deadline_k, deadline, id)
