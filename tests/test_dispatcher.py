@@ -443,3 +443,23 @@ async def test_an_engine_that_never_answered_gets_no_grace() -> None:
     done = await unreachable_run(wrong, grace_s=60.0)
     assert done.state is JobState.FAILED and done.attempts == 2
     assert wrong.refused == 2  # each refused try counted: a wrong address fails as fast as before
+
+
+def test_the_public_names_kept_per_engine_follow_its_model_list() -> None:
+    """The names a dispatcher keeps per engine are the fleet's for it, made again when the engine's
+    model list is replaced (a model list read from the engine) or changed in place."""
+    one, two = ModelBackend("one", ["chat-v1"]), ModelBackend("two", ["other"])
+    fleet = Fleet(
+        engines=[(b, PoolSpec(b.name, max_concurrency=4, adaptive=False)) for b in (one, two)],
+        aliases={"chat": [("chat-v1", 1.0)]},
+    )
+    dispatcher = Dispatcher(MemoryBroker(BrokerSettings()), fleet=fleet)
+    first, second = fleet.engines
+    assert dispatcher._public_names(first) == {"chat", "chat-v1"} == fleet.public_names(first)
+    assert dispatcher._public_names(first) is dispatcher._public_names(first)  # kept
+    assert dispatcher._free_models() == ["chat", "chat-v1", "other"]
+    two.models = ["chat-v1", "other"]  # replaced
+    assert dispatcher._public_names(second) == {"chat", "chat-v1", "other"} == fleet.public_names(second)
+    one.models.append("extra")  # changed in place
+    assert dispatcher._public_names(first) == {"chat", "chat-v1", "extra"} == fleet.public_names(first)
+    assert dispatcher._free_models() == ["chat", "chat-v1", "extra", "other"]
