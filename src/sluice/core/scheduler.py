@@ -317,7 +317,14 @@ class ClassScheduler:
         self.queues[cls].push(entry, front=front)
 
     def next_class(self, blocked: Collection[str] = ()) -> str | None:
-        waiting = [c for c in self.classes if self.queues[c.name].has_eligible(blocked)]
+        return self._next_of(self._waiting(blocked))
+
+    def _waiting(self, blocked: Collection[str]) -> list[ClassSpec]:
+        """The classes with a job that may start (of a tenant not in ``blocked``), highest first."""
+        return [c for c in self.classes if self.queues[c.name].has_eligible(blocked)]
+
+    def _next_of(self, waiting: list[ClassSpec]) -> str | None:
+        """The class served next of the ``waiting`` ones: the first, unless a lower one is due."""
         if not waiting:
             return None
         due = [c for c in waiting[1:] if self.credit[c.name] >= 1.0]
@@ -327,10 +334,10 @@ class ClassScheduler:
 
     def pop(self, blocked: Collection[str] = ()) -> tuple[str, Entry] | None:
         """The next job of the model; tenants in ``blocked`` (at their concurrency cap) wait."""
-        cls = self.next_class(blocked)
+        waiting = self._waiting(blocked)  # once: the choice and the credits read the same
+        cls = self._next_of(waiting)
         if cls is None:
             return None
-        waiting = [c for c in self.classes if self.queues[c.name].has_eligible(blocked)]
         entry = self.queues[cls].pop(blocked)
         assert entry is not None
         if self.credit[cls] >= 1.0:
