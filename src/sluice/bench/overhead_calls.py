@@ -25,7 +25,8 @@ Phases (each ``--requests`` requests):
 The hook makes the gateway several times slower, which changes no count; a count that moves
 between runs is a phase that waited on a timer (an upkeep tick, a retry) inside it.
 
-Usage: python -m sluice.bench.overhead_calls [--requests 500] [--by-function N]
+Usage: python -m sluice.bench.overhead_calls [--requests 500] [--by-function N [--inclusive]]
+       [--phases short,...]
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ from sluice.bench.overhead_procs import Spawner, _url, start_engine, wait_answer
 from sluice.bench.spawn import free_port
 
 #: Run in the gateway's process: the hook on the main thread, the writer thread, then the CLI. With
-#: SLUICE_CALLS_BY set, the hook also counts each function's calls, and the writer puts them beside.
+#: SLUICE_CALLS_BY set, the hook also counts each function's calls, and the writer puts them beside;
+#: set to ``inclusive``, each Python function counts every call made under it (itself included): a
+#: walk up the frames for each call, once per function however often it recurs.
 COUNTED = """
 import os, pickle, sys, threading, time
 path = os.environ["SLUICE_CALLS_FILE"]
-by = bool(os.environ.get("SLUICE_CALLS_BY"))
+by = os.environ.get("SLUICE_CALLS_BY", "")
 calls = [0]
 each = {}
 def count(frame, event, arg):
@@ -70,6 +73,21 @@ def count_each(frame, event, arg):
     elif event == "c_call":
         calls[0] += 1
         each[arg] = each.get(arg, 0) + 1
+deep = [False]  # set by the writer once the bench asks (the start-up's imports walk deep stacks)
+def count_under(frame, event, arg):
+    if not deep[0]:
+        return count_each(frame, event, arg)
+    if event == "call" or event == "c_call":
+        calls[0] += 1
+        if event == "c_call":
+            each[arg] = each.get(arg, 0) + 1
+        seen = set()
+        while frame is not None:
+            code = frame.f_code
+            if code not in seen:
+                seen.add(code)
+                each[code] = each.get(code, 0) + 1
+            frame = frame.f_back
 from sluice.bench.overhead_profile import function_name as name
 def write():
     tmp = path + ".tmp"
@@ -77,6 +95,7 @@ def write():
         with open(tmp, "w") as f:
             f.write(str(calls[0]))
         os.replace(tmp, path)
+        deep[0] = deep[0] or os.path.exists(path + ".deep")
         if by:
             snapshot = {}
             for k, v in each.copy().items():
@@ -86,7 +105,7 @@ def write():
             os.replace(tmp, path + ".by")
         time.sleep(0.01)
 threading.Thread(target=write, daemon=True).start()
-sys.setprofile(count_each if by else count)
+sys.setprofile(count_under if by == "inclusive" else count_each if by else count)
 from sluice.cli import main
 sys.argv = ["sluice", *sys.argv[1:]]
 sys.exit(main())
@@ -111,6 +130,8 @@ class Counted:
         self.url = _url(port)
         wait_ready(self.url + "/readyz", self.proc, timeout_s=300)
         wait_answer(self.url)
+        # Counted inclusively (SLUICE_CALLS_BY=inclusive) from now on, the start-up done.
+        self.file.with_name(self.file.name + ".deep").touch()
 
     def calls(self) -> int:
         return int(self.file.read_text())
@@ -223,13 +244,23 @@ async def _until_held(url: str, running: int, queued: int, timeout_s: float = 30
     raise RuntimeError(f"{url}: the held answers did not take the slot and the queue: {seen}")
 
 
-async def measure(fast: Counted, refusing: Counted, requests: int) -> dict[str, PhaseCalls]:
-    """Each phase's calls: ``short``, ``stream 8``, ``stream 64``, ``refusal``."""
-    out = {
-        "short": await phase(fast, Load(1, 8, stream=False), requests, 200),
-        "stream 8": await phase(fast, Load(1, 8, stream=True), requests, 200),
-        "stream 64": await phase(fast, Load(1, 64, stream=True), requests, 200),
-    }
+#: The phases, in the order they run.
+PHASES = ("short", "stream 8", "stream 64", "refusal")
+
+
+async def measure(
+    fast: Counted | None, refusing: Counted | None, requests: int, phases: Sequence[str] = PHASES
+) -> dict[str, PhaseCalls]:
+    """Each phase's calls, of those in ``phases``: ``short``, ``stream 8``, ``stream 64`` (on
+    ``fast``), ``refusal`` (on ``refusing``)."""
+    out = {}
+    for name, tokens, stream in (("short", 8, False), ("stream 8", 8, True), ("stream 64", 64, True)):
+        if name in phases:
+            assert fast is not None
+            out[name] = await phase(fast, Load(1, tokens, stream=stream), requests, 200)
+    if "refusal" not in phases:
+        return out
+    assert refusing is not None
     held = [await _hold(refusing.url, 4_000)]
     await _until_held(refusing.url, running=1, queued=0)  # the first one running ...
     held.append(await _hold(refusing.url, 4_000))
@@ -243,30 +274,35 @@ async def measure(fast: Counted, refusing: Counted, requests: int) -> dict[str, 
     return out
 
 
-def main(requests: int, by_function: int) -> None:
+def main(requests: int, by_function: int, inclusive: bool = False, only: Sequence[str] = PHASES) -> None:
     with tempfile.TemporaryDirectory(prefix="sluice-calls-") as tmp:
         out = Path(tmp)
         spawner = Spawner(out)
         if by_function:
-            os.environ["SLUICE_CALLS_BY"] = "1"
+            os.environ["SLUICE_CALLS_BY"] = "inclusive" if inclusive else "1"
         try:
-            engine, _ = start_engine(spawner, "engine", FAST_ENGINE)
-            fast = Counted(spawner, "gateway", engine, ["--max-concurrency", "256"], out)
-            slow, _ = start_engine(spawner, "slow-engine", FLOOD_ENGINE)
-            refusing = Counted(
-                spawner, "refusing", slow, ["--max-concurrency", "1", "--max-queued-jobs", "1"], out
-            )
+            fast = refusing = None
+            if set(only) - {"refusal"}:
+                engine, _ = start_engine(spawner, "engine", FAST_ENGINE)
+                fast = Counted(spawner, "gateway", engine, ["--max-concurrency", "256"], out)
+            if "refusal" in only:
+                slow, _ = start_engine(spawner, "slow-engine", FLOOD_ENGINE)
+                refusing = Counted(
+                    spawner, "refusing", slow, ["--max-concurrency", "1", "--max-queued-jobs", "1"], out
+                )
             with asyncio.Runner(loop_factory=_new_loop) as runner:
-                phases = runner.run(measure(fast, refusing, requests))
+                phases = runner.run(measure(fast, refusing, requests, only))
         finally:
             spawner.stop_all()
     print(f"{requests} requests a phase, one at a time; gateway calls (Python + C) counted in its process")
     for name, calls in phases.items():
         print(f"{name:<18} {calls.per_request:>10,.1f} calls   (idle {calls.idle_rate:,.0f} calls a second)")
-    extra = (phases["stream 64"].per_request - phases["stream 8"].per_request) / 56
-    print(f"{'per extra token':<18} {extra:>10,.1f} calls")
+    if "stream 8" in phases and "stream 64" in phases:
+        extra = (phases["stream 64"].per_request - phases["stream 8"].per_request) / 56
+        print(f"{'per extra token':<18} {extra:>10,.1f} calls")
     for name, calls in phases.items() if by_function else ():
-        print(f"\n{name}: the {by_function} functions called most a request")
+        what = "calls made under them (themselves included)" if inclusive else "called most"
+        print(f"\n{name}: the {by_function} functions {what}, a request")
         for key, value in sorted(calls.by_function.items(), key=lambda kv: -kv[1])[:by_function]:
             print(f"{value:>8.1f}  {key}")
 
@@ -285,7 +321,20 @@ if __name__ == "__main__":
         metavar="N",
         help="also list each phase's N functions called most",
     )
+    parser.add_argument(
+        "--inclusive",
+        action="store_true",
+        help="with --by-function: count for each function the calls made under it (slower)",
+    )
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"the phases to run, comma-separated (all: {','.join(PHASES)})",
+    )
     args = parser.parse_args()
+    only = [name.strip() for name in args.phases.split(",") if name.strip()]
+    if unknown := set(only) - set(PHASES):
+        parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
     if os.environ.get("SLUICE_CALLS_FILE"):
         raise SystemExit("SLUICE_CALLS_FILE is the counted gateway's; unset it here")
-    main(args.requests, args.by_function)
+    main(args.requests, args.by_function, args.inclusive, only)
