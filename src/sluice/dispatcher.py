@@ -686,6 +686,8 @@ class Dispatcher:
 
 def log_outcome(job: Job) -> None:
     """One structured line per finished request; never the prompt or the answer."""
+    if not log.isEnabledFor(logging.INFO):
+        return  # its fields are a dict of thirteen built for every job, to be dropped
     started = job.started_at or job.finished_at or job.created_at
     usage = job.usage or {}
     log.info(

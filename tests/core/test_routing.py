@@ -439,3 +439,36 @@ def test_a_prefix_with_a_lone_surrogate_has_a_key() -> None:
     body = {"messages": [{"role": "system", "content": "be brief \ud800"}, {"role": "user", "content": "hi"}]}
     key = prefix_key(body)
     assert key is not None and key == prefix_key(dict(body))
+
+
+def _pick_by_the_rules(router: Router, candidates: list[Candidate], prefix: str | None) -> str | None:
+    """Router.pick without its shortcut for a single engine with room: every rule applied."""
+    open_ = [c for c in candidates if c.has_room]
+    if not open_:
+        return None
+    if prefix is None:
+        return router.soonest(open_, prompt_tokens=100, output_tokens=50)
+    by_name = {c.name: c for c in candidates}
+    bounds = router.bounds(candidates)
+    cached = router._remembered(by_name, bounds, prefix)
+    name = router._home(by_name, bounds, prefix) if router.affinity else None
+    return name or router.soonest(open_, prompt_tokens=100, output_tokens=50, cached=cached)
+
+
+@given(
+    inflight=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    spt=st.sampled_from([None, 0.01, 0.02]),
+    affinity=st.booleans(),
+    prefix=st.sampled_from([None, "m|chat:a", "m|chat:b"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_one_engine_with_room_is_the_pick_every_rule_makes(
+    inflight: list[int], spt: float | None, affinity: bool, prefix: str | None
+) -> None:
+    """However many engines are full, the pick is the rules' pick, and a prefix remembers it."""
+    candidates = [cand(f"e{i}", n, limit=8, spt=spt) for i, n in enumerate(inflight)]
+    router, rules = Router(affinity=affinity), Router(affinity=affinity)
+    expected = _pick_by_the_rules(rules, candidates, prefix)
+    assert router.pick(candidates, prompt_tokens=100, output_tokens=50, prefix=prefix) == expected
+    if prefix is not None and expected is not None:
+        assert router._last[prefix] == expected

@@ -291,16 +291,18 @@ def prompt_tokens(asked: RequestedJob, limits: RequestLimits) -> int:
     The prompt is everything the engine reads (:mod:`sluice.core.cost`): the messages whole, tool
     and function definitions, the response format's schema; a completions prompt list's prompts
     together."""
-    definitions = estimate_definitions_tokens(response_format=asked.response_format)
     if asked.endpoint is Endpoint.CHAT:
         messages = asked.messages or []
         if len(messages) > limits.max_messages:
             raise RequestRejected(
                 400, f"At most {limits.max_messages} messages per request on this server.", param="messages"
             )
-        definitions += estimate_definitions_tokens(tools=asked.tools, functions=asked.functions)
+        definitions = estimate_definitions_tokens(
+            tools=asked.tools, functions=asked.functions, response_format=asked.response_format
+        )
         tokens = estimate_chat_tokens(messages) + definitions
     else:
+        definitions = estimate_definitions_tokens(response_format=asked.response_format)
         tokens = estimate_prompt_tokens(asked.prompt if asked.prompt is not None else "") + definitions
     if tokens > limits.max_prompt_tokens:
         what = f"about {tokens} tokens"

@@ -335,20 +335,26 @@ class Router:
         open_ = [c for c in candidates if c.has_room]
         if not open_:
             return None
-        if prefix is None:
+        if len(open_) == 1:
+            # The one engine with room is every rule's answer (the home, the soonest completion:
+            # each chooses among engines with room), without their bounds and predictions; the
+            # prefix still remembers it.
+            name: str | None = open_[0].name
+        elif prefix is None:
             return self.soonest(open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
-        by_name = {c.name: c for c in candidates}
-        bounds = self.bounds(candidates)
-        # The prefix's last engine counts as caching it only within its bound, as affinity holds
-        # it: a key that many requests share (one ``user`` for a whole application) caches
-        # little beyond its head, and would otherwise pile onto one engine.
-        cached = self._remembered(by_name, bounds, prefix)
-        name = self._home(by_name, bounds, prefix) if self.affinity else None
-        if name is None:
-            name = self.soonest(
-                open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached=cached
-            )
-        if name is not None and self.remember > 0:
+        else:
+            by_name = {c.name: c for c in candidates}
+            bounds = self.bounds(candidates)
+            # The prefix's last engine counts as caching it only within its bound, as affinity
+            # holds it: a key that many requests share (one ``user`` for a whole application)
+            # caches little beyond its head, and would otherwise pile onto one engine.
+            cached = self._remembered(by_name, bounds, prefix)
+            name = self._home(by_name, bounds, prefix) if self.affinity else None
+            if name is None:
+                name = self.soonest(
+                    open_, prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached=cached
+                )
+        if prefix is not None and name is not None and self.remember > 0:
             self._last[prefix] = name
             self._last.move_to_end(prefix)
             if len(self._last) > self.remember:
