@@ -9,11 +9,12 @@ With ``--whole``, the whole per-token path of a streamed chat request instead, e
 two sockets: the engine's SSE bytes as the simulator writes them (``--per-read`` chunks in each
 read, one turn of the loop between reads) read by the engine client (``OpenAIBackend.stream``),
 assembled and published by a real :class:`~sluice.dispatcher.Dispatcher`, relayed by the route's
-own ``openai_stream`` and :class:`~sluice.api.relay.EventStream` to an ASGI ``send`` that keeps
-the bytes. Reported per token: the CPU time, the Python calls (function and C-function calls,
-counted by a profile hook in a second pass; a count the machine's load does not move), and a
-digest of the bytes the client was sent (the job ids and times are fixed, so two trees that send
-the same bytes print the same digest).
+own ``openai_stream`` and :class:`~sluice.api.relay.EventStream` to the server's ``send``
+(uvicorn's, over the gateway's coalescing transport) on a connection that keeps the bytes.
+Reported per token: the CPU time, the Python calls (function and C-function calls, counted by a
+profile hook in a second pass; a count the machine's load does not move), and a digest of the
+body the client read (the job ids and times are fixed, so two trees that send the same bytes
+print the same digest, however they were framed in HTTP chunks).
 
 Usage: python -m sluice.bench.memory_wakeup [--tokens 20000] [--runs 3]
        python -m sluice.bench.memory_wakeup --whole [--tokens 20000] [--per-read 1] [--by-function N]
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +36,8 @@ from typing import Any
 
 import aiohttp
 import uvloop
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from sluice.api.relay import EventStream, openai_stream
 from sluice.backends.openai import OpenAIBackend
@@ -44,6 +48,9 @@ from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.dispatcher import Dispatcher
+from sluice.roles.http_limits import OneWrite
+
+_LOG = logging.getLogger("sluice.bench.memory_wakeup")
 
 
 async def per_token_us(tokens: int) -> float:
@@ -174,21 +181,66 @@ async def _never() -> dict[str, Any]:
     raise AssertionError  # never reached
 
 
+class _Transport:
+    """The client's connection: keeps what is written."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def dechunked(written: bytes) -> bytes:
+    """An answer's body as the client reads it: its head dropped, its chunked framing undone."""
+    at = written.index(b"\r\n\r\n") + 4
+    body = bytearray()
+    while True:
+        end = written.index(b"\r\n", at)
+        size = int(written[at:end], 16)
+        if size == 0:
+            return bytes(body)
+        body += written[end + 2 : end + 2 + size]
+        at = end + 2 + size + 2
+
+
 async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
-    """One streamed job admitted, run by the dispatcher, relayed as the chat route relays it."""
+    """One streamed job admitted, run by the dispatcher, relayed as the chat route relays it, to
+    the server's own ``send`` (uvicorn's, over the gateway's coalescing transport) on a connection
+    that keeps the bytes; the body the client reads is appended to ``sent``."""
     await broker.admit(job)
-
-    async def send(message: dict[str, Any]) -> None:
-        body = message.get("body")
-        if body:
-            sent.append(body)
-
-    payloads: AsyncIterator[str | bytes] = openai_stream(broker, job, include_usage=True)
-    await EventStream(payloads, {"x-sluice-job-id": job.id}, ping_s=0)(
-        {"type": "http", "method": "POST"},
-        _never,
-        send,  # type: ignore[arg-type]
+    transport = _Transport()
+    scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
+    cycle = RequestResponseCycle(
+        scope,
+        OneWrite(transport, asyncio.get_running_loop()),  # type: ignore[arg-type]
+        FlowControl(transport),  # type: ignore[arg-type]
+        _LOG,
+        _LOG,
+        False,
+        [],
+        asyncio.Event(),
+        False,
+        True,
+        lambda: None,
     )
+    payloads: AsyncIterator[str | bytes] = openai_stream(broker, job, include_usage=True)
+    send: Any = cycle.send
+    await EventStream(payloads, {"x-sluice-job-id": job.id}, ping_s=0)(scope, _never, send)
+    await asyncio.sleep(0)  # the transport's last write, at the end of the turn
+    sent.append(dechunked(bytes(transport.written)))
 
 
 async def whole_path(jobs: int, per_read: int, counter: Counter | None) -> tuple[float, float, str]:
