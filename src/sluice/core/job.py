@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
+import os
+from binascii import b2a_base64
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -56,9 +57,15 @@ class JobError:
         return out
 
 
+#: base64's two symbols that are not URL-safe, as base64.urlsafe_b64encode replaces them
+_URL_SAFE = bytes.maketrans(b"+/", b"-_")
+
+
 def new_job_id() -> str:
-    # 128 bits of randomness: ids are handed to clients and must not be guessable.
-    return "job_" + secrets.token_urlsafe(16)
+    # 128 bits of randomness: ids are handed to clients and must not be guessable. What
+    # secrets.token_urlsafe(16) makes, from the same source (os.urandom), in 5 calls, not 12.
+    raw = b2a_base64(os.urandom(16), newline=False)
+    return "job_" + raw.translate(_URL_SAFE).rstrip(b"=").decode("ascii")
 
 
 @dataclass(slots=True)
