@@ -5,6 +5,7 @@ tests/failures/test_gateway_sigterm.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Any
 
@@ -12,7 +13,7 @@ import httpx
 import uvicorn
 
 from sluice import drain
-from sluice.roles.http import DrainingServer, OpenRequests
+from sluice.roles.http import YOUNG_GC_THRESHOLD, DrainingServer, OpenRequests, quiet_gc
 from tests.helpers import wait_until
 
 
@@ -82,3 +83,15 @@ def test_the_first_signal_drains_the_second_stops_the_third_forces() -> None:
     assert shutdown.phase is drain.DrainPhase.HURRYING and server.should_exit and not server.force_exit
     server._on_signal(signal.SIGINT)
     assert server.force_exit
+
+
+def test_quiet_gc_freezes_start_up_and_widens_the_young_generation() -> None:
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        quiet_gc()
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, 10, 10)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -102,14 +102,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+YOUNG_GC_THRESHOLD = 10_000
+"""Allocations between two collections of the youngest generation (Python's default is 700).
+
+At saturation some 32 requests' objects (about 10,000) are alive at any moment: with 700, every
+young pass walks and promotes them, and their promotions set off full passes over the whole heap.
+Measured with ``gc.callbacks`` in a saturated gateway (32 connections, short requests), the
+collector took 10-12 % of the gateway's CPU at 700 and 4-5 % at 10,000 (no full pass in the run);
+50,000 took 3-4 % but paused ~20 ms a pass, worse for the p99 than 10,000's few ms."""
+
+
 def quiet_gc() -> None:
     """Keep collector pauses off the admission path.
 
     Everything allocated at start-up lives for the whole run: freezing it keeps full collections
-    from walking it again and again while requests wait.
+    from walking it again and again while requests wait. A larger young generation
+    (:data:`YOUNG_GC_THRESHOLD`) keeps the requests in flight from being promoted and re-walked.
     """
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
 def accept_of(settings: Settings) -> float:
