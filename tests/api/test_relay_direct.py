@@ -78,7 +78,7 @@ async def relayed(script: Script, *, follow: bool) -> tuple[list[bytes], Job]:
 
 
 async def answered(broker: MemoryBroker, job: Job, client: Client) -> None:
-    for text in ("Hel", "lo", " there"):
+    for text in ("Hel", "lo", " there", "a\nline\r\nbreak\u2028é"):
         await broker.publish(job.id, EventType.TOKEN, token(text))
     usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
     await broker.finish(job.id, "w", JobState.SUCCEEDED, result={"system_fingerprint": "fp"}, usage=usage)
@@ -111,7 +111,7 @@ async def test_a_token_is_written_in_the_publishers_call() -> None:
         await answered(broker, job, client)
 
     bodies, _ = await relayed(one_token, follow=True)
-    assert len(bodies) == 6  # four tokens, the usage, [DONE]
+    assert len(bodies) == 7  # five tokens, the usage, [DONE]
 
 
 async def test_tokens_that_come_while_a_send_waits_follow_it_in_order() -> None:

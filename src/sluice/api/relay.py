@@ -428,7 +428,8 @@ class OpenAIStream:
             if type is EventType.TOKEN:
                 self.after = event_id
                 self.sent_tokens = True
-                frame = sse_frame(encode(data))
+                # sse_frame's, without its look for line breaks: json.dumps escapes every one
+                frame = b"data: " + encode(data).encode() + b"\n\n"
                 if queued is not None:
                     queued.append(frame)
                     return True

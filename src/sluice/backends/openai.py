@@ -17,10 +17,12 @@ from sluice.backends.http import TRANSPORT_ERRORS, EngineHTTP, EngineUnreachable
 from sluice.core.concurrency import EngineLoad
 from sluice.core.job import Job
 from sluice.core.model_info import ModelInfo
+from sluice.protocol import loads
 
 # Errors the engine may recover from, or that another engine may not have.
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 MAX_ERROR_BODY = 4096
+MALFORMED_CHUNK = "the engine sent a malformed stream chunk"
 # Reading an answer's body: a RuntimeError is aiohttp's word for a read after the connection
 # closed (aclose), before the connection's own error is set: a lost connection all the same.
 _READ_ERRORS: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, RuntimeError)
@@ -172,8 +174,16 @@ class OpenAIBackend(Backend):
                     if payload == b"[DONE]":
                         complete = True
                         return
-                    data = _chunk(payload)
-                    if data is not None:
+                    # _chunk's, inline: this runs for every token
+                    try:
+                        data = loads(payload)  # as json.loads, without its guess of the encoding
+                    except ValueError as exc:
+                        raise BackendError(
+                            "the engine sent a malformed stream chunk", retryable=True
+                        ) from exc
+                    if type(data) is dict:  # loads gives plain dicts; anything else is skipped
+                        if "error" in data:
+                            raise BackendError(_message(data), retryable=False)
                         yield data
             complete = True
         except TRANSPORT_ERRORS as exc:
@@ -214,20 +224,6 @@ class OpenAIBackend(Backend):
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-
-def _chunk(payload: bytes) -> dict[str, Any] | None:
-    """One ``data:`` line of the engine's stream: its chunk; None for a line that is not an object;
-    the engine's error, raised."""
-    try:
-        data = protocol.loads(payload)  # as json.loads, without its guess of the encoding
-    except ValueError as exc:
-        raise BackendError("the engine sent a malformed stream chunk", retryable=True) from exc
-    if not isinstance(data, dict):
-        return None
-    if "error" in data:
-        raise BackendError(_message(data), retryable=False)
-    return data
 
 
 async def _bounded(response: aiohttp.ClientResponse) -> bytes:

@@ -169,12 +169,13 @@ class MemoryBroker(Broker):
         follower = rec.follower
         if follower is not None:
             try:
-                keep = follower(rec.count, type, data)
+                keep = follower(rec.packed_count + len(rec.events), type, data)
             except Exception:  # a follower's failure is its own: the publisher goes on
                 keep = False
             if terminal or not keep:
                 rec.follower = None
-        rec.notify()
+        if rec.readers:  # a followed stream's token has none: no call for nothing
+            rec.notify()
 
     def _tenant(self, name: str) -> _Tenant:
         t = self._tenants.get(name)

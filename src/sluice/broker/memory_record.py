@@ -97,9 +97,13 @@ class JobRecord:
         if not fresh:
             return
         old = unpack_events(self.packed) if self.packed is not None else []
-        self.packed = pack_events([*old, *([t.value, d] for t, d in fresh)])
+        self.packed = pack_events([*old, *[[_VALUE[t], d] for t, d in fresh]])
         self.packed_count += len(fresh)
         self.events = self.events[len(fresh) :]
+
+
+#: each event type's value, looked up rather than read through the enum's property per event
+_VALUE = {t: t.value for t in EventType}
 
 
 def pack_events(events: list[list[Any]]) -> bytes | str:
