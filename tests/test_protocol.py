@@ -1027,6 +1027,11 @@ async def test_a_stream_relays_each_chunks_own_fields_as_the_engine_sent_them(
         },
         {"choices": None, "extra": [1.5, None, True]},
         {},
+        # one key: the choices alone take a short way, anything else the whole one
+        {"choices": [{"index": 1, "delta": {"tool_calls": [{"index": 0, "id": "c"}]}}]},
+        {"choices": []},
+        {"choices": None},
+        {"usage": {"total_tokens": 1}},
     ],
 )
 def test_token_chunks_encode_the_characters_a_whole_chunk_does(

@@ -88,6 +88,10 @@ class TokenChunks:
         self._head = json.dumps(chunk(job, []))[: -len(', "choices": []}')] + ", "
 
     def encode(self, data: Mapping[str, Any]) -> str:
+        if type(data) is dict and len(data) == 1 and _PLAIN is not None and data.get("choices"):
+            # A token event of choices alone (what a chunk of no fields of its own gives, every
+            # token of most engines): it is what follows the identity, as it is.
+            return self._head + "".join(_PLAIN(data, 0))[1:]
         rest = {k: v for k, v in data.items() if k not in _OWN}
         rest["choices"] = data.get("choices") or []
         return self._head + plain_json(rest)[1:]
