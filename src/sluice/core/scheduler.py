@@ -305,13 +305,21 @@ class ClassScheduler:
         self.queues: dict[str, FairQueue] = {c.name: FairQueue() for c in self.classes}
         self.credit: dict[str, float] = {c.name: 0.0 for c in self.classes}
 
+    # Loops rather than sum() over a generator: read on every admission and claim, and each of a
+    # generator's steps is a call of its own.
     @property
     def jobs(self) -> int:
-        return sum(q.jobs for q in self.queues.values())
+        total = 0
+        for q in self.queues.values():
+            total += q.jobs
+        return total
 
     @property
     def tokens(self) -> int:
-        return sum(q.tokens for q in self.queues.values())
+        total = 0
+        for q in self.queues.values():
+            total += q.tokens
+        return total
 
     def push(self, cls: str, entry: Entry, *, front: bool = False) -> None:
         self.queues[cls].push(entry, front=front)
