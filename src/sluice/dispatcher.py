@@ -294,7 +294,7 @@ class Dispatcher:
         engines = [
             e
             for e in self.fleet.serving(target)
-            if e.open_for_work(now) and ahead.isdisjoint(self._public_names(e))
+            if e.open_for_work(now) and (not ahead or ahead.isdisjoint(self._public_names(e)))
         ]
         fitting = {e.name for e in engines if e.has_slots_for(job) and e.fits(job.cost)}
         preferred = {name for name in fitting if name not in exclude} or fitting
