@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from sluice.bench.policy_model import ARTICLE, capacity, draw_engine, loads, run, saturated, seed_line
+import random
+
+from sluice.bench.policy_model import (
+    ARTICLE,
+    PromptWeightFit,
+    capacity,
+    draw_engine,
+    loads,
+    run,
+    saturated,
+    seed_line,
+)
 from sluice.core.capacity import EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 
@@ -115,3 +126,36 @@ def test_a_seeds_line_names_the_engine_and_the_runs_own_figures() -> None:
     assert f"ok p99 {r.ok_p99:.1f} s, broken {r.broken} of {r.admitted}" in line
     assert f"retries ok {r.retries_ok} of {r.retries}" in line
     assert "on its served jobs" not in seed_line(12, engine, pct, r)
+
+
+def test_the_prompt_weight_fit_reads_what_a_prompt_token_costs_against_an_answer_token() -> None:
+    """``--prompt-weight fit``: service seconds drawn as 1 ms a prompt token and 10 ms a
+    max_token (prompts and max_tokens that vary, some noise) give a weight of 0.1; prompts that do
+    not vary leave the weight as it was (a line through one point is not drawn)."""
+    rng = random.Random(3)
+    fit, weight = PromptWeightFit(), 1.0
+    for _ in range(2000):
+        prompt, max_tokens = rng.randint(16, 512), rng.choice([64, 128, 256])
+        weight = fit.observe(
+            prompt, max_tokens, (0.001 * prompt + 0.01 * max_tokens) * rng.uniform(0.9, 1.1), weight
+        )
+    assert abs(weight - 0.1) < 0.02, weight
+    flat, weight = PromptWeightFit(), 0.5
+    for _ in range(200):
+        weight = flat.observe(100, 128, 1.28 * rng.uniform(0.5, 1.5), weight)
+    assert weight == 0.5
+
+
+def test_a_prompt_weight_of_zero_counts_the_capacity_in_max_tokens_alone() -> None:
+    """The what-if's unit (``prompt_weight``): at 0 a saturated engine drains its answers per
+    second times max_tokens cost units a second; at 1, the job's cost (prompt + max_tokens) as
+    before; and a run at 1 is the run of today's unit, figure for figure."""
+    engine = draw_engine(3)
+    answers_s, _, per_cost = saturated(engine)
+    _, _, per_max = saturated(engine, prompt_weight=0.0)
+    assert abs(per_max - answers_s * engine.max_tokens) < 1e-6 * per_max
+    assert per_cost > per_max
+    spike = loads(answers_s)["spike 0.55x-5.5x"]
+    today = run(CoDelPolicy(), spike, 3, engine=engine)
+    assert run(CoDelPolicy(), spike, 3, engine=engine, prompt_weight=1.0) == today
+    assert run(CoDelPolicy(), spike, 3, engine=engine, prompt_weight=0.0) != today

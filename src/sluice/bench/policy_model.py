@@ -195,6 +195,46 @@ class _Job:
     preempted: int = 0  # times the engine preempted it (KV cache short)
     refused_code: str = ""  # why it was refused, if it was
     finish_estimate: float = math.nan  # when a job given up while running would have finished
+    capacity_cost: int = 0  # its cost in the capacity model's unit when admitted (:func:`_cause`)
+
+
+#: Weight of the newest finished job in :class:`PromptWeightFit`'s moving averages.
+FIT_ALPHA = 0.01
+
+
+@dataclass
+class PromptWeightFit:
+    """A least-squares fit, without intercept, of a finished job's service seconds on its prompt
+    tokens and its ``max_tokens`` (``s ≈ a·prompt + b·max_tokens``, over moving averages of the
+    products, weight :data:`FIT_ALPHA`): the prompt weight is ``a / b``, within [0, 1]. Where the
+    prompts hardly vary (or every job asks for the same ``max_tokens`` and the fit has too little
+    spread in the prompts to draw the line) the weight stays what it was."""
+
+    pp: float = 0.0
+    pm: float = 0.0
+    mm: float = 0.0
+    ps: float = 0.0
+    ms: float = 0.0
+    samples: int = 0
+
+    def observe(self, prompt: int, max_tokens: int, service_s: float, weight: float) -> float:
+        """One finished job into the fit; the weight then (``weight``: the one before)."""
+        a = FIT_ALPHA if self.samples else 1.0
+        p, m, s = float(prompt), float(max_tokens), service_s
+        self.pp += a * (p * p - self.pp)
+        self.pm += a * (p * m - self.pm)
+        self.mm += a * (m * m - self.mm)
+        self.ps += a * (p * s - self.ps)
+        self.ms += a * (m * s - self.ms)
+        self.samples += 1
+        det = self.pp * self.mm - self.pm * self.pm
+        if self.samples < 20 or det <= 0.01 * self.pp * self.mm:  # prompts spread by < 10 %
+            return weight
+        on_prompt = (self.ps * self.mm - self.pm * self.ms) / det
+        on_max = (self.pp * self.ms - self.pm * self.ps) / det
+        if on_max <= 0:
+            return weight
+        return min(max(on_prompt / on_max, 0.0), 1.0)
 
 
 @dataclass
@@ -241,10 +281,17 @@ def run(
     drain_factory: Callable[[int], DrainRate] | None = None,
     trace: list[_Job] | None = None,
     full_rate: float | None = None,
+    prompt_weight: float = 1.0,
+    fit_prompt_weight: bool = False,
 ) -> Result:
     """One run of ``policy`` on ``engine`` under ``profile``. ``full_rate``: the engine's drain
     rate in a full batch, in cost units a second (:func:`saturated`), for telling the broken
-    promises' causes apart (:func:`_cause`); ``trace`` gets every job, retries included."""
+    promises' causes apart (:func:`_cause`); ``trace`` gets every job, retries included.
+
+    ``prompt_weight`` (a what-if, issue 18): the capacity model's unit is ``prompt_weight`` ·
+    prompt tokens + max_tokens (1: the job's cost, as the brokers count it), for the drain rate,
+    the queue's view, the promises and Retry-After's reservation alike; ``fit_prompt_weight``:
+    it starts at ``prompt_weight`` and is then learnt from the finished jobs (:class:`PromptWeightFit`)."""
     rng = random.Random(seed + 1)
     sizes = random.Random(f"sizes-{seed}")
     drain = (
@@ -254,7 +301,6 @@ def run(
     book = Reservations()
     limits = QueueLimits()
     queue: deque[_Job] = deque()
-    queued_cost = 0
     running: list[_Job] = []  # dispatched: in the batch, or preempted and waiting in the engine
     waiting: deque[_Job] = deque()  # preempted, or dispatched while the KV cache was full
     jobs: list[_Job] = []
@@ -265,9 +311,12 @@ def run(
     stepping = False
 
     m = engine.max_tokens
+    weight = prompt_weight
+    fit = PromptWeightFit() if fit_prompt_weight else None
+    queued_prompt = 0  # the queued jobs' prompt tokens: their cost is read at the weight of the moment
 
     def cost(job: _Job) -> int:
-        return job.prompt + m
+        return round(weight * job.prompt) + m
 
     def push(t: float, kind: str, job: _Job | None = None) -> None:
         heapq.heappush(events, (t, next(seq), kind, job))
@@ -281,6 +330,7 @@ def run(
 
     def view() -> QueueView:
         n = len(queue)
+        queued_cost = round(weight * queued_prompt) + m * n
         return QueueView(n, queued_cost, n, queued_cost, n, queued_cost, running=len(running))
 
     def kv_used() -> int:
@@ -310,10 +360,10 @@ def run(
             push(now + engine.step0 + engine.step1 * batch + engine.prefill * prefill, "step")
 
     def dispatch(now: float) -> None:
-        nonlocal queued_cost
+        nonlocal queued_prompt
         while queue and len(running) < engine.slots:
             job = queue.pop() if policy.lifo(state, now) else queue.popleft()
-            queued_cost -= cost(job)
+            queued_prompt -= job.prompt
             left = job.deadline - now
             if left <= 0 or (drain.measured and left < drain.service_s(cost(job))):
                 job.outcome = "expired"
@@ -349,8 +399,9 @@ def run(
             job.promised_wait = drain.promised_wait_s(ahead, ahead_jobs) if drain.measured else 0.0
             job.promised_service = drain.slow_service_s(c.cost, behind_queue=ahead > 0)
             job.promise_rate, job.slowest_seen = drain.promise_rate_behind(ahead_jobs), slowest
+            job.capacity_cost = c.cost
             queue.append(job)
-            queued_cost += cost(job)
+            queued_prompt += job.prompt
             push(job.deadline, "giveup", job)
             dispatch(now)
         elif kind == "giveup":
@@ -358,7 +409,7 @@ def run(
             if job.outcome == "queued":
                 job.outcome = "timeout"
                 queue.remove(job)
-                queued_cost -= cost(job)
+                queued_prompt -= job.prompt
             elif job.outcome == "running":
                 job.outcome = "timeout"
                 batch_now = sum(1 for r in running if r.in_batch)
@@ -385,6 +436,8 @@ def run(
                     j.outcome, j.done = "ok", now
                     drain.observe(cost(j), now - j.started, beside)
                     slowest = max(slowest, (now - j.started) / cost(j))
+                    if fit is not None:
+                        weight = fit.observe(j.prompt, m, now - j.started, weight)
             if engine.kv_tokens is not None:
                 # The next step needs a token of cache for every sequence: preempt the newest.
                 while kv_used() + sum(1 for j in running if j.in_batch) > engine.kv_tokens:
@@ -425,9 +478,7 @@ def run(
         admitted=sum(1 for j in jobs if j.admitted),
         broken=sum(1 for j in jobs if j.admitted and j.outcome in ("timeout", "expired")),
         causes=dict(
-            Counter(
-                _cause(j, m, full_rate) for j in jobs if j.admitted and j.outcome in ("timeout", "expired")
-            )
+            Counter(_cause(j, full_rate) for j in jobs if j.admitted and j.outcome in ("timeout", "expired"))
         ),
         told_not_to=sum(1 for j in first_tries if j.retry and j.told_not_to),
         preemptions=preemptions,
@@ -456,7 +507,7 @@ CAUSES = {
 }
 
 
-def _cause(job: _Job, max_tokens: int, full_rate: float | None) -> str:
+def _cause(job: _Job, full_rate: float | None) -> str:
     """The cause of one broken promise (a key of :data:`CAUSES`). It is the wait's when the job
     started too late for its promised service to fit (or never started), else its own service's."""
     started = job.started if not math.isnan(job.started) else job.deadline
@@ -467,7 +518,7 @@ def _cause(job: _Job, max_tokens: int, full_rate: float | None) -> str:
     if job.preempted:
         return "own service, preempted"
     done = job.done if not math.isnan(job.done) else job.finish_estimate
-    if (done - job.started) / (job.prompt + max_tokens) > job.slowest_seen:
+    if (done - job.started) / job.capacity_cost > job.slowest_seen:
         return "own service, beyond any seen"
     return "own service, within what was seen"
 
@@ -485,12 +536,17 @@ def service_p99(engine: Engine, *, seconds: float = 300.0, seed: int = 0) -> flo
 
 
 def saturated(
-    engine: Engine, *, seconds: float = 300.0, seed: int = 0, jobs: Sequence[tuple[int, int]] = ()
+    engine: Engine,
+    *,
+    seconds: float = 300.0,
+    seed: int = 0,
+    jobs: Sequence[tuple[int, int]] = (),
+    prompt_weight: float = 1.0,
 ) -> tuple[float, float, float]:
     """The engine kept saturated: its answers per second, the p99 of a job's service time, and
-    its drain rate in cost units (prompt + max_tokens) per second. ``jobs``: (prompt, answer)
-    pairs to feed it, in turn (its own draws when empty): a run's served jobs give the capacity
-    on the very jobs it served (:attr:`Result.served`)."""
+    its drain rate in cost units (``prompt_weight`` · prompt + max_tokens) per second. ``jobs``:
+    (prompt, answer) pairs to feed it, in turn (its own draws when empty): a run's served jobs
+    give the capacity on the very jobs it served (:attr:`Result.served`)."""
     sizes = random.Random(f"sizes-capacity-{seed}")
     fed = itertools.cycle(jobs) if jobs else None
     running: list[list[float]] = []  # [prompt, answer, tokens, admitted step, in batch, started]
@@ -521,7 +577,7 @@ def saturated(
             if r[2] >= r[1]:
                 running.remove(r)
                 done += 1
-                cost_done += r[0] + engine.max_tokens
+                cost_done += round(prompt_weight * r[0]) + engine.max_tokens
                 services.append(t - r[5])
         if engine.kv_tokens is not None:
             while True:
@@ -636,9 +692,17 @@ def main() -> None:
         help="standard errors of the rate a promised wait leaves room for (capacity.WAIT_MARGIN_Z)",
     )
     ap.add_argument(
+        "--prompt-weight",
+        default="1",
+        help="a what-if: the capacity model's unit is W * prompt tokens + max_tokens (1: the job's cost, "
+        "as the brokers count it); 'fit': learnt from the finished jobs (PromptWeightFit), from 1",
+    )
+    ap.add_argument(
         "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
+    fit_weight = args.prompt_weight == "fit"
+    prompt_weight = 1.0 if fit_weight else float(args.prompt_weight)
 
     def drain_factory(slots: int) -> DrainRate:
         """The drain rate of each run, with the promise's constants of ``--extrapolation`` and
@@ -671,7 +735,7 @@ def main() -> None:
         else draw_engine(s if args.draw is None else args.draw)
         for s in seeds
     }
-    saturated_by_engine = {e: saturated(e) for e in set(engines.values())}
+    saturated_by_engine = {e: saturated(e, prompt_weight=prompt_weight) for e in set(engines.values())}
     floors = {s: saturated_by_engine[e] for s, e in engines.items()}
     caps = {s: f[0] for s, f in floors.items()}
     possible = [s for s in seeds if floors[s][1] <= 5.0]  # where an ok p99 of 5 s can be had at all
@@ -707,6 +771,8 @@ def main() -> None:
                             share=args.share,
                             drain_factory=drain_factory,
                             full_rate=floors[s][2],
+                            prompt_weight=prompt_weight,
+                            fit_prompt_weight=fit_weight,
                         ),
                     )
                 )
