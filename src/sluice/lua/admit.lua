@@ -264,8 +264,7 @@ do
   end
   -- the settings' fields (the classes', the class's vtime and sequence, F_ENCODING, codel's), then
   -- this tenant's and the others'
-  local fields = {}
-  for i, f in ipairs(S.fields) do fields[i] = f end
+  local fields = { unpack(S.fields) } -- made at its size at once, not grown by appends
   fields[#fields + 1] = own_t
   fields[#fields + 1] = f_finish(cls, tenant)
   fields[#fields + 1] = own_w
