@@ -10,6 +10,7 @@ from sluice.bench.policy_model import (
     capacity,
     draw_engine,
     loads,
+    mix_neutral_weight,
     run,
     saturated,
     seed_line,
@@ -159,3 +160,23 @@ def test_a_prompt_weight_of_zero_counts_the_capacity_in_max_tokens_alone() -> No
     today = run(CoDelPolicy(), spike, 3, engine=engine)
     assert run(CoDelPolicy(), spike, 3, engine=engine, prompt_weight=1.0) == today
     assert run(CoDelPolicy(), spike, 3, engine=engine, prompt_weight=0.0) != today
+
+
+def test_the_oracle_weight_reads_prefill_and_finds_none_where_prompts_are_free() -> None:
+    """``--prompt-weight engine``: on an engine whose prefill is free and whose KV cache holds a
+    full batch (seed 3 of the family) a long prompt costs nothing, weight 0; on one whose prefill
+    stalls the batch (seed 37: 127 us a prompt token) a prompt token weighs a good share of an
+    answer's."""
+    assert mix_neutral_weight(draw_engine(3)) == 0.0
+    assert 0.2 < mix_neutral_weight(draw_engine(37)) < 1.0
+
+
+def test_a_second_units_deadline_check_refuses_more_where_the_units_differ() -> None:
+    """``--check-weight``: a job admitted must also pass the deadline check in a second unit; on
+    an engine where the two units read a queue differently (seed 2's spike: prefill 121 us a
+    prompt token) the run admits fewer jobs than with the first unit alone."""
+    engine = draw_engine(2)
+    spike = loads(saturated(engine)[0])["spike 0.55x-5.5x"]
+    alone = run(CoDelPolicy(), spike, 2, engine=engine, prompt_weight=0.2)
+    checked = run(CoDelPolicy(), spike, 2, engine=engine, prompt_weight=0.2, check_weight=1.0)
+    assert checked.admitted < alone.admitted

@@ -43,6 +43,7 @@ from sluice.core.admission import (
     QueueView,
     Refused,
     Reservations,
+    check_deadline,
     reserve,
 )
 from sluice.core.capacity import DrainRate
@@ -283,6 +284,7 @@ def run(
     full_rate: float | None = None,
     prompt_weight: float = 1.0,
     fit_prompt_weight: bool = False,
+    check_weight: float | None = None,
 ) -> Result:
     """One run of ``policy`` on ``engine`` under ``profile``. ``full_rate``: the engine's drain
     rate in a full batch, in cost units a second (:func:`saturated`), for telling the broken
@@ -291,7 +293,10 @@ def run(
     ``prompt_weight`` (a what-if, issue 18): the capacity model's unit is ``prompt_weight`` ·
     prompt tokens + max_tokens (1: the job's cost, as the brokers count it), for the drain rate,
     the queue's view, the promises and Retry-After's reservation alike; ``fit_prompt_weight``:
-    it starts at ``prompt_weight`` and is then learnt from the finished jobs (:class:`PromptWeightFit`)."""
+    it starts at ``prompt_weight`` and is then learnt from the finished jobs (:class:`PromptWeightFit`).
+    ``check_weight``: a job the policy admits must also pass the deadline check in a second unit
+    (``check_weight`` · prompt + max_tokens, its own drain rate learnt alongside): the promise at
+    the slower of two units' predictions."""
     rng = random.Random(seed + 1)
     sizes = random.Random(f"sizes-{seed}")
     drain = (
@@ -317,6 +322,20 @@ def run(
 
     def cost(job: _Job) -> int:
         return round(weight * job.prompt) + m
+
+    drain_b = (
+        (drain_factory(engine.slots) if drain_factory else DrainRate(slots=engine.slots))
+        if check_weight is not None
+        else None
+    )
+
+    def cost_b(job: _Job) -> int:
+        return round((check_weight or 0.0) * job.prompt) + m
+
+    def view_b() -> QueueView:
+        n = len(queue)
+        queued_cost = round((check_weight or 0.0) * queued_prompt) + m * n
+        return QueueView(n, queued_cost, n, queued_cost, n, queued_cost, running=len(running))
 
     def push(t: float, kind: str, job: _Job | None = None) -> None:
         heapq.heappush(events, (t, next(seq), kind, job))
@@ -384,6 +403,10 @@ def run(
             c = Candidate(cost(job), "normal", now, job.deadline, view(), limits, drain)
             try:
                 policy.admit(c, state)
+                if drain_b is not None and drain_b.measured:
+                    check_deadline(
+                        cost=cost_b(job), now=now, deadline=job.deadline, view=view_b(), drain=drain_b
+                    )
             except Refused as refused:
                 r = refused
                 if share > 0:  # 0: Retry-After as before reservations, for comparison
@@ -435,6 +458,8 @@ def run(
                     j.in_batch = False
                     j.outcome, j.done = "ok", now
                     drain.observe(cost(j), now - j.started, beside)
+                    if drain_b is not None:
+                        drain_b.observe(cost_b(j), now - j.started, beside)
                     slowest = max(slowest, (now - j.started) / cost(j))
                     if fit is not None:
                         weight = fit.observe(j.prompt, m, now - j.started, weight)
@@ -592,6 +617,33 @@ def saturated(
     return done / t, p99, cost_done / t
 
 
+def mix_neutral_weight(engine: Engine, *, draws: int = 2000, seconds: float = 120.0) -> float:
+    """The prompt weight at which the engine kept saturated drains as many cost units a second
+    (``w`` · prompt + max_tokens) on its jobs with the shorter half of the prompts as on those with
+    the longer half: what a prompt token costs the engine against a max_token, whether in prefill
+    (a step that prefills stalls the whole batch) or in KV cache (a long prompt holds memory a
+    full batch of answers needs), on the same answers. An oracle for the what-if
+    (``--prompt-weight engine``): it runs the engine offline, which the brokers cannot; within
+    [0, 4]."""
+    sizes = random.Random(f"sizes-mix-{engine.name}")
+    prompts = sorted(engine.prompt(sizes) for _ in range(draws))
+    # The same answers, in the same order, behind both halves: only the prompts differ.
+    half = draws // 2
+    answers = [engine.answer(sizes) for _ in range(half)]
+    halves = (
+        list(zip(prompts[:half], answers, strict=True)),
+        list(zip(prompts[half : 2 * half], answers, strict=True)),
+    )
+    (short_s, _, _), (long_s, _, _) = (saturated(engine, seconds=seconds, jobs=h) for h in halves)
+    p_short, p_long = (statistics.fmean(p for p, _ in h) for h in halves)
+    m = engine.max_tokens
+    # short_s · (w · p_short + m) = long_s · (w · p_long + m)
+    denominator = short_s * p_short - long_s * p_long
+    if denominator >= 0 or long_s >= short_s:
+        return 0.0
+    return min(max(m * (long_s - short_s) / denominator, 0.0), 4.0)
+
+
 def loads(cap: float, duration: float = 60.0) -> dict[str, Profile]:
     """The article's two loads scaled to a capacity: a standing overload of 1.8x, and a spike of
     0.55x -> 5.5x -> 0.55x (3 -> 30 -> 3 req/s on the article's 5.5)."""
@@ -695,14 +747,23 @@ def main() -> None:
         "--prompt-weight",
         default="1",
         help="a what-if: the capacity model's unit is W * prompt tokens + max_tokens (1: the job's cost, "
-        "as the brokers count it); 'fit': learnt from the finished jobs (PromptWeightFit), from 1",
+        "as the brokers count it); 'fit': learnt from the finished jobs (PromptWeightFit), from 1; "
+        "'engine': each engine's mix_neutral_weight (an oracle)",
+    )
+    ap.add_argument(
+        "--check-weight",
+        type=float,
+        default=None,
+        help="a what-if: an admitted job must also pass the deadline check with the unit "
+        "W * prompt tokens + max_tokens (its own drain rate): the slower of two units' promises",
     )
     ap.add_argument(
         "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
     fit_weight = args.prompt_weight == "fit"
-    prompt_weight = 1.0 if fit_weight else float(args.prompt_weight)
+    oracle_weight = args.prompt_weight == "engine"
+    prompt_weight = 1.0 if fit_weight or oracle_weight else float(args.prompt_weight)
 
     def drain_factory(slots: int) -> DrainRate:
         """The drain rate of each run, with the promise's constants of ``--extrapolation`` and
@@ -735,7 +796,13 @@ def main() -> None:
         else draw_engine(s if args.draw is None else args.draw)
         for s in seeds
     }
-    saturated_by_engine = {e: saturated(e, prompt_weight=prompt_weight) for e in set(engines.values())}
+    weights = {e: mix_neutral_weight(e) if oracle_weight else prompt_weight for e in set(engines.values())}
+    if oracle_weight:
+        print(
+            "Prompt weights (mix_neutral_weight): "
+            + ", ".join(f"{s}: {weights[engines[s]]:.3f}" for s in seeds)
+        )
+    saturated_by_engine = {e: saturated(e, prompt_weight=weights[e]) for e in set(engines.values())}
     floors = {s: saturated_by_engine[e] for s, e in engines.items()}
     caps = {s: f[0] for s, f in floors.items()}
     possible = [s for s in seeds if floors[s][1] <= 5.0]  # where an ok p99 of 5 s can be had at all
@@ -771,8 +838,9 @@ def main() -> None:
                             share=args.share,
                             drain_factory=drain_factory,
                             full_rate=floors[s][2],
-                            prompt_weight=prompt_weight,
+                            prompt_weight=weights[engines[s]],
                             fit_prompt_weight=fit_weight,
+                            check_weight=args.check_weight,
                         ),
                     )
                 )
