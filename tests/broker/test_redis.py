@@ -21,7 +21,13 @@ from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker, Script
 from sluice.broker.redis_codec import capacity_drain
-from sluice.broker.redis_keys import QueueKeys, head_field, queued_jobs_field, queued_tokens_field
+from sluice.broker.redis_keys import (
+    SKIPLIST_MEMBER,
+    QueueKeys,
+    head_field,
+    queued_jobs_field,
+    queued_tokens_field,
+)
 from sluice.broker.redis_pipe import Batcher
 from sluice.broker.redis_shards import shard_of_model, shard_queue
 from sluice.core.admission import Refused
@@ -831,6 +837,31 @@ async def test_admit_keeps_the_head_it_read_while_the_list_and_tag_hold(
     await broker.admit(make_job(clock, tenant="b"))
     cost, _weight, at = (await raw.hget(state, field)).split(" ")
     assert cost == "310" and at.startswith("2:")
+
+
+async def test_the_deadline_active_and_results_zsets_are_kept_skiplists(
+    broker: RedisBroker, clock: FakeClock
+) -> None:
+    """Each admit, claim and settle adds SKIPLIST_MEMBER (at +inf, longer than
+    zset-max-listpack-value) beside its job, so that Redis keeps those zsets skiplists, whose insert
+    does not walk every member; no read up to a time meets it, and the upkeep passes it by."""
+    raw, keys = broker._redis, broker.keys
+    keys_lua = (resources.files("sluice") / "lua" / "_keys.lua").read_text(encoding="utf-8")
+    lua_member = await raw.eval(keys_lua + "return SKIPLIST_MEMBER", 0)
+    assert lua_member == SKIPLIST_MEMBER and len(SKIPLIST_MEMBER) > 64
+    job = make_job(clock)
+    await broker.admit(job)
+    assert await raw.object("encoding", keys.deadline) == "skiplist"
+    assert await broker.claim("w", ["m"], timeout=1.0) is not None
+    assert await raw.object("encoding", keys.active) == "skiplist"
+    await broker.finish(job.id, "w", JobState.SUCCEEDED, result={})
+    assert await raw.object("encoding", keys.results) == "skiplist"
+    for key in (keys.deadline, keys.active, keys.results):
+        assert await raw.zscore(key, SKIPLIST_MEMBER) == float("inf")
+    clock.advance(10 * 24 * 3600.0)  # past the result's TTL and any lease
+    await broker.maintain()
+    assert await broker.get(job.id) is None  # purged, the member passed by
+    assert await raw.zrange(keys.results, 0, -1) == [SKIPLIST_MEMBER]
 
 
 async def test_a_model_queue_state_is_kept_a_hashtable(broker: RedisBroker, clock: FakeClock) -> None:

@@ -101,17 +101,18 @@ class QueueKeys:
 
     @property
     def active(self) -> str:
-        """Zset: running job id → lease expiry."""
+        """Zset: running job id → lease expiry, and :data:`SKIPLIST_MEMBER`."""
         return f"{self.prefix}active"
 
     @property
     def deadline(self) -> str:
-        """Zset: queued job id → deadline."""
+        """Zset: queued job id → deadline, and :data:`SKIPLIST_MEMBER`."""
         return f"{self.prefix}deadline"
 
     @property
     def results(self) -> str:
-        """Zset: terminal job id → when its record, result and events are dropped."""
+        """Zset: terminal job id → when its record, result and events are dropped, and
+        :data:`SKIPLIST_MEMBER`."""
         return f"{self.prefix}results"
 
     @property
@@ -265,6 +266,13 @@ JOB_OWN_FIELDS: Final = frozenset(
 
 
 # --- fields of a model's queue state (QueueKeys.state) and of the capacity hash ------------------------
+
+
+#: A member of the deadline, active and results zsets at score +inf, which no job id can be and
+#: no read up to a time returns: longer than Redis's zset-max-listpack-value, it keeps each a
+#: skiplist, whose insert does not walk every member (lua/_keys.lua says what it saves). Mirrored
+#: in Lua.
+SKIPLIST_MEMBER = "~ a member over zset-max-listpack-value: this zset stays a skiplist (lua/_keys.lua)"
 
 
 def head_field(tq_key: str) -> str:

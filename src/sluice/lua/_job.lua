@@ -58,7 +58,7 @@ local function settle(id, f, state, changes)
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }
   for i = 1, #changes do args[#args + 1] = changes[i] end
   job_set(jk, f, args)
-  redis.call('ZADD', J.results, J.now + J.ttl, id)
+  redis.call('ZADD', J.results, J.now + J.ttl, id, 'inf', SKIPLIST_MEMBER)
   local etype = 'error'
   if state == 'succeeded' then etype = 'done' end
   emit(ok, seq, etype, '')

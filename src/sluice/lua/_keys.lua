@@ -50,6 +50,14 @@ local function settings_of(script, text, parse)
   return s
 end
 
+-- A member of the deadline, active and results zsets that no job id can be, at score +inf (so that
+-- no ZRANGEBYSCORE up to now ever returns it), added with each job: longer than
+-- zset-max-listpack-value (64 bytes by default), it keeps the zset a skiplist. As a listpack (under
+-- 128 members) every ZADD walked it from the start, parsing each member's score text: 30-40 k
+-- instructions a call at ~100 members, against a few thousand for a skiplist's insert. Mirrored
+-- as redis_keys.SKIPLIST_MEMBER.
+local SKIPLIST_MEMBER = '~ a member over zset-max-listpack-value: this zset stays a skiplist (lua/_keys.lua)'
+
 local function job_key(P, id) return P .. 'job:' .. id end
 local function out_key(P, id) return P .. 'out:' .. id end
 local function tq_key(P, model, cls, tenant)

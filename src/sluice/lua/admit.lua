@@ -596,7 +596,7 @@ do
   if own_head and tag then st_set(st, own_h, own_head .. int_text(own + 1) .. ':' .. tag) end
 end
 st_flush(st)
-redis.call('ZADD', deadline_k, deadline, id)
+redis.call('ZADD', deadline_k, deadline, id, 'inf', SKIPLIST_MEMBER)
 if idem_ttl > 0 then
   redis.call('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end

@@ -185,7 +185,7 @@ while true do
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
       'attempts', int_text(attempt), 'seq', int_text(seq), 'ls', ls, 'rb', int_text(rb) })
     tenant_move(P, blocked_k, f.tenant, 'queued', 'running')
-    redis.call('ZADD', active_k, now + lease_s, id)
+    redis.call('ZADD', active_k, now + lease_s, id, 'inf', SKIPLIST_MEMBER)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
     -- A claimer that was idle wakes the next idle one while work is left, so that a burst does not
     -- wait behind a single marker. Busy claimers come back by themselves and consume no markers,
