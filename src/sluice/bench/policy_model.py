@@ -748,7 +748,8 @@ def main() -> None:
         default="1",
         help="a what-if: the capacity model's unit is W * prompt tokens + max_tokens (1: the job's cost, "
         "as the brokers count it); 'fit': learnt from the finished jobs (PromptWeightFit), from 1; "
-        "'engine': each engine's mix_neutral_weight (an oracle)",
+        "'engine': each engine's mix_neutral_weight (an oracle); 'engine-kv': the same, but at least 1 "
+        "on an engine whose KV cache is short of a full batch",
     )
     ap.add_argument(
         "--check-weight",
@@ -762,7 +763,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     fit_weight = args.prompt_weight == "fit"
-    oracle_weight = args.prompt_weight == "engine"
+    oracle_weight = args.prompt_weight in ("engine", "engine-kv")
     prompt_weight = 1.0 if fit_weight or oracle_weight else float(args.prompt_weight)
 
     def drain_factory(slots: int) -> DrainRate:
@@ -797,6 +798,8 @@ def main() -> None:
         for s in seeds
     }
     weights = {e: mix_neutral_weight(e) if oracle_weight else prompt_weight for e in set(engines.values())}
+    if args.prompt_weight == "engine-kv":
+        weights = {e: max(w, 1.0) if e.kv_tokens is not None else w for e, w in weights.items()}
     if oracle_weight:
         print(
             "Prompt weights (mix_neutral_weight): "
