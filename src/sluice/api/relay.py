@@ -339,17 +339,14 @@ class OpenAIStream:
         self._closed = False
         self._payloads: AsyncIterator[str] | None = None
 
-    def __aiter__(self) -> OpenAIStream:
-        return self
-
-    async def __anext__(self) -> str:
+    def __aiter__(self) -> AsyncIterator[str]:
+        # The generator itself: ``async for`` then resumes no coroutine of this class per payload.
         if self._payloads is None:
             self._payloads = self._read()
-        try:
-            return await anext(self._payloads)
-        except StopAsyncIteration:
-            await self.aclose()
-            raise
+        return self._payloads
+
+    async def __anext__(self) -> str:
+        return await anext(self.__aiter__())
 
     async def _read(self) -> AsyncIterator[str]:
         try:
@@ -385,20 +382,27 @@ class OpenAIStream:
                     return
         except KeyRevoked:
             yield json.dumps({"error": REVOKED})
+        finally:
+            await self._end()
 
-    async def aclose(self) -> None:
-        """The end, however it came: the job cancelled if it has not ended, the slot released."""
+    async def _end(self) -> None:
+        """The end, however it came (once): the job cancelled if it has not ended, the slot
+        released."""
         if self._closed:
             return
         self._closed = True
+        if not self.finished:
+            await cancel_quietly(self.broker, self.job.id)
+        if self.held is not None:
+            await self.held.aclose()
+
+    async def aclose(self) -> None:
+        """Close the payloads; the end's work is done whether they were read or not."""
         try:
             if self._payloads is not None:
                 await self._payloads.aclose()  # type: ignore[attr-defined]
         finally:
-            if not self.finished:
-                await cancel_quietly(self.broker, self.job.id)
-            if self.held is not None:
-                await self.held.aclose()
+            await self._end()
 
     async def relay_tokens(self, send: Send) -> None:
         """Write the stream's tokens to ``send`` as the broker calls back with each, until
