@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import random
 
-from sluice.bench.policy_model import (
-    ARTICLE,
-    PromptWeightFit,
-    capacity,
-    draw_engine,
-    loads,
-    mix_neutral_weight,
-    run,
-    saturated,
-    seed_line,
-)
+from sluice.bench.engine_family import ARTICLE, capacity, draw_engine, mix_neutral_weight, saturated
+from sluice.bench.policy_model import PromptWeightFit, loads, run, seed_line
 from sluice.core.capacity import EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 
