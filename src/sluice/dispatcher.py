@@ -155,9 +155,6 @@ class Dispatcher:
         self._drained: set[str] = set()
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        #: per engine: the public names its requests come by (:meth:`_public_names`), with the
-        #: model list and the aliases they were made from
-        self._names: dict[Engine, tuple[list[str], object, frozenset[str]]] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -255,20 +252,6 @@ class Dispatcher:
             models.add(waiting.model)
         return models
 
-    def _public_names(self, engine: Engine) -> frozenset[str]:
-        """``fleet.public_names(engine)``, made again only when the engine's model list (a copy is
-        compared) or the fleet's aliases (replaced, never changed in place) change: it is read for
-        every claim and every pick."""
-        models, aliases = engine.backend.models, self.fleet.aliases
-        kept = self._names.get(engine)
-        if kept is not None and kept[1] is aliases and kept[0] == models:
-            return kept[2]
-        if len(self._names) > 4 * len(self.fleet.engines) + 16:
-            self._names.clear()  # engines that left the fleet
-        names = frozenset(self.fleet.public_names(engine))
-        self._names[engine] = (list(models), aliases, names)
-        return names
-
     def _free_models(self) -> list[str]:
         """The public models worth claiming: run by an engine that is available, has room in its
         budget and that no waiting job is next in line for."""
@@ -277,7 +260,7 @@ class Dispatcher:
         free: set[str] = set()
         for e in self.fleet.engines:
             if e.available(now) and e.has_room():
-                names = self._public_names(e)
+                names = self.fleet.public_names(e)
                 if ahead.isdisjoint(names):
                     free |= names
         return sorted(free)
@@ -294,7 +277,7 @@ class Dispatcher:
         engines = [
             e
             for e in self.fleet.serving(target)
-            if e.open_for_work(now) and (not ahead or ahead.isdisjoint(self._public_names(e)))
+            if e.open_for_work(now) and (not ahead or ahead.isdisjoint(self.fleet.public_names(e)))
         ]
         fitting = {e.name for e in engines if e.has_slots_for(job) and e.fits(job.cost)}
         preferred = {name for name in fitting if name not in exclude} or fitting

@@ -286,6 +286,9 @@ class Fleet:
         self.rng = rng or random.Random()
         self.engines: list[Engine] = []
         self._labels = 0
+        #: per engine: its public names (:meth:`public_names`), with the model list (a copy) and
+        #: the aliases they were made from
+        self._names: dict[Engine, tuple[list[str], object, frozenset[str]]] = {}
         for backend, spec in engines:
             self.adopt(backend, spec)
         for spec in self.pools:
@@ -360,6 +363,8 @@ class Fleet:
         caller's to close)."""
         gone = [e for e in self.engines if e.leaving and e.inflight == 0]
         self.engines = [e for e in self.engines if e not in gone]
+        for engine in gone:
+            self._names.pop(engine, None)
         return gone
 
     # --- models -------------------------------------------------------------------------------
@@ -382,14 +387,24 @@ class Fleet:
         models = [m for m, _ in served]
         return self.rng.choices(models, weights=[w for _, w in served])[0]
 
-    def public_names(self, engine: Engine) -> set[str]:
-        """The public names whose requests may run on ``engine``: its models and their aliases."""
-        models = set(engine.backend.models)
+    def public_names(self, engine: Engine) -> frozenset[str]:
+        """The public names whose requests may run on ``engine``: its models and their aliases.
+
+        Read for every claim and every pick, so kept per engine and made again only when its model
+        list changes (compared with a copy: a poll may replace it or change it in place) or the
+        aliases do (compared by identity: replaced whole, never changed in place)."""
+        models, aliases = engine.backend.models, self.aliases
+        kept = self._names.get(engine)
+        if kept is not None and kept[1] is aliases and kept[0] == models:
+            return kept[2]
+        present = set(models)
         # An alias shadows an engine model of the same name (an alias "llama" over "llama" 95 and
         # "llama-next" 5 is the usual canary).
-        names = {m for m in models if m not in self.aliases}
-        names |= {a for a, targets in self.aliases.items() if any(m in models for m, _ in targets)}
-        return names
+        names = {m for m in present if m not in aliases}
+        names |= {a for a, targets in aliases.items() if any(m in present for m, _ in targets)}
+        made = frozenset(names)
+        self._names[engine] = (list(models), aliases, made)
+        return made
 
     def capacity(self) -> dict[str, int]:
         """Public name -> the sum of the current limits of the engines (not leaving) that may run
