@@ -63,10 +63,10 @@ class Metrics:
         self._broken_seen: dict[str, int] = {}
         # observe_job's children per label values, each made on its first observation (as labels()
         # makes it): labels() takes a lock and builds its key on every call, for every finished job.
-        self._jobs_by: dict[tuple[str, str], Any] = {}
-        self._queue_wait_by: dict[str, Any] = {}
-        self._ttft_by: dict[str, Any] = {}
-        self._tokens_by: dict[str, Any] = {}
+        self._jobs_by = _Children(self.jobs)
+        self._queue_wait_by = _Children(self.queue_wait)
+        self._ttft_by = _Children(self.ttft)
+        self._tokens_by = _Children(self.tokens)
         # The scaling signal (sluice.scaling_signal; docs/autoscaling.md): every gateway computes it
         # from the shared broker state, so on Redis they all agree: scrape any one, or take the max.
         self.desired_engines = Gauge(
@@ -142,31 +142,26 @@ class Metrics:
 
     def observe_job(self, job: Job) -> None:
         model = job.model
-        key = (model, job.state.value)
-        jobs = self._jobs_by.get(key)
-        if jobs is None:
-            jobs = _kept(self._jobs_by, key, self.jobs.labels(*key))
-        jobs.inc()
+        self._jobs_by[model, job.state.value].inc()
         if job.started_at is not None:
-            wait = self._queue_wait_by.get(model)
-            if wait is None:
-                wait = _kept(self._queue_wait_by, model, self.queue_wait.labels(model))
-            wait.observe(max(job.started_at - job.created_at, 0))
+            self._queue_wait_by[model].observe(max(job.started_at - job.created_at, 0))
         if job.first_token_at is not None:
-            ttft = self._ttft_by.get(model)
-            if ttft is None:
-                ttft = _kept(self._ttft_by, model, self.ttft.labels(model))
-            ttft.observe(max(job.first_token_at - job.created_at, 0))
+            self._ttft_by[model].observe(max(job.first_token_at - job.created_at, 0))
         if job.usage and isinstance(tokens := job.usage.get("completion_tokens"), int):
-            counter = self._tokens_by.get(model)
-            if counter is None:
-                counter = _kept(self._tokens_by, model, self.tokens.labels(model))
-            counter.inc(tokens)
+            self._tokens_by[model].inc(tokens)
 
 
-def _kept(cache: dict[Any, Any], key: Any, child: Any) -> Any:
-    """``child`` kept in ``cache`` under ``key`` (the cache emptied first when full); returned."""
-    if len(cache) >= CHILDREN_MAX:
-        cache.clear()
-    cache[key] = child
-    return child
+class _Children(dict[Any, Any]):
+    """A metric's children by their label values (one value, or a tuple of them), each made by
+    ``labels()`` on its first lookup; a lookup that finds one is a plain dict's, no call of
+    Python's. Emptied when full (:data:`CHILDREN_MAX`), and made again as looked up."""
+
+    def __init__(self, metric: Any) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key: Any) -> Any:
+        if len(self) >= CHILDREN_MAX:
+            self.clear()
+        child = self[key] = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
+        return child

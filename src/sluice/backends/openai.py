@@ -178,9 +178,7 @@ class OpenAIBackend(Backend):
                     try:
                         data = loads(payload)  # as json.loads, without its guess of the encoding
                     except ValueError as exc:
-                        raise BackendError(
-                            "the engine sent a malformed stream chunk", retryable=True
-                        ) from exc
+                        raise BackendError(MALFORMED_CHUNK, retryable=True) from exc
                     if type(data) is dict:  # loads gives plain dicts; anything else is skipped
                         if "error" in data:
                             raise BackendError(_message(data), retryable=False)
