@@ -152,7 +152,8 @@ class Engine:
 
     @property
     def limit(self) -> int:
-        return max(self.limiter.limit, 1)
+        # At least 1 without a max(): a ConcurrencyLimit's floor is (it refuses a lower one).
+        return self.limiter.limit
 
     def ejected_for(self, now: float) -> float:
         """Seconds until its health lets it take work again (0: it may now)."""

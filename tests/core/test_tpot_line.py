@@ -68,3 +68,46 @@ def test_a_bucket_far_from_the_line_drops_the_others() -> None:
     assert line.fit() is not None
     _fed(line, clock, {8: 0.1}, times=CHANGE_MIN_COUNT * 2)  # 8 in flight now runs ~5x slower
     assert line.fit() is None  # one bucket left: no line until more in-flight counts come
+
+
+def _fresh_fit(line: TpotLine, now: float) -> tuple[float, float] | None:
+    """The fit as it was made before it was kept: from the buckets, at ``now``, nothing reused."""
+    fresh = [(n, b) for n, b in line._buckets.items() if now - b.updated <= line._memory_s]
+    if len(fresh) < 2 or max(n for n, _ in fresh) - min(n for n, _ in fresh) < 2:
+        return None
+    w = [float(b.count) for _, b in fresh]
+    sw = sum(w)
+    mx = sum(wi * n for wi, (n, _) in zip(w, fresh, strict=True)) / sw
+    my = sum(wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)) / sw
+    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True))
+    sxy = sum(wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True))
+    if sxx <= 0:
+        return None
+    b = max(0.0, sxy / sxx)
+    a = my - b * mx
+    if a <= 0:
+        a = max(my * 0.05, 1e-9)
+        b = max(0.0, (my - a) / mx)
+    return a, b
+
+
+def test_the_kept_fit_is_the_fresh_fit() -> None:
+    """The fit is kept between samples; at every step, folds and clock jumps past ``memory_s``
+    (buckets going stale one by one) among them, it equals to the bit one made afresh."""
+    import random
+
+    rng = random.Random(7)
+    clock = Clock()
+    line = TpotLine(5.0, clock)
+    fitted = 0
+    for step in range(3000):
+        clock.now += rng.choice((0.0, 0.01, 0.3, 1.0, 2.5)) if step % 50 else 6.0
+        if rng.random() < 0.7:
+            n = rng.randint(1, 40)
+            line.fold(n, 0.01 + 0.0005 * n * rng.uniform(0.8, 1.2), clock.now)
+        for _ in range(rng.randint(0, 2)):  # asked again, as the limit asks after each sample
+            got = line.fit()
+            want = _fresh_fit(line, clock.now)
+            assert (None if got is None else (got.a, got.b)) == want
+            fitted += got is not None
+    assert fitted > 500  # the comparison met lines, not only Nones

@@ -214,6 +214,9 @@ class ConcurrencyLimit:
             initial = DEFAULT_INITIAL if adaptive else ceiling
         assert initial is not None
         self._value = float(self._clamp(initial))
+        # The limit as an int, kept as the value changes (only _set changes it): the dispatcher
+        # reads it several times for every claim and every pick.
+        self._limit = self._clamp(int(self._value))
         self.phase = LimitPhase.STARTING if adaptive else LimitPhase.FIXED
         now = clock()
         self._last_change = now
@@ -274,7 +277,7 @@ class ConcurrencyLimit:
     @property
     def limit(self) -> int:
         """The current limit: floor <= limit <= ceiling (if set)."""
-        return self._clamp(int(self._value))
+        return self._limit
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -653,6 +656,7 @@ class ConcurrencyLimit:
         self._value = float(self._clamp(value)) if value >= self.floor else float(self.floor)
         if self.ceiling is not None:
             self._value = min(self._value, float(self.ceiling))
+        self._limit = self._clamp(int(self._value))
         self._reason = reason
         self._changes += 1
         self._last_change = now

@@ -78,14 +78,27 @@ class TpotLine:
         self._memory_s = memory_s
         self._clock = clock
         self._buckets: dict[int, _Bucket] = {}
+        # The last fit, when it was made, and the oldest bucket it used (its ``updated``; None:
+        # it used none); ``_fitted_at`` is None when nothing is kept. The limit asks for the line
+        # up to three times a sample (the fold, the objective, the growth), and the fit walks
+        # every bucket: it is made again only once a bucket changed or the oldest it used went
+        # stale (a bucket left out as stale stays out as the clock goes on), so that what it
+        # returns is what a fit made afresh would.
+        self._fitted: Line | None = None
+        self._fitted_at: float | None = None
+        self._oldest: float | None = None
 
     def fold(self, n: int, tpot: float, now: float) -> None:
         """A stream that started with ``n`` in flight ran at ``tpot`` seconds per output token."""
-        line = self.fit()
         bucket = self._buckets.get(n)
         if bucket is None:
             self._buckets[n] = _Bucket(tpot, 1, now)
+            self._fitted_at = None
             return
+        # The line as it stood before this sample (the change test reads it), fitted only when
+        # that test can be reached: a bucket of CHANGE_MIN_COUNT - 1 samples cannot.
+        line = self.fit() if bucket.count + 1 >= CHANGE_MIN_COUNT else None
+        self._fitted_at = None
         bucket.tpot += BUCKET_WEIGHT * (tpot - bucket.tpot)
         bucket.count = min(bucket.count + 1, BUCKET_COUNT_CAP)
         bucket.updated = now
@@ -102,15 +115,31 @@ class TpotLine:
         """The least-squares line of TPOT over in-flight count, from the fresh buckets; None when
         they span too little of the in-flight range to give a slope."""
         now = self._clock()
-        fresh = [(n, b) for n, b in self._buckets.items() if now - b.updated <= self._memory_s]
-        if len(fresh) < 2 or max(n for n, _ in fresh) - min(n for n, _ in fresh) < MIN_SPAN:
+        at, oldest = self._fitted_at, self._oldest
+        # The same test as the fit's own for the oldest bucket it used: while that one is fresh,
+        # so are the others it used.
+        if at is not None and now >= at and (oldest is None or now - oldest <= self._memory_s):
+            return self._fitted
+        return self._fit(now)
+
+    def _fit(self, now: float) -> Line | None:
+        """The fit of :meth:`fit` at ``now``, kept (see ``__init__``)."""
+        memory_s = self._memory_s
+        fresh = [(n, b) for n, b in self._buckets.items() if now - b.updated <= memory_s]
+        self._fitted_at = now
+        self._oldest = min([b.updated for _, b in fresh]) if fresh else None
+        self._fitted = None
+        # Lists, not generators, for the sums: the same values summed in the same order by the
+        # same sum(), without a generator's resumption (a call) for every bucket.
+        ns = [n for n, _ in fresh]
+        if len(fresh) < 2 or max(ns) - min(ns) < MIN_SPAN:
             return None
         w = [float(b.count) for _, b in fresh]
         sw = sum(w)
-        mx = sum(wi * n for wi, (n, _) in zip(w, fresh, strict=True)) / sw
-        my = sum(wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)) / sw
-        sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True))
-        sxy = sum(wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True))
+        mx = sum([wi * n for wi, (n, _) in zip(w, fresh, strict=True)]) / sw
+        my = sum([wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)]) / sw
+        sxx = sum([wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True)])
+        sxy = sum([wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True)])
         if sxx <= 0:
             return None
         b = max(0.0, sxy / sxx)
@@ -119,4 +148,5 @@ class TpotLine:
             # A line through (or below) zero at no load is noise; keep the slope's share bounded.
             a = max(my * 0.05, 1e-9)
             b = max(0.0, (my - a) / mx)
-        return Line(a, b)
+        self._fitted = Line(a, b)
+        return self._fitted
