@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 
 from sluice.core.cost import (
     TOKENS_PER_TOOL_CALL,
@@ -12,6 +13,7 @@ from sluice.core.cost import (
     prompt_count,
 )
 from sluice.core.job import Endpoint, Job, JobError, JobState
+from sluice.core.routing import prefix_key
 
 
 def test_prompt_estimates() -> None:
@@ -106,3 +108,32 @@ def test_completions_prompt_lists_count_every_prompt() -> None:
     assert (prompt_count("x"), prompt_count([1, 2, 3]), prompt_count(["a", "b"])) == (1, 1, 2)
     assert prompt_count([[1, 2], [3], [4]]) == 3
     assert prompt_count([]) == 1
+
+
+def test_a_mapping_that_is_not_a_dict_counts_as_a_dict() -> None:
+    """Dicts are answered by their type first; any other Mapping still counts as one, the same."""
+    message = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "abcdefgh"}],
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    proxied = MappingProxyType(
+        {
+            "role": "assistant",
+            "content": [MappingProxyType({"type": "text", "text": "abcdefgh"})],
+            "tool_calls": [
+                MappingProxyType(
+                    {"type": "function", "function": MappingProxyType({"name": "f", "arguments": '{"a": 1}'})}
+                )
+            ],
+        }
+    )
+    assert estimate_chat_tokens([proxied]) == estimate_chat_tokens([message]) == 3 + 4 + 2 + 4 + 1 + 2
+    fmt = {"type": "json_schema", "json_schema": {"name": "x"}}
+    assert estimate_definitions_tokens(response_format=MappingProxyType(fmt)) == estimate_definitions_tokens(
+        response_format=fmt
+    )
+    assert estimate_definitions_tokens() == 0
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    proxied_body = {"model": "m", "messages": [MappingProxyType(m) for m in body["messages"]]}
+    assert prefix_key(proxied_body) == prefix_key(body)

@@ -142,8 +142,14 @@ def prefix_key(body: Mapping[str, Any]) -> str | None:
     if isinstance(messages, list) and messages:
         head: list[Any] = []
         for message in messages:
-            role = message.get("role") if isinstance(message, Mapping) else None
-            head.append(message.get("content") if isinstance(message, Mapping) else message)
+            # A dict answered by its type first (a parsed body's): isinstance(message, Mapping)
+            # alone is three calls, the ABC's check and its cache's.
+            if isinstance(message, (dict, Mapping)):
+                role = message.get("role")
+                head.append(message.get("content"))
+            else:
+                role = None
+                head.append(message)
             if role not in ("system", "developer"):
                 break
         return f"{tag}chat:{_hex(head)}"
