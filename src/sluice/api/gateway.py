@@ -277,7 +277,7 @@ class Gateway:
             max_attempts=s.max_attempts,
             idempotency_key=header(request, b"idempotency-key") or None,
             weight=caller.limits.weight,
-            callback_url=await self.callback_url(body.get("callback_url")),
+            callback_url=None if (url := body.get("callback_url")) is None else await self.callback_url(url),
             key_sha256=caller.key_sha256,
         )
 

@@ -150,11 +150,6 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
     sent = False
     stream: EventStream | None = None
 
-    async def tracking_send(message: Message) -> None:
-        nonlocal sent
-        sent = True
-        await send(message)
-
     def started() -> bool:
         return sent or (stream is not None and stream.started)
 
@@ -162,14 +157,19 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
         request = Request(scope, receive)
         keyring: KeyRing = app.state.keyring
         who = await keyring.authenticate(request)
-        answer = await complete(request, who, endpoint, opts.model_dump(exclude_none=True, mode="json"), opts)
+        body = opts.model_dump(exclude_none=True, mode="json")
+        answer = await complete(request, who, endpoint, body, opts, gw)
         if isinstance(answer, EventStream):
             # A stream says itself whether its head went out, so that each of its tokens goes to
             # the server's send straight, not through one more coroutine.
             stream = answer
             await answer(scope, receive, send)
         else:
-            await answer(scope, receive, tracking_send)
+            # A whole answer's first act is its head's send: from here on it has begun (the
+            # server's send does not raise for a client that left), without a wrapper of send
+            # that would say so one coroutine later for each of its two messages.
+            sent = True
+            await answer(scope, receive, send)
     except APIError as error:
         await _answer_error(send, error, started())
     except Refused as refused:

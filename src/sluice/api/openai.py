@@ -41,12 +41,19 @@ PING_S = 15
 
 
 async def complete(
-    request: Request, who: Caller, endpoint: Endpoint, body: dict[str, Any], opts: SchedulingOptions
+    request: Request,
+    who: Caller,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    opts: SchedulingOptions,
+    gw: Gateway | None = None,
 ) -> EventStream | Response:
     """The answer to a chat or completions request whose body ``opts`` validated (``body`` is its
     dump): a JSON answer, or with ``stream`` an :class:`EventStream`. Raises the APIError of a
-    refusal. Both the FastAPI routes below and the lean ones (:mod:`sluice.api.lean`) answer so."""
-    gw = gateway(request)
+    refusal. Both the FastAPI routes below and the lean ones (:mod:`sluice.api.lean`) answer so.
+    ``gw``: the app's gateway where the caller holds it already (the lean routes)."""
+    if gw is None:
+        gw = gateway(request)
     job = await gw.build_job(request, who, endpoint, body, opts)
     stream = bool(body.get("stream"))
     job.stream_tokens = stream

@@ -206,6 +206,8 @@ def plan_job(
 def sequences_per_prompt(asked: RequestedJob, limits: RequestLimits) -> int:
     """How many sequences the engine generates from each prompt: ``n``, or ``best_of`` when it
     asks for more (the engine generates ``best_of`` and returns the best ``n``)."""
+    if asked.n is None and asked.best_of is None and limits.max_n >= 1:
+        return 1  # most requests: what choices() and best_of() say, without their three calls
     n = choices(asked, limits)
     return max(n, best_of(asked, limits) or n)
 
