@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import json
 import time
 from types import MappingProxyType
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sluice.core.cost import (
     TOKENS_PER_TOOL_CALL,
@@ -137,3 +141,17 @@ def test_a_mapping_that_is_not_a_dict_counts_as_a_dict() -> None:
     body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
     proxied_body = {"model": "m", "messages": [MappingProxyType(m) for m in body["messages"]]}
     assert prefix_key(proxied_body) == prefix_key(body)
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_a_structure_is_measured_as_its_compact_json(value: object) -> None:
+    """What a structure counts, by the C encoder made once, is the length of the compact JSON that
+    ``JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))`` writes."""
+    text = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode(value)
+    assert estimate_json_tokens(value) == (0 if value is None else max(1, -(-len(text) // 4)))

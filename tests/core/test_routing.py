@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import Counter
 
@@ -12,6 +14,7 @@ from sluice.core.routing import (
     Candidate,
     HashRing,
     Router,
+    _hex,  # the prefix's hash, compared with the encoder's own
     predicted_completion,
     prefix_key,
 )
@@ -94,6 +97,23 @@ def test_prefix_key_never_raises_on_odd_bodies(value: object) -> None:
     for field in ("messages", "prompt", "input", "user", "prompt_cache_key", "model"):
         key = prefix_key({field: value})
         assert key is None or isinstance(key, str)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+)
+
+
+@given(_JSON)
+@settings(max_examples=300, deadline=None)
+def test_the_prefix_text_is_the_json_encoders(value: object) -> None:
+    """The prefix's text, by the C encoder made once, is what ``JSONEncoder(sort_keys=True,
+    ensure_ascii=False, default=str).encode`` writes (NaN, lone surrogates and what is not JSON
+    among it), so that every key stays what it was."""
+    text = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode([value, {1, 2}, b"x"])
+    want = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    assert _hex([value, {1, 2}, b"x"]) == want
 
 
 # --- predicted completion ------------------------------------------------------------------------

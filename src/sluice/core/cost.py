@@ -46,6 +46,23 @@ _MESSAGE_SKIPPED = frozenset({"role"})
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
 
 
+def _c_encode() -> Any:
+    """:data:`_encode`'s C encoder itself, made once (``JSONEncoder.encode`` makes one for every
+    call, through two Python methods); None where json has none (``c_make_encoder`` is CPython's
+    private API) or one that takes other arguments: :data:`_encode` then."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    default = json.JSONEncoder().default  # raises the TypeError json.dumps does
+    try:
+        return make(None, default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
+    except TypeError:
+        return None
+
+
+_C_ENCODE = _c_encode()
+
+
 def estimate_text_tokens(text: str) -> int:
     """Tokens of ``text``: about four characters each, at least one."""
     return max(1, -(-len(text) // CHARS_PER_TOKEN))
@@ -54,7 +71,9 @@ def estimate_text_tokens(text: str) -> int:
 def _json_chars(value: Any) -> int:
     """The length of ``value``'s compact JSON text."""
     try:
-        return len(_encode(value))
+        if _C_ENCODE is None or isinstance(value, str):
+            return len(_encode(value))
+        return len("".join(_C_ENCODE(value, 0)))
     except RecursionError:
         # Nested deeper than the encoder's recursion allows (a legitimate deep schema can be):
         # measure it by walking it instead, without recursion.

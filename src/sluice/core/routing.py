@@ -118,8 +118,26 @@ def _digest(text: str) -> int:
 _canonical = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
 
 
+def _c_canonical() -> Any:
+    """:data:`_canonical`'s C encoder itself, made once: ``JSONEncoder.encode`` makes one for every
+    call (in ``iterencode``), and walks two Python methods to reach it. The same options, and no
+    check for circular references: what it encodes is a request body parsed from JSON, which
+    cannot refer to itself. None where json has no C encoder (``c_make_encoder`` is CPython's
+    private API) or one that takes other arguments: :data:`_canonical` then."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    try:
+        return make(None, str, json.encoder.encode_basestring, None, ": ", ", ", True, False, True)
+    except TypeError:
+        return None
+
+
+_CANONICAL = _c_canonical()
+
+
 def _hex(value: Any) -> str:
-    blob = _canonical(value)
+    blob = _canonical(value) if _CANONICAL is None else "".join(_CANONICAL(value, 0))
     return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
