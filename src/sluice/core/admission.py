@@ -36,6 +36,10 @@ class Bounds:
     max_tokens: int | None = None
 
 
+#: A class without bounds of its own (one instance: check_bounds reads it on every admission).
+_UNBOUNDED = Bounds()
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     """The bounds admission checks for one model: the model's own and each class's."""
@@ -202,7 +206,6 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
     otherwise it is refused. A light tenant is never the one turned away by a queue a heavy one
     filled, and a bound stays a bound.
     """
-    rate = drain.rate
     avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
 
     def excess(bounds: Bounds, jobs: int, tokens: int) -> float:
@@ -213,23 +216,29 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
             out = max(out, tokens + cost - bounds.max_tokens)
         return out
 
-    class_bounds = limits.classes.get(priority, Bounds())
-    scopes = (
-        (limits.model, view.model_jobs, view.model_tokens, "model's"),
-        (class_bounds, view.class_jobs, view.class_tokens, f"'{priority}' priority class's"),
-    )
-    over = [(excess(b, jobs, tokens), scope) for b, jobs, tokens, scope in scopes]
-    if all(e <= 0 for e, _ in over):
+    # The two scopes written out, not looped over by generators (each step of one is a call: this
+    # runs on every admission), and the rate read only for a refusal's Retry-After.
+    class_bounds = limits.classes.get(priority, _UNBOUNDED)
+    over_model = excess(limits.model, view.model_jobs, view.model_tokens)
+    over_class = excess(class_bounds, view.class_jobs, view.class_tokens)
+    if over_model <= 0 and over_class <= 0:
         return False
     victim = view.victim_tokens
-    if victim is not None and all(excess(b, jobs - 1, tokens - victim) <= 0 for b, jobs, tokens, _ in scopes):
+    if (
+        victim is not None
+        and excess(limits.model, view.model_jobs - 1, view.model_tokens - victim) <= 0
+        and excess(class_bounds, view.class_jobs - 1, view.class_tokens - victim) <= 0
+    ):
         return True
-    excess_tokens, scope = next((e, scope) for e, scope in over if e > 0)
+    if over_model > 0:
+        excess_tokens, scope = over_model, "model's"
+    else:
+        excess_tokens, scope = over_class, f"'{priority}' priority class's"
     raise Refused(
         429,
         "queue_full",
         f"The {scope} queue is full; retry later.",
-        clamp_retry_after(excess_tokens / rate),
+        clamp_retry_after(excess_tokens / drain.rate),
     )
 
 

@@ -156,7 +156,9 @@ class DrainRate:
         remember about as many batches on an engine of 64 slots as on one of 4, and not a fifth
         of a second of finishing jobs (a rate that swings by half within a second is read by
         every admission, and the admissions it lets in are those made when it swung high)."""
-        return self.alpha / max(self.slots, 1) if self.weigh_per_slot else self.alpha
+        # max() as a conditional: the same value, one call less (every admission reads it)
+        slots = self.slots
+        return self.alpha / (slots if slots > 1 else 1) if self.weigh_per_slot else self.alpha
 
     def observe_fill(self, u: float, t: float) -> None:
         """A finished job's fill ``u`` (the share of the slots busy while it ran) and its seconds
@@ -181,14 +183,19 @@ class DrainRate:
         finished jobs' fills, at 1 over at :attr:`fill`, within [1, :data:`MAX_FILL_SLOWDOWN`]."""
         if self.fills == 0 or self.fit_t <= 0:
             return 1.0
-        var = max(self.fit_uu - self.fit_u * self.fit_u, 0.0)
+        # max() and min() as conditionals here and below on the admission's path: the same
+        # values (max(x, c) is c only where c > x), a call less each
+        var = self.fit_uu - self.fit_u * self.fit_u
+        var = 0.0 if var < 0.0 else var
         cov = self.fit_ut - self.fit_u * self.fit_t
-        slope = max(cov, 0.0) / (var + FILL_RIDGE)
+        slope = (0.0 if cov < 0.0 else cov) / (var + FILL_RIDGE)
         at_fill = self.fit_t + slope * (self.fill - self.fit_u)
         at_full = self.fit_t + slope * (1.0 - self.fit_u)
         if at_fill <= 0:
             return MAX_FILL_SLOWDOWN
-        return min(max(at_full / at_fill, 1.0), MAX_FILL_SLOWDOWN)
+        ratio = at_full / at_fill
+        ratio = 1.0 if ratio < 1.0 else ratio
+        return MAX_FILL_SLOWDOWN if ratio > MAX_FILL_SLOWDOWN else ratio
 
     @property
     def measured(self) -> bool:
@@ -211,7 +218,11 @@ class DrainRate:
 
     def rate_at(self, slowdown: float) -> float:
         """:attr:`rate` at a :attr:`slowdown` read already (:meth:`slot_rate_at`)."""
-        return max(self.slot_rate_at(slowdown) * max(self.slots, 1), 1e-3)
+        slots = self.slots
+        rate = (self.per_slot / slowdown if self.samples else self.prior_per_slot) * (
+            slots if slots > 1 else 1
+        )
+        return 1e-3 if rate < 1e-3 else rate
 
     def service_s(self, cost: int) -> float:
         """Expected time one job of this cost occupies a slot in a full batch."""
@@ -233,7 +244,10 @@ class DrainRate:
             slowdown = 1.0
         elif slowdown is None:
             slowdown = self.slowdown
-        return max(cost * self.slow * slowdown, cost * slowdown / max(self.per_slot, 1e-3))
+        per_slot = self.per_slot
+        at_slow = cost * self.slow * slowdown
+        at_mean = cost * slowdown / (1e-3 if per_slot < 1e-3 else per_slot)
+        return at_mean if at_mean > at_slow else at_slow
 
     def wait_s(self, tokens_ahead: int, *, slowdown: float | None = None) -> float:
         """The mean wait behind ``tokens_ahead`` (``slowdown``: :attr:`slowdown`, read already)."""
@@ -255,8 +269,12 @@ class DrainRate:
     def _promise_slowdown(self, spread: float, fit: float) -> float:
         if self.fills == 0:
             return fit
-        bound = min(max(1.0 / max(self.fill, 1e-3), fit), MAX_FILL_SLOWDOWN)
-        return fit * math.pow(bound / fit, min(self.extrapolation_share * spread, 1.0))
+        fill = self.fill
+        bound = 1.0 / (1e-3 if fill < 1e-3 else fill)
+        bound = fit if fit > bound else bound
+        bound = MAX_FILL_SLOWDOWN if bound > MAX_FILL_SLOWDOWN else bound
+        share = self.extrapolation_share * spread
+        return fit * math.pow(bound / fit, 1.0 if share > 1.0 else share)
 
     @property
     def spread(self) -> float:
@@ -264,7 +282,10 @@ class DrainRate:
         (the 95th percentile, some two standard deviations above the mean for the spreads seen:
         exactly so for times spread as an exponential) and the mean (``1 / per_slot``). 0 before
         any measurement, or when every job takes the same."""
-        return max(self.slow * self.per_slot - 1.0, 0.0) / 2.0 if self.samples else 0.0
+        if not self.samples:
+            return 0.0
+        over = self.slow * self.per_slot - 1.0
+        return (0.0 if over < 0.0 else over) / 2.0
 
     @property
     def residual_spread(self) -> float:
@@ -296,7 +317,8 @@ class DrainRate:
         if not self.samples:
             return 1.0
         w = self.weight
-        jobs = min(self.samples, (2.0 - w) / w)
+        remembered = (2.0 - w) / w
+        jobs = remembered if remembered < self.samples else self.samples
         own = residual * residual / jobs_ahead if jobs_ahead > 0 else 0.0
         return 1.0 + self.wait_margin_z * math.sqrt(spread * spread / jobs + own)
 
@@ -310,7 +332,9 @@ class DrainRate:
     def _batch_rate(self, spread: float, fit: float) -> float:
         if not self.samples:
             return self.rate_at(fit)
-        return max(self.per_slot / self._promise_slowdown(spread, fit) * max(self.slots, 1), 1e-3)
+        slots = self.slots
+        rate = self.per_slot / self._promise_slowdown(spread, fit) * (slots if slots > 1 else 1)
+        return 1e-3 if rate < 1e-3 else rate
 
     @property
     def promise_rate(self) -> float:
@@ -327,10 +351,12 @@ class DrainRate:
         ``slowdown``: :attr:`slowdown`, when the caller has read it already (an admission reads
         it once). Only the deadline check reads it: codel's view of the queue and the position
         and start a client is told stay at the mean rate."""
-        spread = self.spread  # read once for both of the rate's parts
+        spread = self.spread  # read once for both of the rate's parts, and for the residual's
         fit = self.slowdown if slowdown is None else slowdown
-        margin = self._wait_margin(spread, jobs_ahead, self.residual_spread)
-        return max(self._batch_rate(spread, fit) / margin, 1e-3)
+        resid, service = self.resid, self.service  # residual_spread, without reading spread again
+        residual = spread if resid <= 0 or service <= 0 else math.sqrt(resid) / service
+        rate = self._batch_rate(spread, fit) / self._wait_margin(spread, jobs_ahead, residual)
+        return 1e-3 if rate < 1e-3 else rate
 
     def promised_wait_s(
         self, tokens_ahead: int, jobs_ahead: int = 0, *, slowdown: float | None = None
