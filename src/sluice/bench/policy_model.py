@@ -34,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from sluice.bench.burst_limit import TERMS, PromiseTermsCoDel
 from sluice.bench.engine_family import (
     ARTICLE,
     ENGINES,
@@ -560,6 +561,14 @@ def main() -> None:
         "W * prompt tokens + max_tokens (its own drain rate): the slower of two units' promises",
     )
     ap.add_argument(
+        "--burst-limit",
+        choices=TERMS,
+        default="delay",
+        help="a what-if for codel: a burst's delay limit kept as the mean delay it reached (delay, "
+        "codel's own), or as the promised wait, with the wait's margin (margin) or the whole promise "
+        "(promise): bench/burst_limit.py",
+    )
+    ap.add_argument(
         "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
@@ -586,7 +595,10 @@ def main() -> None:
             own = {k: int(v) for k, v in params.items() if k == "max_queued"}
         else:
             own = {}
-        policies.append(make_policy(name, **own))
+        if name == "codel" and args.burst_limit != "delay":
+            policies.append(PromiseTermsCoDel(**own, terms=args.burst_limit))
+        else:
+            policies.append(make_policy(name, **own))
         if args.lifo:
             policies.append(_AdaptiveLifo(make_policy(name, **own)))
     seeds = range(args.first_seed, args.first_seed + args.seeds)
