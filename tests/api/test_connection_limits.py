@@ -167,3 +167,21 @@ async def test_an_idle_keep_alive_connection_is_closed(served: Served) -> None:
     writer.close()
     assert status_of(response) == 200
     assert response.count(b"HTTP/1.1 ") == 1
+
+
+async def test_a_slow_head_after_answered_requests_on_one_connection_gets_408(served: Served) -> None:
+    """The head's time-out is a deadline the one timer re-checks: after requests that moved it
+    (each head and body its own), the next slow head is still refused in time."""
+    reader, writer = await connect(served)
+    for _ in range(3):
+        writer.write(HEAD + b"\r\n")
+        async with asyncio.timeout(WITHIN_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            await reader.readexactly(length)
+        assert status_of(head) == 200
+    writer.write(HEAD)  # a head that never ends
+    response = await until_closed(reader)
+    writer.close()
+    assert status_of(response) == 408, response[:200]
+    assert error_of(response)["code"] == "timeout"

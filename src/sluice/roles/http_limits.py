@@ -37,6 +37,9 @@ from sluice.protocol import error_body
 
 #: How long a refused connection is drained before it is closed (seconds).
 LINGER_S = 1.0
+#: How early a time-out's timer may fire and still count as on time (seconds): the event loop's
+#: timers have a millisecond's resolution.
+TIMER_SLACK_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -182,24 +185,61 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         #: bytes received of the request head now being read
         self._head_bytes = 0
         self._in_head = True
+        # One timer for the head's and the body's time-outs, set lazily: a phase's change moves
+        # ``_deadline`` (and what it calls), and the timer, when it fires, re-arms itself for a
+        # deadline that moved later. A request changes phase three times; arming and cancelling
+        # a timer each time were three timers made and three cancelled for every request.
         self._timer: asyncio.TimerHandle | None = None
+        #: when the pending timer fires (loop time), if there is one
+        self._timer_at = 0.0
+        #: when the current phase's time is up (loop time); None: no time-out runs
+        self._deadline: float | None = None
+        #: what the deadline calls, a function of the protocol (not a bound method: kept here, one
+        #: would be a cycle through the protocol)
+        self._on_deadline: Callable[[BoundedHttpToolsProtocol], None] = BoundedHttpToolsProtocol._head_timeout
         self._refused = False
         #: the watches of this connection's requests that may still be answering
         self._gone: list[ClientGone] = []
 
     # --- timers -------------------------------------------------------------------------------
 
-    def _arm(self, seconds: float, handler: Any) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, handler)
+    def _arm(self, seconds: float, handler: Callable[[BoundedHttpToolsProtocol], None]) -> None:
+        deadline = self.loop.time() + seconds
+        self._deadline = deadline
+        self._on_deadline = handler
+        timer = self._timer
+        if timer is None or self._timer_at > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer_at = deadline
+            self._timer = self.loop.call_at(deadline, self._deadline_passed)
 
     def _disarm(self) -> None:
+        # The timer stays, if one is pending: it fires for nothing, or finds a later deadline.
+        self._deadline = None
+
+    def _cancel_timer(self) -> None:
+        """No time-out from now on, and no timer left to keep the protocol alive."""
+        self._deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _head_timeout(self) -> None:
+    def _deadline_passed(self) -> None:
         self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        # A millisecond early counts (the loop's timers are that coarse), so that a timer due
+        # now is not armed again for a fraction of one.
+        if self.loop.time() < deadline - TIMER_SLACK_S:
+            self._timer_at = deadline
+            self._timer = self.loop.call_at(deadline, self._deadline_passed)
+            return
+        self._deadline = None
+        self._on_deadline(self)
+
+    def _head_timeout(self) -> None:
         if self._head_bytes:
             self._refuse(
                 _response(408, "Request Timeout", "The request's headers came too slowly.", "timeout")
@@ -208,7 +248,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _body_timeout(self) -> None:
-        self._timer = None
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return
@@ -232,7 +271,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
-        self._disarm()
+        self._cancel_timer()
         self._unset_keepalive_if_required()
         if answer:
             self.transport.write(answer)
@@ -245,10 +284,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm(self.limits.header_timeout_s, self._head_timeout)
+        self._arm(self.limits.header_timeout_s, BoundedHttpToolsProtocol._head_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._cancel_timer()
         super().connection_lost(exc)
         for watch in self._gone:
             if not watch.cycle.response_complete:
@@ -272,8 +311,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
-        if self._timer is None:  # the next request on a kept-alive connection
-            self._arm(self.limits.header_timeout_s, self._head_timeout)
+        if self._deadline is None:  # the next request on a kept-alive connection
+            self._arm(self.limits.header_timeout_s, BoundedHttpToolsProtocol._head_timeout)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -281,7 +320,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
         if not (self.parser.should_upgrade() and self._should_upgrade()):
-            self._arm(self.limits.body_timeout_s, self._body_timeout)
+            self._arm(self.limits.body_timeout_s, BoundedHttpToolsProtocol._body_timeout)
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:
                 cycle.transport = OneWrite(self.transport, self.loop)  # type: ignore[assignment]
