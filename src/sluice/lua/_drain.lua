@@ -5,7 +5,7 @@
 -- The six numbers of a 'g:' field ({} when absent).
 local function fill_fit(text)
   local g = {}
-  for x in string.gmatch(text or '', '%S+') do g[#g + 1] = tonumber(x) end
+  for x in string.gmatch(text or '', '%S+') do g[#g + 1] = x * 1 end
   return g
 end
 

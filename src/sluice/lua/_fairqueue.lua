@@ -62,14 +62,14 @@ end
 
 -- FairQueue._take_head / peek: the first valid heap entry of a tenant not in `blocked` (a set:
 -- tenant -> true), dropping the stale entries met on the way; the entries of blocked tenants stay.
--- Returns nil or {member, tag, tenant, tq, head job id}.
+-- Returns nil or {member, tag, tenant, tq, head job id, the tag's text as the heap gave it}.
 local function fq_peek(P, st, model, c, sched, blocked)
   local kept = 0 -- entries of blocked tenants, left in place at the front
   while true do
     local top = redis.call('ZRANGE', sched, kept, kept + 15, 'WITHSCORES')
     if #top == 0 then return nil end
     for i = 1, #top, 2 do
-      local member, tag = top[i], tonumber(top[i + 1])
+      local member, tag = top[i], top[i + 1] * 1
       local tenant = string.sub(member, 16)
       local tq = tq_key(P, model, c, tenant)
       local id = false
@@ -79,7 +79,7 @@ local function fq_peek(P, st, model, c, sched, blocked)
       elseif blocked[tenant] then
         kept = kept + 1
       else
-        return { member, tag, tenant, tq, id }
+        return { member, tag, tenant, tq, id, top[i + 1] }
       end
     end
   end
@@ -92,7 +92,7 @@ local function fq_has_eligible(P, st, model, c, sched, blocked, jobs)
   local members = redis.call('ZRANGE', sched, '0', '-1', 'WITHSCORES')
   for i = 1, #members, 2 do
     local tenant = string.sub(members[i], 16)
-    if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tonumber(members[i + 1])
+    if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == members[i + 1] * 1
         and redis.call('LLEN', tq_key(P, model, c, tenant)) > 0 then
       return true
     end
@@ -106,7 +106,7 @@ local function fq_pop(st, c, sched, head, cost, weight)
   redis.call('ZREM', sched, member)
   redis.call('LPOP', tq)
   fq_add_work(st, tq, -cost)
-  st_set(st, f_vtime(c), tag)
+  st_set(st, f_vtime(c), head[6] or tag) -- the heap's text of it: not formatted again
   local finish = tag + cost / weight
   st_set(st, f_finish(c, tenant), finish)
   if redis.call('LLEN', tq) > 0 then

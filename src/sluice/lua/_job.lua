@@ -8,6 +8,13 @@
 
 local J = {}
 
+-- The text of a settled record's TTL in milliseconds (the result TTL and a minute), made once
+-- per TTL: a number passed to redis.call is formatted by Redis (%.17g, ~3 k instructions).
+local TTL_MS = new_memo(64)
+local function ttl_ms_text(ttl)
+  return TTL_MS.t[ttl] or memo_put(TTL_MS, ttl, string.format('%d', math.ceil(ttl * 1000) + 60000))
+end
+
 -- The whole record as a table by field name (empty when the job is unknown). One HGETALL costs
 -- about what a HMGET of the fields a script needs would, and lets a script answer with the record
 -- it changed without reading it again.
@@ -54,7 +61,7 @@ local function settle(id, f, state, changes)
   end
   if state == 'expired' then redis.call('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
   tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
-  local seq = tonumber(f.seq) + 1
+  local seq = f.seq + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }
   for i = 1, #changes do args[#args + 1] = changes[i] end
   job_set(jk, f, args)
@@ -66,7 +73,7 @@ local function settle(id, f, state, changes)
     redis.call('RPUSH', callbacks_key(J.P), id)
     redis.call('ZADD', callbacks_marker_key(J.P), '0', 'w')
   end
-  local ms = math.ceil(J.ttl * 1000) + 60000
+  local ms = ttl_ms_text(J.ttl)
   redis.call('PEXPIRE', jk, ms)
   redis.call('PEXPIRE', ok, ms)
 end

@@ -86,6 +86,19 @@ local function int_text(x)
   return x
 end
 
+-- A number this broker wrote as text, read with one parse; nil or false (a field not there) reads
+-- as nil. Lua 5.1's tonumber parses a text twice (lua_isnumber, then lua_tonumber): in a Redis
+-- function ~3.1 k instructions for a 17-digit text (a time, a rate), against ~1.3 k for `x * 1`,
+-- which coerces it once and is x exactly. The scripts write `x * 1` where x is always there, `(x or 0) * 1`
+-- for a default. Unlike tonumber a text that is no number raises an error, so tonumber stays
+-- where a text may be anything (a caller's arguments, the settings, parsed once anyway).
+local function tonum(x) if x then return x * 1 end end
+
 -- Numbers handed back to Python as strings: a Lua number in a reply is truncated to an integer, and
 -- tostring() keeps only 14 digits.
 local function num(x) return string.format('%.17g', x) end
+-- num(x), and for a small integer (a count, a limit) its memoized text, the same characters.
+local function num_text(x)
+  if x % 1 == 0 and x >= 0 and x < INT_TEXT_MAX and 1 / x > 0 then return int_text(x) end
+  return num(x)
+end

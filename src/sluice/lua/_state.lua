@@ -21,7 +21,7 @@ local function st_num(st, f, default)
     v = redis.call('HGET', st.key, f)
     st.v[f] = v
   end
-  if v then return tonumber(v) end
+  if v then return v * 1 end
   return default
 end
 

@@ -57,7 +57,7 @@ end
 local function tenant_move(P, blocked, tenant, from, to)
   local tk = tenant_key(P, tenant)
   local t = redis.call('HMGET', tk, 'q', 'r', 'mc')
-  local q, r, mc = tonumber(t[1]) or 0, tonumber(t[2]) or 0, tonumber(t[3])
+  local q, r, mc = (t[1] or 0) * 1, (t[2] or 0) * 1, tonum(t[3])
   if from == 'queued' then q = q - 1 elseif from == 'running' then r = r - 1 end
   if to == 'queued' then q = q + 1 elseif to == 'running' then r = r + 1 end
   if q <= 0 and r <= 0 then
@@ -80,9 +80,9 @@ local function tenant_settle(P, tenant, bucket, charged, used, now)
   if bucket == nil or used < 0 or used == charged then return end
   local tk, B = tenant_key(P, tenant), bucket_fields(bucket)
   local t = redis.call('HMGET', tk, B.tpm, B.tl, B.ts)
-  local cap = tonumber(t[1])
+  local cap = tonum(t[1])
   if not cap then return end
-  local level = bucket_refill(tonumber(t[2]), tonumber(t[3]), cap, now)
+  local level = bucket_refill(tonum(t[2]), tonum(t[3]), cap, now)
   if used < charged then
     level = math.min(cap, level + (charged - used))
   else

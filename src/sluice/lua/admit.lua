@@ -120,7 +120,7 @@ local function names_of(P, tenant)
 end
 
 local now_s, id, tenant, model, cls = ARGV[1], ARGV[2], ARGV[3], S.model, S.cls
-local now, cost, deadline = tonumber(now_s), tonumber(ARGV[4]), tonumber(ARGV[5])
+local now, cost, deadline = now_s * 1, ARGV[4] * 1, ARGV[5] * 1
 local model_max_jobs, model_max_tokens = S.model_max_jobs, S.model_max_tokens
 local class_max_jobs, class_max_tokens = S.class_max_jobs, S.class_max_tokens
 local drain_prior, idem_ttl = S.drain_prior, tonumber(ARGV[6])
@@ -161,7 +161,7 @@ local flat = redis.call('HGETALL', tenant_k)
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
 local had_mc = t.mc ~= nil
 local B = bucket_fields(bucket)
-local rpm, tpm, mq, mc = nil, nil, nil, tonumber(t.mc)
+local rpm, tpm, mq, mc = nil, nil, nil, tonum(t.mc)
 if limits_given then
   local v = {}
   for i = 1, 4 do
@@ -170,19 +170,20 @@ if limits_given then
   end
   rpm, tpm, mq, mc = v[1], v[2], v[3], v[4]
 end
-local queued_by_tenant = tonumber(t.q) or 0
-local running_by_tenant = tonumber(t.r) or 0
+local queued_by_tenant = (t.q or 0) * 1
+local running_by_tenant = (t.r or 0) * 1
 local function tenant_state(rl, rs, tl, ts)
   local vals, out = { rpm, tpm, mq, mc, queued_by_tenant, rl, rs, tl, ts }, {}
   for i = 1, 9 do -- not ipairs: absent values are holes
-    if vals[i] == nil then out[i] = '' else out[i] = num(vals[i]) end
+    if vals[i] == nil then out[i] = '' else out[i] = num_text(vals[i]) end
   end
   return out
 end
 local old_rl, old_rs, old_tl, old_ts = nil, nil, nil, nil -- the key's levels, of the limits it has now
-if rpm then old_rl, old_rs = tonumber(t[B.rl]), tonumber(t[B.rs]) end
-if tpm then old_tl, old_ts = tonumber(t[B.tl]), tonumber(t[B.ts]) end
-local before = tenant_state(old_rl, old_rs, old_tl, old_ts)
+if rpm then old_rl, old_rs = tonum(t[B.rl]), tonum(t[B.rs]) end
+if tpm then old_tl, old_ts = tonum(t[B.tl]), tonum(t[B.ts]) end
+-- (the tenant's state before the checks, for a refusal's reply, is made there: nothing it reads
+-- changes before then)
 
 -- Stores the tenant: its counts and cap, the key's buckets; a tenant with no jobs and no buckets
 -- left is forgotten (tenant_move does the same).
@@ -322,8 +323,8 @@ local rooms = {} -- { tenant, room }: the capped tenants and how many more of th
 for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
   if other ~= tenant then
     local o = redis.call('HMGET', tenant_key(P, other), 'r', 'mc')
-    local cap = tonumber(o[2])
-    if cap then rooms[#rooms + 1] = { other, math.max(cap - (tonumber(o[1]) or 0), 0) } end
+    local cap = tonum(o[2])
+    if cap then rooms[#rooms + 1] = { other, math.max(cap - (o[1] or 0) * 1, 0) } end
   end
 end
 if mc and queued_by_tenant + running_by_tenant > mc then
@@ -340,7 +341,7 @@ for _, capped in ipairs(rooms) do
       local kept = 0
       if room > 0 then
         for _, jid in ipairs(redis.call('LRANGE', tq, 0, room - 1)) do
-          kept = kept + tonumber(redis.call('HGET', job_key(P, jid), 'cost'))
+          kept = kept + redis.call('HGET', job_key(P, jid), 'cost')
         end
       end
       local held = st_num(st, f_work(tq), 0) - kept
@@ -381,12 +382,12 @@ do
     local valid = tag and int_text(n) .. ':' .. tag
     if cached and valid then
       local hc, hw, at = string.match(cached, '^(%S+) (%S+) (.*)$')
-      if at == valid then return tonumber(hc), tonumber(hw), hc, hw end
+      if at == valid then return hc * 1, hw * 1, hc, hw end
     end
     local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, '0')), 'cost', 'weight')
     local hw = h[2] or '1'
     if valid and h[1] then st_set(st, f_head(tq), h[1] .. ' ' .. hw .. ' ' .. valid) end
-    return tonumber(h[1]), tonumber(hw), h[1], hw
+    return tonum(h[1]), hw * 1, h[1], hw
   end
 
   local vtime = st_num(st, S.f_vtime, 0)
@@ -407,7 +408,7 @@ do
     if n > 0 then
       local w, tag
       if others_read then
-        w, tag = tonumber(others_wv[i]) or 0, tonumber(others_tv[i]) or 0
+        w, tag = (others_wv[i] or 0) * 1, (others_tv[i] or 0) * 1
       else
         w, tag = st_num(st, others_w[i], 0), st_num(st, others_t[i], 0)
       end
@@ -427,12 +428,12 @@ do
 end
 
 local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields)) -- p:, n:, s:, e, h:, g:, r:, d:
-local per_slot, samples, slots = tonumber(d[1]) or 0, tonumber(d[2]) or 0, tonumber(d[3]) or 0
-local slow, fill = tonumber(d[5]) or 0, d[6] or ''
-if d[4] and now > tonumber(d[4]) then -- some worker may have died: recount the slots
+local per_slot, samples, slots = (d[1] or 0) * 1, (d[2] or 0) * 1, (d[3] or 0) * 1
+local slow, fill = (d[5] or 0) * 1, d[6] or ''
+if d[4] and now > d[4] * 1 then -- some worker may have died: recount the slots
   workers_refresh(workers_k, wslots_k, capacity_k, now_s)
   workers_mark(workers_k, capacity_k)
-  slots = tonumber(redis.call('HGET', capacity_k, 's:' .. model)) or 0
+  slots = (redis.call('HGET', capacity_k, 's:' .. model) or 0) * 1
 end
 
 -- DrainRate.rate and slot_rate, in a full batch (DrainRate.slowdown)
@@ -483,7 +484,7 @@ if excess > 0 then
 end
 if excess > 0 and victim and victim_n >= own + 2 then
   victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), '-1')
-  victim_cost = tonumber(redis.call('HGET', job_key(P, victim_id), 'cost'))
+  victim_cost = tonum(redis.call('HGET', job_key(P, victim_id), 'cost'))
   evict = over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost) <= 0
     and over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost) <= 0
 end
@@ -496,7 +497,7 @@ if samples > 0 then
   local spread = time_spread(per_slot, slow, samples)
   local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread)
   batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
-  local residual = residual_spread(tonumber(d[7]), tonumber(d[8]), spread)
+  local residual = residual_spread(tonum(d[7]), tonum(d[8]), spread)
   promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
     margin_z, ahead_jobs, residual), 1e-3)
 end
@@ -510,7 +511,7 @@ if samples > 0 then
   if ahead_tokens > 0 then promised = math.max(cost * slow * slowdown, cost * slowdown / math.max(per_slot, 1e-3)) end
 end
 local running = 0 -- only cap counts the running jobs
-if policy_kind == 1 then running = tonumber(redis.call('HGET', running_k, model)) or 0 end
+if policy_kind == 1 then running = (redis.call('HGET', running_k, model) or 0) * 1 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; every
 -- refusal that says to retry reserves (policy.decide, admission.reserve).
 local refused = false
@@ -551,7 +552,7 @@ if refused then
   st_flush(st) -- the policy's state and the reservations moved on
   local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, runnable_tokens,
     num(per_slot), samples, slots }
-  for _, v in ipairs(before) do out[#out + 1] = v end
+  for _, v in ipairs(tenant_state(old_rl, old_rs, old_tl, old_ts)) do out[#out + 1] = v end
   out[#out + 1] = running
   for _, v in ipairs(policy_before) do out[#out + 1] = v end
   out[#out + 1] = victim_cost or ''
@@ -596,7 +597,7 @@ do
   if own_head and tag then st_set(st, own_h, own_head .. int_text(own + 1) .. ':' .. tag) end
 end
 st_flush(st)
-redis.call('ZADD', deadline_k, deadline, id, 'inf', SKIPLIST_MEMBER)
+redis.call('ZADD', deadline_k, ARGV[5], id, 'inf', SKIPLIST_MEMBER) -- the deadline's text: not formatted again
 if idem_ttl > 0 then
   redis.call('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end

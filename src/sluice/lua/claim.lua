@@ -59,7 +59,7 @@ end
 local S = settings_of('claim', ARGV[5], parse_settings)
 
 local now_s, P = ARGV[1], S.P
-local now = tonumber(now_s)
+local now = now_s * 1
 local lease_s, worker, token = S.lease_s, ARGV[2], ARGV[3]
 local result_ttl, maxlen = S.result_ttl, S.maxlen
 local ncls, nmodels, max_expired = S.ncls, S.nmodels, S.max_expired
@@ -105,12 +105,12 @@ local function peek(m, i)
   local st, c, sched = states[m], classes[i], sched_of(m, i)
   local top = redis.call('ZRANGE', sched, '0', '0', 'WITHSCORES')
   if #top == 0 then return nil end
-  local member, tag = top[1], tonumber(top[2])
+  local member, tag = top[1], top[2] * 1
   local tenant = string.sub(member, 16)
   if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tag then
     local tq = tq_key(P, models[m], c, tenant)
     local id = redis.call('LINDEX', tq, '0')
-    if id then return { member, tag, tenant, tq, id } end
+    if id then return { member, tag, tenant, tq, id, top[2] } end
   end
   return fq_peek(P, st, models[m], c, sched, blocked)
 end
@@ -127,7 +127,7 @@ while true do
       if head then
         local created = 0
         if nmodels > 1 then
-          created = tonumber(redis.call('HGET', job_key(P, head[5]), 'created_at'))
+          created = tonum(redis.call('HGET', job_key(P, head[5]), 'created_at'))
         end
         if best == nil or i < best[1] or (i == best[1] and (created < best[2]
             or (created == best[2] and models[m] < best[3]))) then
@@ -142,7 +142,7 @@ while true do
   local st, id = states[m], head[5]
   local jk = job_key(P, id)
   local f = job_read(jk)
-  fq_pop(st, classes[i], sched_of(m, i), head, tonumber(f.cost), tonumber(f.weight) or 1.0)
+  fq_pop(st, classes[i], sched_of(m, i), head, f.cost * 1, (f.weight or 1.0) * 1)
   counts[m][i] = counts[m][i] - 1
   local paid = pay_credits(best[6], counts[m], credits[m], mins, i)
   for c = 1, ncls do
@@ -156,14 +156,14 @@ while true do
 
   -- DrainRate.service_s at the measured rate in a full batch (slot_rate); before any measurement
   -- only the deadline counts.
-  local left, service = tonumber(f.deadline) - now, nil
+  local left, service = f.deadline - now, nil
   if left > 0 then
     local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields[m])) -- p:, n:, g:
-    if (tonumber(d[2]) or 0) > 0 then
+    if (d[2] or 0) * 1 > 0 then
       -- The slowdown is at most max_slowdown, so service is at most `longest`: a job with more
       -- time left than that can finish whatever the fill fit says, and the fit is not parsed
       -- (the common case; the answer is the same).
-      local per_slot, cost = tonumber(d[1]), tonumber(f.cost)
+      local per_slot, cost = d[1] * 1, f.cost * 1
       local longest = cost / math.max(per_slot / math.max(max_slowdown, 1), 1e-3)
       if left < longest then
         service = cost / math.max(per_slot / fill_slowdown(d[3], fill_ridge, max_slowdown), 1e-3)
@@ -179,7 +179,7 @@ while true do
     expired = expired + 1
     if expired >= max_expired then return { 2 } end
   else
-    local attempt, seq = tonumber(f.attempts) + 1, tonumber(f.seq) + 1
+    local attempt, seq = f.attempts + 1, f.seq + 1
     local ls = redis.call('HINCRBY', capacity_k, 'ls', '1') -- the order leases are taken in (reap.lua)
     local rb = redis.call('HINCRBY', running_k, models[m], '1') -- running with it at its start, itself too
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,

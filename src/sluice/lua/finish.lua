@@ -52,7 +52,7 @@ local used = tonumber(ARGV[6])
 local P, result_ttl, maxlen, drain_alpha = S.P, S.result_ttl, S.maxlen, S.drain_alpha
 local slow_q, slow_step, per_slot_weight, fill_alpha = S.slow_q, S.slow_step, S.per_slot_weight, S.fill_alpha
 local CHANGES_AT = 8 -- ARGV[CHANGES_AT ..]: the field, value pairs to record
-local now = tonumber(now_s)
+local now = now_s * 1
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
@@ -66,28 +66,28 @@ for i = CHANGES_AT, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 -- The model's running jobs, itself included, before settle counts it out (DrainRate.observe's
 -- running: the mean of this and of the count just after it started, the job's 'rb').
-local running_now = tonumber(redis.call('HGET', running_k, f.model)) or 0
+local running_now = (redis.call('HGET', running_k, f.model) or 0) * 1
 settle(id, f, state, changes)
-tenant_settle(P, f.tenant, f.kb, tonumber(f.cost), used, now)
+tenant_settle(P, f.tenant, f.kb, f.cost * 1, used, now)
 
 if state == 'succeeded' and started then
-  local cost, service = tonumber(f.cost), now - tonumber(started)
+  local cost, service = f.cost * 1, now - started
   if cost > 0 and service > 0 then
     local model = f.model
     local F = capacity_fields(model)
     local d = redis.call('HMGET', capacity_k, F[1], F[2], F[3], F[4], F[5], F[6], 'e', F[7])
-    if d[7] and now > tonumber(d[7]) then -- some worker may have died: recount the slots
+    if d[7] and now > d[7] * 1 then -- some worker may have died: recount the slots
       workers_refresh(workers_k, wslots_k, capacity_k, now_s)
       workers_mark(workers_k, capacity_k)
       d[5] = redis.call('HGET', capacity_k, F[5])
     end
-    local per_slot, samples = tonumber(d[1]) or 0, tonumber(d[2]) or 0
-    local mean_s, slow = tonumber(d[3]) or 0, tonumber(d[4]) or 0
-    local slots = math.max(tonumber(d[5]) or 0, 1)
+    local per_slot, samples = (d[1] or 0) * 1, (d[2] or 0) * 1
+    local mean_s, slow = (d[3] or 0) * 1, (d[4] or 0) * 1
+    local slots = math.max((d[5] or 0) * 1, 1)
     local alpha = drain_alpha -- DrainRate.weight
     if per_slot_weight then alpha = drain_alpha / slots end
     local per_cost = service / cost
-    local resid = tonumber(d[8]) or 0
+    local resid = (d[8] or 0) * 1
     if samples > 0 and per_slot > 0 and mean_s > 0 then -- DrainRate.resid, before the rate learns it
       local r = service - cost / per_slot
       if resid <= 0 then resid = r * r else resid = resid + alpha * (r * r - resid) end
@@ -108,7 +108,7 @@ if state == 'succeeded' and started then
     end
     local fields = { F[1], num(per_slot), F[2], int_text(samples + 1), F[3], num(mean_s),
       F[4], num(slow), F[7], num(resid) }
-    local rb = tonumber(f.rb)
+    local rb = tonum(f.rb)
     local beside = rb and (rb + running_now) / 2
     if beside and beside > 0 then -- DrainRate.observe_fill
       local u = math.min(beside / slots, 1.0)
