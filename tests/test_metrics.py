@@ -103,6 +103,24 @@ def test_observe_job_exports_what_a_lookup_per_observation_did(monkeypatch: pyte
     assert 'sluice_jobs_total{model="d",status="failed"} 2.0' in _series(kept)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_counted_children_export_what_inc_does(monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    """Counted through their values (prometheus_client's layout, as the probe found it) or, where
+    the probe fails, through inc(): the same series; a negative count still raises inc()'s error."""
+    assert metrics_module._DIRECT  # the probe passes on the prometheus_client this project runs
+    monkeypatch.setattr(metrics_module, "_DIRECT", direct)
+    kept, looked_up = Metrics(), Metrics()
+    for job in [_finished("a", "succeeded", started=True, token=True, usage=n) for n in (0, 5, True)]:
+        kept.observe_job(job)
+        _reference(looked_up, job)
+    metrics_module.counted(kept.admissions.labels("refused", "queue_full")).inc(1)
+    looked_up.admissions.labels("refused", "queue_full").inc()
+    assert _series(kept) == _series(looked_up)
+    assert 'sluice_completion_tokens_total{model="a"} 6.0' in _series(kept)
+    with pytest.raises(ValueError):
+        kept.observe_job(_finished("a", "succeeded", started=True, token=True, usage=-1))
+
+
 def _series(metrics: Metrics) -> list[str]:
     """The exported lines, less the ``_created`` ones (when each child was made: they differ)."""
     lines = generate_latest(metrics.registry).decode().splitlines()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,6 +16,30 @@ RETRY_AFTER_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 #: The most label sets :meth:`Metrics.observe_job` keeps the children of, per metric: a deployment
 #: serves a few models and a job ends in one of a handful of states; past it a cache starts again.
 CHILDREN_MAX = 1_000
+
+
+def _values_direct() -> bool:
+    """Whether a Counter's child keeps its count where :func:`counted` reads it (``_value``, whose
+    ``inc`` adds): prometheus_client's private layout, checked once on a counter of its own, and
+    an increment through it must show in the exposition. Where it does not, the public ``inc``."""
+    try:
+        registry = CollectorRegistry()
+        child = Counter("sluice_probe", "", ["a"], registry=registry).labels("x")
+        child._value.inc(2)
+        return registry.get_sample_value("sluice_probe_total", {"a": "x"}) == 2.0
+    except Exception:
+        return False
+
+
+_DIRECT = _values_direct()
+
+
+def counted(child: Any) -> Any:
+    """What a counter's child is counted through, by ``.inc(n)`` with n >= 0: its value itself where
+    prometheus_client keeps it as :func:`_values_direct` found, so that an increment is one call
+    and a lock, not three calls more (``inc``'s checks that a child of a labelled metric always
+    passes, and its test for a negative amount); else the child."""
+    return child._value if _DIRECT else child
 
 
 class Metrics:
@@ -63,10 +88,10 @@ class Metrics:
         self._broken_seen: dict[str, int] = {}
         # observe_job's children per label values, each made on its first observation (as labels()
         # makes it): labels() takes a lock and builds its key on every call, for every finished job.
-        self._jobs_by = _Children(self.jobs)
+        self._jobs_by = _Children(self.jobs, counted)
         self._queue_wait_by = _Children(self.queue_wait)
         self._ttft_by = _Children(self.ttft)
-        self._tokens_by = _Children(self.tokens)
+        self._tokens_by = _Children(self.tokens, counted)
         # The scaling signal (sluice.scaling_signal; docs/autoscaling.md): every gateway computes it
         # from the shared broker state, so on Redis they all agree: scrape any one, or take the max.
         self.desired_engines = Gauge(
@@ -142,13 +167,16 @@ class Metrics:
 
     def observe_job(self, job: Job) -> None:
         model = job.model
-        self._jobs_by[model, job.state.value].inc()
+        self._jobs_by[model, job.state.value].inc(1)
         if job.started_at is not None:
             self._queue_wait_by[model].observe(max(job.started_at - job.created_at, 0))
         if job.first_token_at is not None:
             self._ttft_by[model].observe(max(job.first_token_at - job.created_at, 0))
         if job.usage and isinstance(tokens := job.usage.get("completion_tokens"), int):
-            self._tokens_by[model].inc(tokens)
+            if tokens >= 0:
+                self._tokens_by[model].inc(tokens)
+            else:
+                self.tokens.labels(model).inc(tokens)  # the ValueError it always raised
 
 
 class _Children(dict[Any, Any]):
@@ -156,12 +184,15 @@ class _Children(dict[Any, Any]):
     ``labels()`` on its first lookup; a lookup that finds one is a plain dict's, no call of
     Python's. Emptied when full (:data:`CHILDREN_MAX`), and made again as looked up."""
 
-    def __init__(self, metric: Any) -> None:
+    def __init__(self, metric: Any, kept: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         self.metric = metric
+        #: what is kept of a child (:func:`counted`); None: the child itself
+        self.kept = kept
 
     def __missing__(self, key: Any) -> Any:
         if len(self) >= CHILDREN_MAX:
             self.clear()
-        child = self[key] = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
-        return child
+        child = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
+        found = self[key] = child if self.kept is None else self.kept(child)
+        return found

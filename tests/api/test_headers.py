@@ -8,7 +8,7 @@ from starlette.requests import Request
 
 from sluice.api import auth
 from sluice.api.auth import KeyRing, hash_key
-from sluice.api.headers import header
+from sluice.api.headers import header, headers
 from sluice.config import load_settings
 from sluice.config_tables import KeyConfig
 
@@ -27,6 +27,15 @@ RAW = [
 def test_a_header_is_what_starlette_reads(name: str) -> None:
     request = Request({"type": "http", "headers": RAW})
     assert header(request, name.encode()) == request.headers.get(name)
+
+
+def test_headers_read_in_one_scan_are_what_header_reads() -> None:
+    """Duplicates (the first counts), latin-1, empty and absent values, in the places asked."""
+    request = Request({"type": "http", "headers": RAW})
+    names = ["x-absent", "idempotency-key", "x-priority", "x-stainless-retry-count", "host"]
+    found = headers(request, {name.encode(): place for place, name in enumerate(names)})
+    assert found == [header(request, name.encode()) for name in names]
+    assert found == [None, "caf\xe9", "high", "", "127.0.0.1"]
 
 
 def _request(token: str | None) -> Request:

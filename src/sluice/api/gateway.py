@@ -15,7 +15,7 @@ from fastapi import Request
 
 from sluice.api.auth import Caller
 from sluice.api.errors import APIError
-from sluice.api.headers import header
+from sluice.api.headers import header, headers
 from sluice.api.schemas import SchedulingOptions
 from sluice.broker.base import Admission, Broker
 from sluice.config import Settings
@@ -23,7 +23,7 @@ from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.core.model_info import ModelInfo
 from sluice.core.request import RequestedJob, RequestLimits, RequestRejected, plan_job
-from sluice.metrics import Metrics
+from sluice.metrics import Metrics, counted
 from sluice.startup import EngineStartup
 from sluice.webhooks import CallbackRefused, check_callback_url
 
@@ -34,6 +34,20 @@ SERVED_CACHE_S = 1.0
 
 # Fields that are Sluice's, not the engine's.
 OWN_FIELDS = ("priority", "timeout", "callback_url")
+
+#: The headers a job is built from, read in one scan (api.headers.headers), by their place there.
+_JOB_HEADERS = {
+    name: place
+    for place, name in enumerate(
+        (
+            b"x-priority",
+            b"x-request-timeout",
+            b"x-stainless-timeout",
+            b"x-stainless-read-timeout",
+            b"idempotency-key",
+        )
+    )
+}
 
 
 def _names(served: dict[str, int]) -> str:
@@ -230,6 +244,9 @@ class Gateway:
             opts = SchedulingOptions.model_validate(body)
         s = self.settings
         model = await self.resolve_model(opts.model)
+        priority_header, timeout_header, node_timeout, python_timeout, idempotency_key = headers(
+            request, _JOB_HEADERS
+        )
         asked = RequestedJob(
             endpoint=endpoint,
             messages=body.get("messages") if endpoint is Endpoint.CHAT else None,
@@ -239,10 +256,11 @@ class Gateway:
             max_tokens=opts.max_tokens,
             max_completion_tokens=opts.max_completion_tokens,
             priority=opts.priority,
-            priority_header=header(request, b"x-priority"),
+            priority_header=priority_header,
             timeout_s=opts.timeout,
-            timeout_header=header(request, b"x-request-timeout"),
-            client_timeout_header=client_timeout(request),
+            timeout_header=timeout_header,
+            # as client_timeout() reads it: openai-node's, else openai-python's
+            client_timeout_header=node_timeout or python_timeout,
             tools=body.get("tools"),
             functions=body.get("functions"),
             response_format=body.get("response_format"),
@@ -275,7 +293,7 @@ class Gateway:
             created_at=now,
             deadline=plan.deadline,
             max_attempts=s.max_attempts,
-            idempotency_key=header(request, b"idempotency-key") or None,
+            idempotency_key=idempotency_key or None,
             weight=caller.limits.weight,
             callback_url=None if (url := body.get("callback_url")) is None else await self.callback_url(url),
             key_sha256=caller.key_sha256,
@@ -307,7 +325,7 @@ class Gateway:
             # bucket's refill, every other is a reservation from the model's book (core/policy.py's
             # decide), already counted against the times handed out before it.
             refusals, retry_after = self._refusal_metrics(refused.code)
-            refusals.inc()
+            refusals.inc(1)
             retry_after.observe(refused.retry_after_s)
             if retry:
                 self.metrics.client_retries.labels("refused").inc()
@@ -330,8 +348,8 @@ class Gateway:
             raise APIError.from_refused(refused) from None
         admitted = self._admitted
         if admitted is None:
-            admitted = self._admitted = self.metrics.admissions.labels("admitted", "")
-        (self.metrics.admissions.labels("duplicate", "") if admission.duplicate else admitted).inc()
+            admitted = self._admitted = counted(self.metrics.admissions.labels("admitted", ""))
+        (self.metrics.admissions.labels("duplicate", "") if admission.duplicate else admitted).inc(1)
         if retry:
             self.metrics.client_retries.labels("admitted").inc()
         return admission
@@ -342,7 +360,7 @@ class Gateway:
         found = self._refused.get(code)
         if found is None:
             found = self._refused[code] = (
-                self.metrics.admissions.labels("refused", code),
+                counted(self.metrics.admissions.labels("refused", code)),
                 self.metrics.retry_after.labels(code),
             )
         return found
