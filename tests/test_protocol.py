@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -170,6 +171,39 @@ def test_add_returns_the_choices_to_relay_and_nothing_for_a_usage_chunk() -> Non
     assert a.add({"choices": [], "usage": USAGE}) == []
     assert a.add({"choices": ["not a choice", None]}) == []
     assert a.response()["choices"][0]["message"]["content"] == "a"
+
+
+def test_the_relayed_choices_are_the_objects_among_them_in_order() -> None:
+    a = Assembler(chat_job())
+    first, second = {"index": 1, "delta": {"content": "a"}}, {"index": 0, "delta": {"content": "b"}}
+    assert a.add({"choices": [first, "not a choice", second]}) == [first, second]
+    assert a.add({"choices": (second,)}) == [second]  # not a list: a list all the same
+    assert [c["message"]["content"] for c in a.response()["choices"]] == ["bb", "a"]
+
+
+COMMON_SHAPES = [
+    [delta("a", role="assistant"), delta("b"), delta(""), delta("c", finish="stop")],
+    [delta(None, role="assistant"), delta("a"), delta(None), delta("b"), delta(finish="length")],
+    [delta(role="assistant"), delta("", finish=None), delta("x"), delta("y", index=1), delta("z")],
+    [delta(None, reasoning_content="r"), delta("a"), delta(None, reasoning_content="s"), delta("b")],
+    [{"choices": [{"index": True, "delta": {"content": "a"}}]}, delta("b", index=1), delta("c", index="0")],
+]
+
+
+@pytest.mark.parametrize("chunks", COMMON_SHAPES)
+def test_a_piece_of_content_folds_as_the_general_fold_folds_it(chunks: list[dict[str, Any]]) -> None:
+    # The same chunks with each delta a Mapping that is not a dict (so the general fold takes
+    # every one): the same answer, the same count of generated chunks, the same choices relayed.
+    job = chat_job()
+    short, general = Assembler(job), Assembler(job)
+    for data in chunks:
+        proxied = copy.deepcopy(data)
+        for choice in proxied["choices"]:
+            choice["delta"] = types.MappingProxyType(choice["delta"])
+        assert short.add(copy.deepcopy(data)) == data["choices"]
+        assert [{**c, "delta": dict(c["delta"])} for c in general.add(proxied)] == data["choices"]
+    assert short.response() == general.response()
+    assert short.tokens == general.tokens
 
 
 def test_the_chunks_relayed_are_never_changed_by_what_follows() -> None:

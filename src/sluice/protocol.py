@@ -34,7 +34,7 @@ def loads(raw: bytes) -> Any:
                 except (StopIteration, ValueError):
                     pass
                 else:
-                    if end == len(text):
+                    if not text[end:]:  # nothing after the object (a slice: no call of len)
                         return value
             if not text.startswith("\ufeff"):
                 return json.loads(text)
@@ -88,7 +88,13 @@ class TokenChunks:
         self._head = json.dumps(chunk(job, []))[: -len(', "choices": []}')] + ", "
 
     def encode(self, data: Mapping[str, Any]) -> str:
-        if type(data) is dict and len(data) == 1 and _PLAIN is not None and data.get("choices"):
+        if (
+            type(data) is dict
+            and len(data) == 1
+            and _PLAIN is not None
+            and "choices" in data
+            and data["choices"]
+        ):
             # A token event of choices alone (what a chunk of no fields of its own gives, every
             # token of most engines): it is what follows the identity, as it is.
             return self._head + "".join(_PLAIN(data, 0))[1:]
@@ -358,33 +364,52 @@ class Assembler:
         """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk).
 
         Called for every token: the common chunk (identity, one choice whose delta is a piece of
-        content, nulls) takes a short way to the same answer as the general fold."""
-        usage = data.get("usage")
-        if isinstance(usage, dict):
+        content, nulls) takes a short way to the same answer as the general fold. Its keys are
+        looked up with ``in`` and subscripts rather than ``dict.get``, and its types checked with
+        ``type() is`` before ``isinstance``: the same values, without a C call each (about 14 of
+        the 20 calls this took a token)."""
+        usage = data["usage"] if "usage" in data else None  # noqa: SIM401 (no call)
+        if usage is not None and isinstance(usage, dict):
             self.usage = usage
         if data.keys() <= _OWN:
             self.last_fields = _NO_FIELDS
         else:
             self.last_fields = chunk_fields(data)
             _fold(self.fields, self.last_fields, False)
-        choices = data.get("choices")
+        choices = data["choices"] if "choices" in data else None  # noqa: SIM401 (no call)
         if not choices:
             return []
         chat = self.job.endpoint is Endpoint.CHAT
         skip = _CHAT_OWN if chat else _TEXT_OWN
-        relay = []
+        # The relayed choices are the chunk's own list where every choice is an object (the same
+        # values as a list of them made anew); a copy of those that are where one is not.
+        skipped = type(choices) is not list
         for raw in choices:
-            if not isinstance(raw, dict):
+            if type(raw) is not dict and not isinstance(raw, dict):
+                skipped = True
                 continue
-            index = raw.get("index", 0)
-            index = index if isinstance(index, int) else 0
-            c = self.choices.get(index)
-            if c is None:
+            index = raw["index"] if "index" in raw else 0  # noqa: SIM401 (no call)
+            if type(index) is not int and not isinstance(index, int):
+                index = 0
+            try:
+                c = self.choices[index]
+            except KeyError:
                 c = self.choices[index] = _Choice(index)
             if chat:
-                self._add_delta(c, raw.get("delta"))
+                delta = raw["delta"] if "delta" in raw else None  # noqa: SIM401 (no call)
+                message = c.message
+                if type(delta) is dict and len(delta) == 1 and "content" in delta and "content" in message:
+                    content, text = delta["content"], message["content"]
+                    if type(content) is str and type(text) is _Text:
+                        # A piece of content after the first: the fold would append it, as here.
+                        text.parts.append(content)
+                        self.tokens += bool(content)
+                    else:
+                        self._add_delta(c, delta)
+                else:
+                    self._add_delta(c, delta)
             else:
-                text = raw.get("text")
+                text = raw["text"] if "text" in raw else None  # noqa: SIM401 (no call)
                 if isinstance(text, str):
                     _fold(c.message, {"text": text}, True)
                     self.tokens += bool(text)
@@ -399,20 +424,15 @@ class Assembler:
                 rest[key] = value
             if rest is not None:
                 _fold(fields, rest, False)
-            relay.append(raw)
-        return relay
+        if skipped:
+            return [raw for raw in choices if isinstance(raw, dict)]
+        relayed: list[dict[str, Any]] = choices
+        return relayed
 
     def _add_delta(self, c: _Choice, delta: Any) -> None:
+        """Fold a chat delta (the general way: :meth:`add` appends the common piece of content)."""
         if type(delta) is not dict and not isinstance(delta, Mapping):
             return
-        if len(delta) == 1:
-            content = delta.get("content")
-            text = c.message.get("content")
-            if type(content) is str and isinstance(text, _Text):
-                # A piece of content after the first: the fold would append it, as here.
-                text.parts.append(content)
-                self.tokens += bool(content)
-                return
         calls = delta.get("tool_calls")
         if isinstance(calls, list):
             c.add_tool_calls(calls)
