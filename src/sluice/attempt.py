@@ -68,7 +68,8 @@ async def generate(broker: Broker, job: Job, hold: Hold) -> tuple[Assembler, boo
                         # queueing inside the engine shows in the first token, not the end
                         engine.limiter.on_first_token(inflight, first - started)
                 chunks += 1
-                await broker.publish(job.id, EventType.TOKEN, assembler.event(choices))
+                # Assembler.event's, inline: this runs for every token
+                await broker.publish(job.id, EventType.TOKEN, {**assembler.last_fields, "choices": choices})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     moved = observe(engine, job, assembler, inflight, started, first, chunks)

@@ -317,6 +317,32 @@ async def test_stream_lines_cut_anywhere_with_any_line_break_are_read_whole() ->
     assert assembler.response()["choices"][0]["message"]["content"] == "abc" + long_text
 
 
+async def test_a_data_line_is_read_whatever_whitespace_stands_around_its_json() -> None:
+    # "data: {...}" is read without a strip; every other spacing is stripped, as it always was.
+    payload = _chunk_line("x")[len("data: ") :]
+    lines = [
+        "data: " + payload.replace('"x"', '"a"'),
+        "data:" + payload.replace('"x"', '"b"'),
+        "data:  " + payload.replace('"x"', '"c"') + " \t",
+        "data:\t" + payload.replace('"x"', '"d"'),
+        "data: " + payload.replace('"x"', '"e"') + " ",
+        "data: [DONE] ",
+        "data: " + payload.replace('"x"', '"never read"'),
+    ]
+    text = "".join(line + "\n\n" for line in lines)
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        return PlainTextResponse(text, media_type="text/event-stream")
+
+    async with _engine(app) as backend:
+        assembler, chunks = await assemble(backend, engine_job("m", Endpoint.CHAT, max_tokens=SHORT))
+    assert chunks == 5
+    assert assembler.response()["choices"][0]["message"]["content"] == "abcde"
+
+
 @MODES
 async def test_an_engine_that_stops_answering_is_a_retryable_error_not_a_deadline(
     stream_tokens: bool,
