@@ -94,8 +94,10 @@ def build_library(names: Sequence[str]) -> Library:
     functions = {name: f"{library}_{name}" for name in names}
     parts = [f"#!lua name={library}\n", shared]
     for name, body in bodies:
-        # One line for the opening, so that an error's line number inside a body is the library's.
-        parts.append(f"redis.register_function('{functions[name]}', function(KEYS, ARGV)\n{body}end)\n")
+        # One line for the opening, so that an error's line number inside a body is the library's;
+        # it sets _keys.lua's rcall (redis.call exists only once the library is loaded).
+        opening = f"redis.register_function('{functions[name]}', function(KEYS, ARGV) rcall = redis.call"
+        parts.append(f"{opening}\n{body}end)\n")
     return Library(library, "".join(parts), functions)
 
 

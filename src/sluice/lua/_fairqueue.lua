@@ -36,7 +36,7 @@ local function fq_schedule(st, c, sched, tenant, tag)
   local seq = st_num(st, f_seq(c), 0) + 1
   st_set(st, f_seq(c), seq)
   st_set(st, f_tag(c, tenant), tag)
-  redis.call('ZADD', sched, tag, string.format('%015d', seq) .. tenant)
+  rcall('ZADD', sched, tag, string.format('%015d', seq) .. tenant)
 end
 
 -- FairQueue.push. front=true is for a job handed back (lease lost): next for its tenant, at the
@@ -45,13 +45,13 @@ local function fq_push(st, c, sched, tq, tenant, id, cost, front)
   local vtime = st_num(st, f_vtime(c), 0)
   if front then
     st_set(st, f_head(tq), false) -- a new head, maybe at the same tag
-    local was_idle = redis.call('LPUSH', tq, id) == 1
+    local was_idle = rcall('LPUSH', tq, id) == 1
     if was_idle then
       fq_schedule(st, c, sched, tenant, vtime)
     else
       fq_schedule(st, c, sched, tenant, math.min(st_num(st, f_tag(c, tenant), vtime), vtime))
     end
-  elseif redis.call('RPUSH', tq, id) == 1 then
+  elseif rcall('RPUSH', tq, id) == 1 then
     -- a tenant FairQueue does not know starts with finish = vtime
     fq_schedule(st, c, sched, tenant, math.max(vtime, st_num(st, f_finish(c, tenant), vtime)))
   end
@@ -66,16 +66,16 @@ end
 local function fq_peek(P, st, model, c, sched, blocked)
   local kept = 0 -- entries of blocked tenants, left in place at the front
   while true do
-    local top = redis.call('ZRANGE', sched, kept, kept + 15, 'WITHSCORES')
+    local top = rcall('ZRANGE', sched, kept, kept + 15, 'WITHSCORES')
     if #top == 0 then return nil end
     for i = 1, #top, 2 do
       local member, tag = top[i], top[i + 1] * 1
       local tenant = string.sub(member, 16)
       local tq = tq_key(P, model, c, tenant)
       local id = false
-      if st_num(st, f_tag(c, tenant), nil) == tag then id = redis.call('LINDEX', tq, '0') end
+      if st_num(st, f_tag(c, tenant), nil) == tag then id = rcall('LINDEX', tq, '0') end
       if not id then
-        redis.call('ZREM', sched, member) -- stale: the tenant was re-tagged or emptied
+        rcall('ZREM', sched, member) -- stale: the tenant was re-tagged or emptied
       elseif blocked[tenant] then
         kept = kept + 1
       else
@@ -89,11 +89,11 @@ end
 local function fq_has_eligible(P, st, model, c, sched, blocked, jobs)
   if jobs <= 0 then return false end
   if next(blocked) == nil then return true end
-  local members = redis.call('ZRANGE', sched, '0', '-1', 'WITHSCORES')
+  local members = rcall('ZRANGE', sched, '0', '-1', 'WITHSCORES')
   for i = 1, #members, 2 do
     local tenant = string.sub(members[i], 16)
     if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == members[i + 1] * 1
-        and redis.call('LLEN', tq_key(P, model, c, tenant)) > 0 then
+        and rcall('LLEN', tq_key(P, model, c, tenant)) > 0 then
       return true
     end
   end
@@ -103,13 +103,13 @@ end
 -- FairQueue.pop of the head found by fq_peek; cost and weight are the head job's.
 local function fq_pop(st, c, sched, head, cost, weight)
   local member, tag, tenant, tq = head[1], head[2], head[3], head[4]
-  redis.call('ZREM', sched, member)
-  redis.call('LPOP', tq)
+  rcall('ZREM', sched, member)
+  rcall('LPOP', tq)
   fq_add_work(st, tq, -cost)
   st_set(st, f_vtime(c), head[6] or tag) -- the heap's text of it: not formatted again
   local finish = tag + cost / weight
   st_set(st, f_finish(c, tenant), finish)
-  if redis.call('LLEN', tq) > 0 then
+  if rcall('LLEN', tq) > 0 then
     fq_schedule(st, c, sched, tenant, finish)
   else
     st_set(st, f_head(tq), false)
@@ -125,7 +125,7 @@ end
 
 -- FairQueue.remove. Returns true when the job was queued there.
 local function fq_remove(st, c, tq, id, cost)
-  if redis.call('LREM', tq, '1', id) == 0 then return false end
+  if rcall('LREM', tq, '1', id) == 0 then return false end
   st_set(st, f_head(tq), false) -- it may have been the head
   fq_add_work(st, tq, -cost)
   st_set(st, f_jobs(c), st_num(st, f_jobs(c), 0) - 1)

@@ -19,7 +19,7 @@ end
 -- about what a HMGET of the fields a script needs would, and lets a script answer with the record
 -- it changed without reading it again.
 local function job_read(jk)
-  local flat = redis.call('HGETALL', jk)
+  local flat = rcall('HGETALL', jk)
   local f = {}
   for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
   return f
@@ -27,7 +27,7 @@ end
 
 -- Records field, value pairs both in the hash and in f.
 local function job_set(jk, f, pairs_)
-  redis.call('HSET', jk, unpack(pairs_))
+  rcall('HSET', jk, unpack(pairs_))
   for i = 1, #pairs_, 2 do f[pairs_[i]] = pairs_[i + 1] end
 end
 
@@ -44,7 +44,7 @@ end
 -- Appends event number `seq` (the caller stores seq in the record); ids 0-1, 0-2, ... make the
 -- sequence number the SSE event id.
 local function emit(ok, seq, etype, data)
-  redis.call('XADD', ok, 'MAXLEN', '~', J.maxlen, '0-' .. int_text(seq), 't', etype, 'd', data)
+  rcall('XADD', ok, 'MAXLEN', '~', J.maxlen, '0-' .. int_text(seq), 't', etype, 'd', data)
 end
 
 -- Puts a job in a terminal state, with `changes` (field, value, ...) recorded too, publishes its
@@ -57,23 +57,23 @@ end
 local function settle(id, f, state, changes)
   local jk, ok = job_key(J.P, id), out_key(J.P, id)
   if f.state == 'running' then
-    redis.call('HINCRBY', J.running, f.model, '-1')
+    rcall('HINCRBY', J.running, f.model, '-1')
   end
-  if state == 'expired' then redis.call('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
+  if state == 'expired' then rcall('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
   tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
   local seq = f.seq + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }
   for i = 1, #changes do args[#args + 1] = changes[i] end
   job_set(jk, f, args)
-  redis.call('ZADD', J.results, J.now + J.ttl, id, 'inf', SKIPLIST_MEMBER)
+  rcall('ZADD', J.results, J.now + J.ttl, id, 'inf', SKIPLIST_MEMBER)
   local etype = 'error'
   if state == 'succeeded' then etype = 'done' end
   emit(ok, seq, etype, '')
   if f.callback_url then
-    redis.call('RPUSH', callbacks_key(J.P), id)
-    redis.call('ZADD', callbacks_marker_key(J.P), '0', 'w')
+    rcall('RPUSH', callbacks_key(J.P), id)
+    rcall('ZADD', callbacks_marker_key(J.P), '0', 'w')
   end
   local ms = ttl_ms_text(J.ttl)
-  redis.call('PEXPIRE', jk, ms)
-  redis.call('PEXPIRE', ok, ms)
+  rcall('PEXPIRE', jk, ms)
+  rcall('PEXPIRE', ok, ms)
 end

@@ -4,6 +4,12 @@
 -- so they live in the same cluster slot as the declared KEYS.
 -- tests/broker/test_redis.py checks that these builders and redis_keys.py agree.
 
+-- redis.call, kept where the scripts reach it as an upvalue: the global `redis` is looked up
+-- through the globals' __index in a function, ~300 instructions at each of the dozens of calls a
+-- script makes. There is no redis.call while the library loads: each function sets it as it
+-- starts (redis_library.build_library), before anything runs.
+local rcall = nil
+
 -- A memo of what a script builds the same many times (names, parsed settings). It lives as long
 -- as the library (redis_library.py: these files run once, when it is loaded), so it holds at most
 -- `max` entries and then starts again: tenants and texts come and go without bound, and a rebuild

@@ -9,7 +9,7 @@
 local function st_open(key, fields, keep)
   local st, got = { key = key, v = {}, dirty = {} }, {}
   if #fields > 0 then
-    got = redis.call('HMGET', key, unpack(fields))
+    got = rcall('HMGET', key, unpack(fields))
     for i = 1, keep or #fields do st.v[fields[i]] = got[i] end
   end
   return st, got
@@ -18,7 +18,7 @@ end
 local function st_num(st, f, default)
   local v = st.v[f]
   if v == nil then
-    v = redis.call('HGET', st.key, f)
+    v = rcall('HGET', st.key, f)
     st.v[f] = v
   end
   if v then return v * 1 end
@@ -42,8 +42,8 @@ local function st_flush(st)
       dels[#dels + 1] = f
     end
   end
-  if #sets > 0 then redis.call('HSET', st.key, unpack(sets)) end
-  if #dels > 0 then redis.call('HDEL', st.key, unpack(dels)) end
+  if #sets > 0 then rcall('HSET', st.key, unpack(sets)) end
+  if #dels > 0 then rcall('HDEL', st.key, unpack(dels)) end
   st.dirty = {}
 end
 

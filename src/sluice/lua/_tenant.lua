@@ -34,15 +34,15 @@ local TENANT_OWN_FIELDS = { q = true, r = true, mc = true }
 -- none); had_cap: it had one, so it may be in them still.
 local function tenant_sets(P, blocked, tenant, q, r, mc, had_cap)
   if mc then
-    if r >= mc then redis.call('SADD', blocked, tenant) else redis.call('SREM', blocked, tenant) end
+    if r >= mc then rcall('SADD', blocked, tenant) else rcall('SREM', blocked, tenant) end
     if q + r > mc then
-      redis.call('SADD', capped_key(P), tenant)
+      rcall('SADD', capped_key(P), tenant)
     else
-      redis.call('SREM', capped_key(P), tenant)
+      rcall('SREM', capped_key(P), tenant)
     end
   elseif had_cap then
-    redis.call('SREM', blocked, tenant)
-    redis.call('SREM', capped_key(P), tenant)
+    rcall('SREM', blocked, tenant)
+    rcall('SREM', capped_key(P), tenant)
   end
 end
 
@@ -56,20 +56,20 @@ end
 -- and capped sets.
 local function tenant_move(P, blocked, tenant, from, to)
   local tk = tenant_key(P, tenant)
-  local t = redis.call('HMGET', tk, 'q', 'r', 'mc')
+  local t = rcall('HMGET', tk, 'q', 'r', 'mc')
   local q, r, mc = (t[1] or 0) * 1, (t[2] or 0) * 1, tonum(t[3])
   if from == 'queued' then q = q - 1 elseif from == 'running' then r = r - 1 end
   if to == 'queued' then q = q + 1 elseif to == 'running' then r = r + 1 end
   if q <= 0 and r <= 0 then
     local own = 0 -- of the hash's fields, those that are not buckets
     for _, v in ipairs(t) do if v then own = own + 1 end end
-    if redis.call('HLEN', tk) <= own then
-      redis.call('DEL', tk)
+    if rcall('HLEN', tk) <= own then
+      rcall('DEL', tk)
       tenant_sets(P, blocked, tenant, 0, 0, nil, mc ~= nil)
       return
     end
   end
-  redis.call('HSET', tk, 'q', int_text(q), 'r', int_text(r))
+  rcall('HSET', tk, 'q', int_text(q), 'r', int_text(r))
   tenant_sets(P, blocked, tenant, q, r, mc, false)
 end
 
@@ -79,7 +79,7 @@ end
 local function tenant_settle(P, tenant, bucket, charged, used, now)
   if bucket == nil or used < 0 or used == charged then return end
   local tk, B = tenant_key(P, tenant), bucket_fields(bucket)
-  local t = redis.call('HMGET', tk, B.tpm, B.tl, B.ts)
+  local t = rcall('HMGET', tk, B.tpm, B.tl, B.ts)
   local cap = tonum(t[1])
   if not cap then return end
   local level = bucket_refill(tonum(t[2]), tonum(t[3]), cap, now)
@@ -88,5 +88,5 @@ local function tenant_settle(P, tenant, bucket, charged, used, now)
   else
     level = level - (used - charged)
   end
-  redis.call('HSET', tk, B.tl, num(level), B.ts, now)
+  rcall('HSET', tk, B.tl, num(level), B.ts, now)
 end

@@ -7,34 +7,34 @@
 
 local function workers_rebuild(workers, wslots, capacity)
   local total = {}
-  for _, w in ipairs(redis.call('ZRANGE', workers, 0, -1)) do
-    local js = redis.call('HGET', wslots, w)
+  for _, w in ipairs(rcall('ZRANGE', workers, 0, -1)) do
+    local js = rcall('HGET', wslots, w)
     if js then
       for model, n in pairs(cjson.decode(js)) do
         total[model] = (total[model] or 0) + n
       end
     end
   end
-  local fields = redis.call('HKEYS', capacity)
+  local fields = rcall('HKEYS', capacity)
   local gone = {}
   for _, f in ipairs(fields) do
     if string.sub(f, 1, 2) == 's:' and total[string.sub(f, 3)] == nil then gone[#gone + 1] = f end
   end
-  if #gone > 0 then redis.call('HDEL', capacity, unpack(gone)) end
+  if #gone > 0 then rcall('HDEL', capacity, unpack(gone)) end
   local sets = {}
   for model, n in pairs(total) do
     sets[#sets + 1] = 's:' .. model
     sets[#sets + 1] = n
   end
-  if #sets > 0 then redis.call('HSET', capacity, unpack(sets)) end
+  if #sets > 0 then rcall('HSET', capacity, unpack(sets)) end
 end
 
 -- Drops the workers whose registration expired before now; true when any was dropped.
 local function workers_expire(workers, wslots, now_s)
-  local gone = redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. now_s)
+  local gone = rcall('ZRANGEBYSCORE', workers, '-inf', '(' .. now_s)
   if #gone == 0 then return false end
-  redis.call('ZREMRANGEBYSCORE', workers, '-inf', '(' .. now_s)
-  redis.call('HDEL', wslots, unpack(gone))
+  rcall('ZREMRANGEBYSCORE', workers, '-inf', '(' .. now_s)
+  rcall('HDEL', wslots, unpack(gone))
   return true
 end
 
@@ -45,10 +45,10 @@ local function workers_refresh(workers, wslots, capacity, now_s)
 end
 
 local function workers_mark(workers, capacity)
-  local first = redis.call('ZRANGE', workers, 0, 0, 'WITHSCORES')
+  local first = rcall('ZRANGE', workers, 0, 0, 'WITHSCORES')
   if #first == 0 then
-    redis.call('HDEL', capacity, 'e')
+    rcall('HDEL', capacity, 'e')
   else
-    redis.call('HSET', capacity, 'e', first[2])
+    rcall('HSET', capacity, 'e', first[2])
   end
 end

@@ -139,14 +139,14 @@ local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-if redis.call('EXISTS', job_k) == 1 then return { 3 } end
+if rcall('EXISTS', job_k) == 1 then return { 3 } end
 
 if idem_ttl > 0 then
-  local hit = redis.call('GET', idem_k)
+  local hit = rcall('GET', idem_k)
   if hit then
     local sp = string.find(hit, ' ', 1, true)
     local first = string.sub(hit, 1, sp - 1)
-    if tonumber(string.sub(hit, sp + 1)) > now and redis.call('EXISTS', job_key(P, first)) == 1 then
+    if tonumber(string.sub(hit, sp + 1)) > now and rcall('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
   end
@@ -157,7 +157,7 @@ end
 -- through a change of its limits (TenantLimiter.update: refilled at the new rate up to the new
 -- size); a limit that went away takes its bucket along. The tenant's cap is the key's.
 local t = {}
-local flat = redis.call('HGETALL', tenant_k)
+local flat = rcall('HGETALL', tenant_k)
 for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end
 local had_mc = t.mc ~= nil
 local B = bucket_fields(bucket)
@@ -211,7 +211,7 @@ local function tenant_store(rl, rs, tl, ts)
     buckets = true
   end
   if queued_by_tenant <= 0 and running_by_tenant <= 0 and not buckets then
-    if next(flat) ~= nil then redis.call('DEL', tenant_k) end
+    if next(flat) ~= nil then rcall('DEL', tenant_k) end
     tenant_sets(P, blocked_k, tenant, 0, 0, nil, had_mc)
     return
   end
@@ -221,8 +221,8 @@ local function tenant_store(rl, rs, tl, ts)
   elseif had_mc then
     dels[#dels + 1] = 'mc'
   end
-  redis.call('HSET', tenant_k, unpack(sets))
-  if #dels > 0 then redis.call('HDEL', tenant_k, unpack(dels)) end
+  rcall('HSET', tenant_k, unpack(sets))
+  if #dels > 0 then rcall('HDEL', tenant_k, unpack(dels)) end
   tenant_sets(P, blocked_k, tenant, queued_by_tenant, running_by_tenant, mc, had_mc)
 end
 
@@ -255,7 +255,7 @@ do
   local F_ENCODING = 'ht'
   local ENCODING_NOTE = 'a value over hash-max-listpack-value: this hash stays a hashtable (admit.lua)'
   local seen = { [tenant] = true }
-  for _, member in ipairs(redis.call('ZRANGE', sched_k, '0', '-1')) do
+  for _, member in ipairs(rcall('ZRANGE', sched_k, '0', '-1')) do
     local other = string.sub(member, 16)
     if not seen[other] then
       seen[other] = true
@@ -320,9 +320,9 @@ end
 local runnable_tokens = model_tokens
 local held_n, kept_k = {}, {} -- of a capped tenant: its jobs of this class held back; the cost of the rest
 local rooms = {} -- { tenant, room }: the capped tenants and how many more of their jobs may start
-for _, other in ipairs(redis.call('SMEMBERS', capped_k)) do
+for _, other in ipairs(rcall('SMEMBERS', capped_k)) do
   if other ~= tenant then
-    local o = redis.call('HMGET', tenant_key(P, other), 'r', 'mc')
+    local o = rcall('HMGET', tenant_key(P, other), 'r', 'mc')
     local cap = tonum(o[2])
     if cap then rooms[#rooms + 1] = { other, math.max(cap - (o[1] or 0) * 1, 0) } end
   end
@@ -335,13 +335,13 @@ for _, capped in ipairs(rooms) do
   local is_above = true
   for _, c in ipairs(classes) do
     local tq = tq_key(P, model, c, other)
-    local n = redis.call('LLEN', tq)
+    local n = rcall('LLEN', tq)
     if c == cls then is_above = false end
     if n > room then -- FairQueue.held_back
       local kept = 0
       if room > 0 then
-        for _, jid in ipairs(redis.call('LRANGE', tq, 0, room - 1)) do
-          kept = kept + redis.call('HGET', job_key(P, jid), 'cost')
+        for _, jid in ipairs(rcall('LRANGE', tq, 0, room - 1)) do
+          kept = kept + rcall('HGET', job_key(P, jid), 'cost')
         end
       end
       local held = st_num(st, f_work(tq), 0) - kept
@@ -384,14 +384,14 @@ do
       local hc, hw, at = string.match(cached, '^(%S+) (%S+) (.*)$')
       if at == valid then return hc * 1, hw * 1, hc, hw end
     end
-    local h = redis.call('HMGET', job_key(P, redis.call('LINDEX', tq, '0')), 'cost', 'weight')
+    local h = rcall('HMGET', job_key(P, rcall('LINDEX', tq, '0')), 'cost', 'weight')
     local hw = h[2] or '1'
     if valid and h[1] then st_set(st, f_head(tq), h[1] .. ' ' .. hw .. ' ' .. valid) end
     return tonum(h[1]), hw * 1, h[1], hw
   end
 
   local vtime = st_num(st, S.f_vtime, 0)
-  own = redis.call('LLEN', tq_k)
+  own = rcall('LLEN', tq_k)
   local start
   if own > 0 then
     local _, hw, hc_text, hw_text = head_of(tq_k, own, st.v[own_t], st.v[own_h])
@@ -404,7 +404,7 @@ do
   end
   for i, other in ipairs(others) do
     local tq = others_tq[i]
-    local n = redis.call('LLEN', tq)
+    local n = rcall('LLEN', tq)
     if n > 0 then
       local w, tag
       if others_read then
@@ -427,13 +427,13 @@ do
   end
 end
 
-local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields)) -- p:, n:, s:, e, h:, g:, r:, d:
+local d = rcall('HMGET', capacity_k, unpack(S.capacity_fields)) -- p:, n:, s:, e, h:, g:, r:, d:
 local per_slot, samples, slots = (d[1] or 0) * 1, (d[2] or 0) * 1, (d[3] or 0) * 1
 local slow, fill = (d[5] or 0) * 1, d[6] or ''
 if d[4] and now > d[4] * 1 then -- some worker may have died: recount the slots
   workers_refresh(workers_k, wslots_k, capacity_k, now_s)
   workers_mark(workers_k, capacity_k)
-  slots = (redis.call('HGET', capacity_k, 's:' .. model) or 0) * 1
+  slots = (rcall('HGET', capacity_k, 's:' .. model) or 0) * 1
 end
 
 -- DrainRate.rate and slot_rate, in a full batch (DrainRate.slowdown)
@@ -483,8 +483,8 @@ if excess > 0 then
   end
 end
 if excess > 0 and victim and victim_n >= own + 2 then
-  victim_id = redis.call('LINDEX', tq_key(P, model, cls, victim), '-1')
-  victim_cost = tonum(redis.call('HGET', job_key(P, victim_id), 'cost'))
+  victim_id = rcall('LINDEX', tq_key(P, model, cls, victim), '-1')
+  victim_cost = tonum(rcall('HGET', job_key(P, victim_id), 'cost'))
   evict = over(model_max_jobs, model_max_tokens, model_jobs - 1, model_tokens - victim_cost) <= 0
     and over(class_max_jobs, class_max_tokens, class_jobs - 1, class_tokens - victim_cost) <= 0
 end
@@ -511,7 +511,7 @@ if samples > 0 then
   if ahead_tokens > 0 then promised = math.max(cost * slow * slowdown, cost * slowdown / math.max(per_slot, 1e-3)) end
 end
 local running = 0 -- only cap counts the running jobs
-if policy_kind == 1 then running = (redis.call('HGET', running_k, model) or 0) * 1 end
+if policy_kind == 1 then running = (rcall('HGET', running_k, model) or 0) * 1 end
 -- The order of the memory broker: the tenant's limits, the hard bounds, then the policy; every
 -- refusal that says to retry reserves (policy.decide, admission.reserve).
 local refused = false
@@ -568,7 +568,7 @@ if evict then -- MemoryBroker._evict
   local vk = job_key(P, victim_id)
   local vf = job_read(vk)
   fq_remove(st, cls, tq_key(P, model, cls, victim), victim_id, victim_cost)
-  redis.call('ZREM', deadline_k, victim_id)
+  rcall('ZREM', deadline_k, victim_id)
   settle(victim_id, vf, 'failed', { 'error', evicted_error })
 end
 
@@ -578,18 +578,20 @@ if tpm then tl = tl - cost end
 queued_by_tenant = queued_by_tenant + 1
 tenant_store(rl, rs, tl, ts)
 
+local wait_text = num(wait) -- in the record and in the reply: made once (~6 k instructions)
+
 -- Event 1 (QUEUED) lives in the record, field 'q': a stream costs 4 KB from its first entry
 -- (stream-node-max-bytes is preallocated), and most of a backlog never gets further than this.
 -- 'kb' names the buckets the job was charged to, which finish settles.
 do
   local record = { 'state', 'queued', 'seq', '1',
-    'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. num(wait) .. '}' }
+    'q', '{"position":' .. ahead_jobs .. ',"estimated_start_s":' .. wait_text .. '}' }
   if limits_given then
     table.insert(record, 'kb')
     table.insert(record, bucket)
   end
   for i = RECORD_AT, #ARGV do record[#record + 1] = ARGV[i] end
-  redis.call('HSET', job_k, unpack(record))
+  rcall('HSET', job_k, unpack(record))
   fq_push(st, cls, sched_k, tq_k, tenant, id, cost, false)
   -- the same head and tag, one job more: what head_of stored holds on (an empty list's new head
   -- is stored by the next admission that reads it)
@@ -597,16 +599,16 @@ do
   if own_head and tag then st_set(st, own_h, own_head .. int_text(own + 1) .. ':' .. tag) end
 end
 st_flush(st)
-redis.call('ZADD', deadline_k, ARGV[5], id, 'inf', SKIPLIST_MEMBER) -- the deadline's text: not formatted again
+rcall('ZADD', deadline_k, ARGV[5], id, 'inf', SKIPLIST_MEMBER) -- the deadline's text: not formatted again
 if idem_ttl > 0 then
-  redis.call('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
+  rcall('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end
 if model_jobs == 0 then
   -- While the model has queued work, every claim that leaves some behind sets the marker again
   -- (claim.lua), so only the first job of an idle queue needs to wake a claimer.
-  redis.call('SADD', models_k, model)
-  redis.call('ZADD', marker_k, '0', 'w')
+  rcall('SADD', models_k, model)
+  rcall('ZADD', marker_k, '0', 'w')
 end
-local out = { 1, ahead_jobs, num(wait) }
+local out = { 1, ahead_jobs, wait_text }
 for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end
 return out

@@ -16,25 +16,25 @@ local now = tonumber(now_s)
 
 if op == 'take' then
   local lease_s, most = tonumber(ARGV[3]), tonumber(ARGV[4])
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', inflight_k, '-inf', now_s)) do
-    redis.call('ZREM', inflight_k, id)
-    redis.call('RPUSH', pending_k, id) -- its worker went quiet: hand it out again
+  for _, id in ipairs(rcall('ZRANGEBYSCORE', inflight_k, '-inf', now_s)) do
+    rcall('ZREM', inflight_k, id)
+    rcall('RPUSH', pending_k, id) -- its worker went quiet: hand it out again
   end
-  local ids = redis.call('LRANGE', pending_k, 0, most - 1)
+  local ids = rcall('LRANGE', pending_k, 0, most - 1)
   if #ids > 0 then
-    redis.call('LTRIM', pending_k, #ids, -1)
-    for _, id in ipairs(ids) do redis.call('ZADD', inflight_k, now + lease_s, id) end
+    rcall('LTRIM', pending_k, #ids, -1)
+    for _, id in ipairs(ids) do rcall('ZADD', inflight_k, now + lease_s, id) end
   end
   return ids
 elseif op == 'ack' then
   local id = ARGV[3]
-  return redis.call('ZREM', inflight_k, id)
+  return rcall('ZREM', inflight_k, id)
 elseif op == 'extra' then
   local before, after = ARGV[3], ARGV[4]
-  local cur = redis.call('HGET', job_k, 'extra')
+  local cur = rcall('HGET', job_k, 'extra')
   if not cur then return -1 end
   if cur ~= before then return 0 end
-  redis.call('HSET', job_k, 'extra', after)
+  rcall('HSET', job_k, 'extra', after)
   return 1
 end
 return redis.error_reply('unknown op ' .. op)

@@ -28,10 +28,10 @@ if f.state == 'queued' then
   local st = st_open(state_key(P, f.model), {})
   fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
   st_flush(st)
-  redis.call('ZREM', deadline_k, id)
+  rcall('ZREM', deadline_k, id)
   settle(id, f, 'cancelled', { 'error', cancelled_error })
 elseif f.state == 'running' then
-  redis.call('PUBLISH', abort_channel, id)
+  rcall('PUBLISH', abort_channel, id)
   settle(id, f, 'cancelled', { 'error', cancelled_error })
 end
 return job_reply(f)

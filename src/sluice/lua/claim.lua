@@ -77,7 +77,7 @@ local function marker_of(m) return model_key(m, 1) end
 local function sched_of(m, i) return model_key(m, 1 + i) end
 
 local blocked = {}
-for _, t in ipairs(redis.call('SMEMBERS', blocked_k)) do blocked[t] = true end
+for _, t in ipairs(rcall('SMEMBERS', blocked_k)) do blocked[t] = true end
 
 -- Per model: its state view, and its queue lengths and credits by class index.
 local states, counts, credits = {}, {}, {}
@@ -103,13 +103,13 @@ end
 -- Anything else (a stale entry, a blocked tenant) goes to fq_peek, which settles it.
 local function peek(m, i)
   local st, c, sched = states[m], classes[i], sched_of(m, i)
-  local top = redis.call('ZRANGE', sched, '0', '0', 'WITHSCORES')
+  local top = rcall('ZRANGE', sched, '0', '0', 'WITHSCORES')
   if #top == 0 then return nil end
   local member, tag = top[1], top[2] * 1
   local tenant = string.sub(member, 16)
   if not blocked[tenant] and st_num(st, f_tag(c, tenant), nil) == tag then
     local tq = tq_key(P, models[m], c, tenant)
-    local id = redis.call('LINDEX', tq, '0')
+    local id = rcall('LINDEX', tq, '0')
     if id then return { member, tag, tenant, tq, id, top[2] } end
   end
   return fq_peek(P, st, models[m], c, sched, blocked)
@@ -127,7 +127,7 @@ while true do
       if head then
         local created = 0
         if nmodels > 1 then
-          created = tonum(redis.call('HGET', job_key(P, head[5]), 'created_at'))
+          created = tonum(rcall('HGET', job_key(P, head[5]), 'created_at'))
         end
         if best == nil or i < best[1] or (i == best[1] and (created < best[2]
             or (created == best[2] and models[m] < best[3]))) then
@@ -152,13 +152,13 @@ while true do
     end
   end
   st_flush(st)
-  redis.call('ZREM', deadline_k, id)
+  rcall('ZREM', deadline_k, id)
 
   -- DrainRate.service_s at the measured rate in a full batch (slot_rate); before any measurement
   -- only the deadline counts.
   local left, service = f.deadline - now, nil
   if left > 0 then
-    local d = redis.call('HMGET', capacity_k, unpack(S.capacity_fields[m])) -- p:, n:, g:
+    local d = rcall('HMGET', capacity_k, unpack(S.capacity_fields[m])) -- p:, n:, g:
     if (d[2] or 0) * 1 > 0 then
       -- The slowdown is at most max_slowdown, so service is at most `longest`: a job with more
       -- time left than that can finish whatever the fill fit says, and the fit is not parsed
@@ -180,12 +180,12 @@ while true do
     if expired >= max_expired then return { 2 } end
   else
     local attempt, seq = f.attempts + 1, f.seq + 1
-    local ls = redis.call('HINCRBY', capacity_k, 'ls', '1') -- the order leases are taken in (reap.lua)
-    local rb = redis.call('HINCRBY', running_k, models[m], '1') -- running with it at its start, itself too
+    local ls = rcall('HINCRBY', capacity_k, 'ls', '1') -- the order leases are taken in (reap.lua)
+    local rb = rcall('HINCRBY', running_k, models[m], '1') -- running with it at its start, itself too
     job_set(jk, f, { 'state', 'running', 'started_at', now_s, 'worker', worker, 'lease', token,
       'attempts', int_text(attempt), 'seq', int_text(seq), 'ls', ls, 'rb', int_text(rb) })
     tenant_move(P, blocked_k, f.tenant, 'queued', 'running')
-    redis.call('ZADD', active_k, now + lease_s, id, 'inf', SKIPLIST_MEMBER)
+    rcall('ZADD', active_k, now + lease_s, id, 'inf', SKIPLIST_MEMBER)
     emit(out_key(P, id), seq, 'started', '{"attempt":' .. attempt .. '}')
     -- A claimer that was idle wakes the next idle one while work is left, so that a burst does not
     -- wait behind a single marker. Busy claimers come back by themselves and consume no markers,
@@ -194,7 +194,7 @@ while true do
       for mm = 1, nmodels do
         for c = 1, ncls do
           if counts[mm][c] > 0 then
-            redis.call('ZADD', marker_of(mm), '0', 'w')
+            rcall('ZADD', marker_of(mm), '0', 'w')
             break
           end
         end

@@ -10,8 +10,8 @@
 local conns_k = KEYS[1]
 local now_s, conn, cap, expires, ttl_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 
-redis.call('ZREMRANGEBYSCORE', conns_k, '-inf', '(' .. now_s)
-if redis.call('ZCARD', conns_k) >= cap then return 0 end
-redis.call('ZADD', conns_k, expires, conn)
-redis.call('PEXPIRE', conns_k, ttl_ms)
+rcall('ZREMRANGEBYSCORE', conns_k, '-inf', '(' .. now_s)
+if rcall('ZCARD', conns_k) >= cap then return 0 end
+rcall('ZADD', conns_k, expires, conn)
+rcall('PEXPIRE', conns_k, ttl_ms)
 return 1

@@ -58,7 +58,7 @@ J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 local f = job_read(job_k)
 if f.worker ~= worker or (token ~= '' and f.lease ~= token) then return { 0 } end
-if redis.call('ZREM', active_k, id) == 0 then return { 0 } end -- not leased (any more)
+if rcall('ZREM', active_k, id) == 0 then return { 0 } end -- not leased (any more)
 if f.state ~= 'running' then return { 0 } end -- cancelled while running: the lease is released above
 
 local changes = {}
@@ -66,7 +66,7 @@ for i = CHANGES_AT, #ARGV do changes[#changes + 1] = ARGV[i] end
 local started = f.started_at
 -- The model's running jobs, itself included, before settle counts it out (DrainRate.observe's
 -- running: the mean of this and of the count just after it started, the job's 'rb').
-local running_now = (redis.call('HGET', running_k, f.model) or 0) * 1
+local running_now = (rcall('HGET', running_k, f.model) or 0) * 1
 settle(id, f, state, changes)
 tenant_settle(P, f.tenant, f.kb, f.cost * 1, used, now)
 
@@ -75,11 +75,11 @@ if state == 'succeeded' and started then
   if cost > 0 and service > 0 then
     local model = f.model
     local F = capacity_fields(model)
-    local d = redis.call('HMGET', capacity_k, F[1], F[2], F[3], F[4], F[5], F[6], 'e', F[7])
+    local d = rcall('HMGET', capacity_k, F[1], F[2], F[3], F[4], F[5], F[6], 'e', F[7])
     if d[7] and now > d[7] * 1 then -- some worker may have died: recount the slots
       workers_refresh(workers_k, wslots_k, capacity_k, now_s)
       workers_mark(workers_k, capacity_k)
-      d[5] = redis.call('HGET', capacity_k, F[5])
+      d[5] = rcall('HGET', capacity_k, F[5])
     end
     local per_slot, samples = (d[1] or 0) * 1, (d[2] or 0) * 1
     local mean_s, slow = (d[3] or 0) * 1, (d[4] or 0) * 1
@@ -106,8 +106,9 @@ if state == 'succeeded' and started then
     else
       slow = slow * math.exp(-slow_step * (1 - slow_q))
     end
-    local fields = { F[1], num(per_slot), F[2], int_text(samples + 1), F[3], num(mean_s),
-      F[4], num(slow), F[7], num(resid) }
+    -- Numbers go to Redis as numbers: it makes the same %.17g text for half of what num costs
+    -- (a Lua string made by string.format).
+    local fields = { F[1], per_slot, F[2], int_text(samples + 1), F[3], mean_s, F[4], slow, F[7], resid }
     local rb = tonum(f.rb)
     local beside = rb and (rb + running_now) / 2
     if beside and beside > 0 then -- DrainRate.observe_fill
@@ -124,9 +125,10 @@ if state == 'succeeded' and started then
       end
       g[6] = g[6] + 1
       fields[#fields + 1] = F[6]
-      fields[#fields + 1] = table.concat({ num(g[1]), num(g[2]), num(g[3]), num(g[4]), num(g[5]), g[6] }, ' ')
+      -- one string.format of the six (the count as table.concat wrote it, %.14g)
+      fields[#fields + 1] = string.format('%.17g %.17g %.17g %.17g %.17g %.14g', g[1], g[2], g[3], g[4], g[5], g[6])
     end
-    redis.call('HSET', capacity_k, unpack(fields))
+    rcall('HSET', capacity_k, unpack(fields))
   end
 end
 

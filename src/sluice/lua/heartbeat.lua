@@ -17,13 +17,13 @@ local PAIRS_AT = 4 -- ARGV[PAIRS_AT ..]: job id, lease token per job
 local abort = {}
 for j = 0, #KEYS - JOBS_AT do
   local id, token = ARGV[PAIRS_AT + 2 * j], ARGV[PAIRS_AT + 2 * j + 1]
-  local f = redis.call('HMGET', KEYS[JOBS_AT + j], 'state', 'worker', 'lease')
-  local mine = redis.call('ZSCORE', active_k, id) and f[2] == worker and (token == '' or f[3] == token)
+  local f = rcall('HMGET', KEYS[JOBS_AT + j], 'state', 'worker', 'lease')
+  local mine = rcall('ZSCORE', active_k, id) and f[2] == worker and (token == '' or f[3] == token)
   if mine and f[1] == 'running' then
-    redis.call('ZADD', active_k, 'XX', now + lease_s, id)
+    rcall('ZADD', active_k, 'XX', now + lease_s, id)
   else
     abort[#abort + 1] = id
-    if mine then redis.call('ZREM', active_k, id) end
+    if mine then rcall('ZREM', active_k, id) end
   end
 end
 return abort

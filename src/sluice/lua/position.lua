@@ -15,7 +15,7 @@ local job_k = KEYS[1]
 local P, id = ARGV[1], ARGV[2]
 local CLASSES_AT = 3 -- ARGV[CLASSES_AT ..]: class names, highest first
 
-local f = redis.call('HMGET', job_k, 'state', 'model', 'priority', 'tenant')
+local f = rcall('HMGET', job_k, 'state', 'model', 'priority', 'tenant')
 if f[1] ~= 'queued' then return -1 end
 local model, cls, tenant = f[2], f[3], f[4]
 local st = st_open(state_key(P, model), {})
@@ -28,16 +28,16 @@ end
 
 -- a job's virtual service time, as in FairQueue: cost / weight
 local function cost_of(jid)
-  local c = redis.call('HMGET', job_key(P, jid), 'cost', 'weight')
+  local c = rcall('HMGET', job_key(P, jid), 'cost', 'weight')
   return tonumber(c[1]) / (tonumber(c[2]) or 1.0)
 end
 
 local tq, sched = tq_key(P, model, cls, tenant), sched_key(P, model, cls)
-local idx = redis.call('LPOS', tq, id)
+local idx = rcall('LPOS', tq, id)
 if not idx then return -1 end
 local before = 0 -- summed first, then added to the tag, as Python's sum() does
 if idx > 0 then
-  for _, jid in ipairs(redis.call('LRANGE', tq, 0, idx - 1)) do
+  for _, jid in ipairs(rcall('LRANGE', tq, 0, idx - 1)) do
     before = before + cost_of(jid)
   end
 end
@@ -45,15 +45,15 @@ local own = st_num(st, f_tag(cls, tenant), 0) + before
 
 local ahead, seen = idx, { [tenant] = true }
 -- Heap entries in tag order: a tenant whose tag is below ours has a live entry below ours.
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', sched, '-inf', '(' .. num(own))) do
+for _, m in ipairs(rcall('ZRANGEBYSCORE', sched, '-inf', '(' .. num(own))) do
   local other = string.sub(m, 16)
   if not seen[other] then
     seen[other] = true
     local tag = st_num(st, f_tag(cls, other), nil)
     local otq = tq_key(P, model, cls, other)
-    local n, start = redis.call('LLEN', otq), 0
+    local n, start = rcall('LLEN', otq), 0
     while tag and start < n and tag < own do
-      for _, jid in ipairs(redis.call('LRANGE', otq, start, start + 99)) do
+      for _, jid in ipairs(rcall('LRANGE', otq, start, start + 99)) do
         if tag >= own then break end
         ahead = ahead + 1
         tag = tag + cost_of(jid)

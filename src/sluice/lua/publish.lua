@@ -7,10 +7,10 @@
 local job_k, stream_k = KEYS[1], KEYS[2]
 local now_s, etype, data, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
-if redis.call('HGET', job_k, 'state') ~= 'running' then return 0 end
-if etype == 'token' and redis.call('HEXISTS', job_k, 'first_token_at') == 0 then
-  redis.call('HSET', job_k, 'first_token_at', now_s)
+if rcall('HGET', job_k, 'state') ~= 'running' then return 0 end
+if etype == 'token' and rcall('HEXISTS', job_k, 'first_token_at') == 0 then
+  rcall('HSET', job_k, 'first_token_at', now_s)
 end
-local seq = redis.call('HINCRBY', job_k, 'seq', 1)
-redis.call('XADD', stream_k, 'MAXLEN', '~', maxlen, '0-' .. seq, 't', etype, 'd', data)
+local seq = rcall('HINCRBY', job_k, 'seq', 1)
+rcall('XADD', stream_k, 'MAXLEN', '~', maxlen, '0-' .. seq, 't', etype, 'd', data)
 return seq

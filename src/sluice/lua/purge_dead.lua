@@ -15,13 +15,13 @@ local ids = {}
 if #ARGV >= IDS_AT then
   for i = IDS_AT, #ARGV do ids[#ids + 1] = ARGV[i] end
 else
-  ids = redis.call('ZRANGE', dead_k, 0, -1)
+  ids = rcall('ZRANGE', dead_k, 0, -1)
 end
 local gone = 0
 for _, id in ipairs(ids) do
-  if redis.call('ZREM', dead_k, id) == 1 then
-    redis.call('DEL', job_key(P, id), out_key(P, id))
-    redis.call('ZREM', results_k, id)
+  if rcall('ZREM', dead_k, id) == 1 then
+    rcall('DEL', job_key(P, id), out_key(P, id))
+    rcall('ZREM', results_k, id)
     gone = gone + 1
   end
 end

@@ -22,10 +22,10 @@ local result_ttl, maxlen, expired_error = tonumber(ARGV[4]), ARGV[5], ARGV[6]
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local late = redis.call('ZRANGEBYSCORE', deadline_k, '-inf', now_s, 'LIMIT', 0, limit)
+local late = rcall('ZRANGEBYSCORE', deadline_k, '-inf', now_s, 'LIMIT', 0, limit)
 local expired = 0
 for _, id in ipairs(late) do
-  redis.call('ZREM', deadline_k, id)
+  rcall('ZREM', deadline_k, id)
   local f = job_read(job_key(P, id))
   if f.state == 'queued' then
     local st = st_open(state_key(P, f.model), {})
@@ -36,11 +36,11 @@ for _, id in ipairs(late) do
   end
 end
 
-local old = redis.call('ZRANGEBYSCORE', results_k, '-inf', now_s, 'LIMIT', 0, limit)
+local old = rcall('ZRANGEBYSCORE', results_k, '-inf', now_s, 'LIMIT', 0, limit)
 for _, id in ipairs(old) do
-  redis.call('DEL', job_key(P, id), out_key(P, id))
-  redis.call('ZREM', results_k, id)
-  redis.call('ZREM', dead_k, id)
+  rcall('DEL', job_key(P, id), out_key(P, id))
+  rcall('ZREM', results_k, id)
+  rcall('ZREM', dead_k, id)
 end
 
 local more = 0

@@ -26,12 +26,12 @@ local now = tonumber(now_s)
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
-local ids = redis.call('ZRANGEBYSCORE', active_k, '-inf', now_s, 'LIMIT', 0, limit)
+local ids = rcall('ZRANGEBYSCORE', active_k, '-inf', now_s, 'LIMIT', 0, limit)
 -- In the order the leases were taken ('ls', from claim), as the memory broker walks its leases:
 -- two jobs of one tenant handed back in one round then keep the memory broker's order.
 local lost = {}
 for _, id in ipairs(ids) do
-  redis.call('ZREM', active_k, id)
+  rcall('ZREM', active_k, id)
   local f = job_read(job_key(P, id))
   f.id = id
   lost[#lost + 1] = f
@@ -43,21 +43,21 @@ for _, f in ipairs(lost) do
   if f.state == 'running' then
     local attempts = tonumber(f.attempts)
     if attempts >= tonumber(f.max_attempts) then
-      redis.call('ZADD', dead_k, now, id)
+      rcall('ZADD', dead_k, now, id)
       settle(id, f, 'failed', { 'error', (string.gsub(worker_lost_error, '{attempts}', tostring(attempts))) })
       dead = dead + 1
     else
       local model, cls, tenant = f.model, f.priority, f.tenant
       local seq = tonumber(f.seq) + 1
-      redis.call('HINCRBY', running_k, model, -1)
+      rcall('HINCRBY', running_k, model, -1)
       tenant_move(P, blocked_k, tenant, 'running', 'queued')
-      redis.call('HSET', jk, 'state', 'queued', 'seq', seq)
+      rcall('HSET', jk, 'state', 'queued', 'seq', seq)
       local st = st_open(state_key(P, model), {})
       fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
       st_flush(st)
-      redis.call('ZADD', deadline_k, f.deadline, id)
+      rcall('ZADD', deadline_k, f.deadline, id)
       emit(out_key(P, id), seq, 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')
-      redis.call('ZADD', marker_key(P, model), 0, 'w')
+      rcall('ZADD', marker_key(P, model), 0, 'w')
       requeued = requeued + 1
     end
   end

@@ -22,17 +22,17 @@ J.maxlen = ARGV[5]
 
 local f = job_read(job_k)
 if f.state ~= 'running' or f.worker ~= worker or f.lease ~= token then return 0 end
-if redis.call('ZREM', active_k, id) == 0 then return 0 end
+if rcall('ZREM', active_k, id) == 0 then return 0 end
 local model, cls, tenant = f.model, f.priority, f.tenant
 local attempts, seq = tonumber(f.attempts) - 1, tonumber(f.seq) + 1
-redis.call('HINCRBY', running_k, model, -1)
+rcall('HINCRBY', running_k, model, -1)
 tenant_move(P, blocked_k, tenant, 'running', 'queued')
-redis.call('HSET', job_k, 'state', 'queued', 'attempts', attempts, 'seq', seq)
-redis.call('HDEL', job_k, 'worker', 'lease')
+rcall('HSET', job_k, 'state', 'queued', 'attempts', attempts, 'seq', seq)
+rcall('HDEL', job_k, 'worker', 'lease')
 local st = st_open(state_key(P, model), {})
 fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
 st_flush(st)
-redis.call('ZADD', deadline_k, f.deadline, id)
+rcall('ZADD', deadline_k, f.deadline, id)
 emit(stream_k, seq, 'retry', '{"attempt":' .. (attempts + 1) .. ',"reason":"released unstarted"}')
-redis.call('ZADD', marker_key(P, model), 0, 'w')
+rcall('ZADD', marker_key(P, model), 0, 'w')
 return 1

@@ -12,15 +12,15 @@ local now_s, op, worker, expires, slots = ARGV[1], ARGV[2], ARGV[3], ARGV[4], AR
 
 local changed = workers_expire(workers_k, wslots_k, now_s)
 if op == 'register' then
-  if redis.call('HGET', wslots_k, worker) ~= slots then
-    redis.call('HSET', wslots_k, worker, slots)
+  if rcall('HGET', wslots_k, worker) ~= slots then
+    rcall('HSET', wslots_k, worker, slots)
     changed = true
   end
-  redis.call('ZADD', workers_k, expires, worker)
+  rcall('ZADD', workers_k, expires, worker)
 elseif op == 'unregister' then
-  if redis.call('ZREM', workers_k, worker) == 1 then changed = true end
-  redis.call('HDEL', wslots_k, worker)
+  if rcall('ZREM', workers_k, worker) == 1 then changed = true end
+  rcall('HDEL', wslots_k, worker)
 end
 if changed then workers_rebuild(workers_k, wslots_k, capacity_k) end
 workers_mark(workers_k, capacity_k)
-return redis.call('HGETALL', capacity_k)
+return rcall('HGETALL', capacity_k)
