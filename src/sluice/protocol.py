@@ -416,8 +416,11 @@ class Assembler:
             # The choice's own fields: only what is new (a null the choice has already says nothing).
             fields = c.fields
             rest: dict[str, Any] | None = None
-            for key, value in raw.items():
-                if (value is None and key in fields) or key in skip:
+            for key in raw:  # the keys and a subscript: no call of items, every token
+                if key in skip:
+                    continue
+                value = raw[key]
+                if value is None and key in fields:
                     continue
                 if rest is None:
                     rest = {}
