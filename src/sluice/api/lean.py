@@ -98,9 +98,11 @@ async def send_error(send: Send, error: APIError) -> None:
     body = compact_json(error_body(error.message, error.type, error.code, error.param))
     named = error.headers()
     headers = [(_NAMES.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
-    headers.append((b"content-length", str(len(body)).encode()))
-    headers.append(_JSON_TYPE)
-    headers.append((_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
+    headers += (
+        (b"content-length", str(len(body)).encode()),
+        _JSON_TYPE,
+        (_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()),
+    )
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
