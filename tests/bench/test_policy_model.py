@@ -171,3 +171,26 @@ def test_a_second_units_deadline_check_refuses_more_where_the_units_differ() -> 
     alone = run(CoDelPolicy(), spike, 2, engine=engine, prompt_weight=0.2)
     checked = run(CoDelPolicy(), spike, 2, engine=engine, prompt_weight=0.2, check_weight=1.0)
     assert checked.admitted < alone.admitted
+
+
+def test_an_extrapolation_floor_keeps_a_kv_short_engines_fixed_answers_promises() -> None:
+    """Seed 42 of the family (12 slots, fixed 512-token answers, a KV cache of 6,532 tokens against
+    the ~7,800 a full batch wants): the lull's fills are below the one where preemption starts,
+    fixed answers give no spread, and the promise follows the line, which a full batch then drains
+    slower than: 4 waits promised above the engine's full-batch rate. With the promise at least a
+    quarter of the way to its bound (``extrapolation_floor``, a what-if), none."""
+    engine = draw_engine(42)
+    answers_s, _, full_rate = saturated(engine)
+    spike = loads(answers_s)["spike 0.55x-5.5x"]
+    broken = {}
+    for floor in (0.0, 0.25):
+
+        def drain(slots: int, floor: float = floor) -> DrainRate:
+            return DrainRate(slots=slots, weigh_per_slot=True, extrapolation_floor=floor)
+
+        r = run(
+            CoDelPolicy(), spike, 42, engine=engine, retriers=0.1, drain_factory=drain, full_rate=full_rate
+        )
+        broken[floor] = (r.broken, r.causes)
+    assert broken[0.0] == (4, {"wait, promised above a full batch's rate": 4}), broken
+    assert broken[0.25] == (0, {}), broken

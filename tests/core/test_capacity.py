@@ -237,3 +237,29 @@ def test_the_residual_spread_is_a_service_times_around_what_its_cost_predicts() 
     )
     kept_without = DrainRate(slots=1, per_slot=d.per_slot, samples=d.samples, service=d.service, slow=d.slow)
     assert kept_without.residual_spread == kept_without.spread
+
+
+def test_an_extrapolation_floor_moves_an_even_promise_part_of_the_way_to_its_bound() -> None:
+    """``extrapolation_floor`` (a what-if of the policy model, 0 for the brokers): where every job
+    takes the same the promise follows the line (no spread, no extrapolation); with a floor it goes
+    that share of the way toward the bound (1 / fill) all the same, on a log scale; where the
+    spread asks for more than the floor, the spread decides."""
+    even = DrainRate(slots=8, weigh_per_slot=True)
+    floored = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25)
+    spread = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25)
+    for i in range(600):
+        even.observe(100, 1.0, running=1 + i % 3)
+        floored.observe(100, 1.0, running=1 + i % 3)
+        spread.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
+    assert floored.spread < 0.05
+    assert even.promise_slowdown == pytest.approx(even.slowdown, rel=0.05)
+    bound = 1.0 / floored.fill
+    assert floored.promise_slowdown == pytest.approx(
+        floored.slowdown * (bound / floored.slowdown) ** 0.25, rel=1e-9
+    )
+    assert floored.promise_slowdown > 1.3 * even.promise_slowdown
+    share = min(0.5 * spread.spread, 1.0)
+    assert share > 0.25
+    assert spread.promise_slowdown == pytest.approx(
+        spread.slowdown * (min(1.0 / spread.fill, 4.0) / spread.slowdown) ** share, rel=1e-9
+    )

@@ -540,6 +540,13 @@ def main() -> None:
         "0 with --margin-z 0: the promise before it)",
     )
     ap.add_argument(
+        "--extrapolation-floor",
+        type=float,
+        default=0.0,
+        help="a what-if: the least share of the way a promise's slowdown goes toward its bound, "
+        "whatever the spread of the jobs' times (DrainRate.extrapolation_floor; 0: the brokers' rule)",
+    )
+    ap.add_argument(
         "--margin-z",
         type=float,
         default=capacity_rules.WAIT_MARGIN_Z,
@@ -584,6 +591,7 @@ def main() -> None:
             weigh_per_slot=True,
             extrapolation_share=args.extrapolation,
             wait_margin_z=args.margin_z,
+            extrapolation_floor=args.extrapolation_floor,
         )
 
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}

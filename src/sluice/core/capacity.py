@@ -102,6 +102,9 @@ class DrainRate:
         extrapolation_share, wait_margin_z: the promise's constants (:data:`EXTRAPOLATION_SHARE`,
             :data:`WAIT_MARGIN_Z`, which the brokers use; ``sluice.bench.policy_model`` sets others
             for its what-ifs).
+        extrapolation_floor: the least share of the way a promise's slowdown goes toward its
+            bound, whatever the spread (0, the brokers' rule: none; a what-if of
+            ``sluice.bench.policy_model --extrapolation-floor``, docs/benchmarks/policies.md).
     """
 
     prior_per_slot: float = 50.0
@@ -121,6 +124,7 @@ class DrainRate:
     weigh_per_slot: bool = WEIGHT_PER_SLOT
     extrapolation_share: float = EXTRAPOLATION_SHARE
     wait_margin_z: float = WAIT_MARGIN_Z
+    extrapolation_floor: float = 0.0
 
     def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
         """One finished job: its cost, the seconds it took, and (when the broker knows it) how
@@ -274,6 +278,8 @@ class DrainRate:
         bound = fit if fit > bound else bound
         bound = MAX_FILL_SLOWDOWN if bound > MAX_FILL_SLOWDOWN else bound
         share = self.extrapolation_share * spread
+        floor = self.extrapolation_floor
+        share = floor if share < floor else share  # 0: share itself (spread is never below 0)
         return fit * math.pow(bound / fit, 1.0 if share > 1.0 else share)
 
     @property
