@@ -808,6 +808,24 @@ async def test_a_tenants_list_keeps_integer_scores_and_still_reads_the_older_for
     assert await raw.zscore(keys.tenant_jobs_us("a"), newer[0].id) is None
 
 
+async def test_admit_lists_a_queued_job_in_its_own_call(broker: RedisBroker, clock: FakeClock) -> None:
+    """On the home shard admit.lua adds a queued job to its tenant's list itself, as _list_job's
+    MULTI/EXEC did: the list's expiry set once (NX), then only ever lengthened (GT)."""
+    raw, keys = broker._redis, broker.keys
+    calls_before = (await raw.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0)
+    long_job = make_job(clock, tenant="a", timeout=3600.0)
+    await broker.admit(long_job)
+    assert await raw.zscore(keys.tenant_jobs_us("a"), long_job.id) == round(long_job.created_at * 1_000_000)
+    long_ttl = await raw.pttl(keys.tenant_jobs_us("a"))
+    assert long_ttl > 3600 * 1000
+    short_job = make_job(clock, tenant="a", timeout=60.0)
+    await broker.admit(short_job)
+    assert await raw.zscore(keys.tenant_jobs_us("a"), short_job.id) is not None
+    assert await raw.pttl(keys.tenant_jobs_us("a")) > 3600 * 1000  # not shortened
+    assert (await raw.info("commandstats")).get("cmdstat_exec", {}).get("calls", 0) == calls_before
+    assert [j.id for j in (await broker.list_jobs("a", 10)).jobs] == [short_job.id, long_job.id]
+
+
 async def test_admit_keeps_the_head_it_read_while_the_list_and_tag_hold(
     broker: RedisBroker, clock: FakeClock
 ) -> None:

@@ -68,6 +68,13 @@ class JobsMixin(RedisCore):
             k.capped,
             k.results,
         ]
+        # The tenant's list is in the home shard: there the script adds the job to it (one call
+        # fewer, no MULTI/EXEC); a queue of another shard lists it after, with _list_job.
+        listed = shard is self.home
+        listing: list[str | int | float] = ["", ""]
+        if listed:
+            keys.append(self.keys.tenant_jobs_us(job.tenant))
+            listing = [created_us(job.created_at), self._list_ttl_ms(job, now)]
         args: list[str | int | float] = [
             repr(float(now)),
             job.id,
@@ -87,12 +94,14 @@ class JobsMixin(RedisCore):
                 ),
                 self._admit_settings,
             ),
+            *listing,
             *encode_job(job),
         ]
         reply = AdmitReply.from_reply(await self._call("admit", keys, args, shard))
         if reply.outcome is AdmitOutcome.QUEUED:
             assert reply.tenant is not None
-            await self._list_job(job, now)
+            if not listed:
+                await self._list_job(job, now)
             rate = reply.tenant.limiter(job.tenant).status(now)
             return Admission(job, False, reply.position, reply.estimated_start_s, rate)
         if reply.outcome is not AdmitOutcome.REFUSED:
@@ -126,12 +135,16 @@ class JobsMixin(RedisCore):
         record can (NX sets a first expiry, GT only ever lengthens it). The list is in the home
         shard: it spans the tenant's models, and holds only ids, which name their shards."""
         key = self.keys.tenant_jobs_us(job.tenant)
-        ttl_ms = math.ceil(self._idempotency_ttl_s(job, now) * 1000)
+        ttl_ms = self._list_ttl_ms(job, now)
         await self._batch.transaction(
             ("ZADD", key, created_us(job.created_at), job.id),
             ("PEXPIRE", key, ttl_ms, "NX"),
             ("PEXPIRE", key, ttl_ms, "GT"),
         )
+
+    def _list_ttl_ms(self, job: Job, now: float) -> int:
+        """How long, at least, the tenant's list of jobs is kept after this job joins it."""
+        return math.ceil(self._idempotency_ttl_s(job, now) * 1000)
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
         # The list admissions write now, then the older form's (seconds as scores), whose jobs are

@@ -11,6 +11,8 @@
 -- KEYS[9]  capacity hash            KEYS[10] workers zset       KEYS[11] worker slots hash
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
 -- KEYS[15] running hash             KEYS[16] capped set           KEYS[17] results zset
+-- KEYS[18] the tenant's list of jobs (QueueKeys.tenant_jobs_us), when it is in this shard (the
+--          home shard's); absent, the caller adds a queued job to it itself (RedisJobs._list_job)
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  tenant
 -- ARGV[4]  cost                     ARGV[5]  deadline
 -- ARGV[6]  idempotency TTL s (0: the job has no key)
@@ -29,7 +31,9 @@
 --   23 RETRY_PATIENCE_S  24 RETRY_SHARE (admission.reserve)
 --   25 capacity.FILL_RIDGE  26 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
 --   27 .. the class names, highest first
--- ARGV[14 ..] field, value pairs of the job record (sluice.broker.redis_codec)
+-- ARGV[14] the job's score in the tenant's list (redis_codec.created_us), ARGV[15] the list's
+--          expiry in ms, at least (both '' without KEYS[18])
+-- ARGV[16 ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
 --         {3}                                        this job id is already admitted (a retried call)
@@ -134,7 +138,7 @@ local retry_bounds = S.retry_bounds
 local patience, share = S.patience, S.share
 local fill_ridge, max_slowdown = S.fill_ridge, S.max_slowdown
 local classes = S.classes
-local RECORD_AT = 14 -- ARGV[RECORD_AT ..]: the job record's field, value pairs
+local RECORD_AT = 16 -- ARGV[RECORD_AT ..]: the job record's field, value pairs
 local P = string.sub(job_k, 1, -(#id + 5)) -- job_k is P .. 'job:' .. id
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
@@ -600,6 +604,11 @@ do
 end
 st_flush(st)
 rcall('ZADD', deadline_k, ARGV[5], id, 'inf', SKIPLIST_MEMBER) -- the deadline's text: not formatted again
+if KEYS[18] then -- as RedisJobs._list_job: NX sets a first expiry, GT only ever lengthens it
+  rcall('ZADD', KEYS[18], ARGV[14], id)
+  rcall('PEXPIRE', KEYS[18], ARGV[15], 'NX')
+  rcall('PEXPIRE', KEYS[18], ARGV[15], 'GT')
+end
 if idem_ttl > 0 then
   rcall('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
 end
