@@ -74,8 +74,10 @@ class APIError(Exception):
         h: dict[str, str] = dict(self.extra_headers)
         if self.retry_after_s is not None:
             # Retry-After takes whole seconds; retry-after-ms (honoured by the OpenAI SDKs) keeps precision.
-            h["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-            h["retry-after-ms"] = str(max(1, round(self.retry_after_s * 1000)))
+            # At least 1 each, by conditionals: max() is a call more, on every refusal.
+            seconds, ms = math.ceil(self.retry_after_s), round(self.retry_after_s * 1000)
+            h["Retry-After"] = str(seconds if seconds > 1 else 1)
+            h["retry-after-ms"] = str(ms if ms > 1 else 1)
         if self.should_retry is not None:
             h["x-should-retry"] = "true" if self.should_retry else "false"
         if self.job_id is not None:

@@ -368,7 +368,9 @@ class Gateway:
 
 def client_retry(request: Request) -> int:
     """Which retry of the client this request is (0: a first try), from the OpenAI SDKs' header."""
-    raw = header(request, b"x-stainless-retry-count") or "0"
+    raw = header(request, b"x-stainless-retry-count")
+    if not raw:
+        return 0  # a first try, as most requests are (what "0" would give, without its checks)
     # ASCII only: str.isdigit() also accepts '²', which int() refuses; and short: int() refuses
     # more than 4300 digits, and no client retries a billion times.
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0

@@ -63,9 +63,10 @@ _URL_SAFE = bytes.maketrans(b"+/", b"-_")
 
 def new_job_id() -> str:
     # 128 bits of randomness: ids are handed to clients and must not be guessable. What
-    # secrets.token_urlsafe(16) makes, from the same source (os.urandom), in 5 calls, not 12.
+    # secrets.token_urlsafe(16) makes, from the same source (os.urandom), in 4 calls, not 12:
+    # 16 bytes are always 22 characters of base64 and its "==", cut off by a slice.
     raw = b2a_base64(os.urandom(16), newline=False)
-    return "job_" + raw.translate(_URL_SAFE).rstrip(b"=").decode("ascii")
+    return "job_" + raw[:22].translate(_URL_SAFE).decode("ascii")
 
 
 @dataclass(slots=True)
