@@ -194,3 +194,38 @@ def test_an_extrapolation_floor_keeps_a_kv_short_engines_fixed_answers_promises(
         broken[floor] = (r.broken, r.causes)
     assert broken[0.0] == (4, {"wait, promised above a full batch's rate": 4}), broken
     assert broken[0.25] == (0, {}), broken
+
+
+def _recording(seen: list[float]) -> type[DrainRate]:
+    """A drain rate that keeps the fill each finished job is told."""
+
+    class Recording(DrainRate):
+        def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
+            seen.append(running or 0.0)
+            super().observe(cost, service_s, running)
+
+    return Recording
+
+
+def test_a_time_averaged_fill_is_told_the_running_jobs_over_a_jobs_life() -> None:
+    """``time_fill`` (a what-if): the fill a finished job is told is the time average of the running
+    jobs over its life, not the mean of their count at its start and its end (what the brokers
+    tell). In the article's spike the two readings part where the batch fills or empties within a
+    job's life (the burst's onset, its end), by several jobs; each stays within one job and the
+    slots."""
+    told: dict[bool, list[float]] = {}
+    spike = loads(5.5)["spike 0.55x-5.5x"]
+    for time_fill in (False, True):
+        seen: list[float] = []
+        kind = _recording(seen)
+
+        def drain(slots: int, kind: type[DrainRate] = kind) -> DrainRate:
+            return kind(slots=slots, weigh_per_slot=True)
+
+        run(CoDelPolicy(), spike, 0, retriers=0.1, drain_factory=drain, time_fill=time_fill)
+        told[time_fill] = seen
+    ends, timed = told[False], told[True]
+    assert len(ends) > 200 and len(timed) > 200
+    assert all(1.0 <= f <= ARTICLE.slots for f in ends + timed)
+    apart = [abs(a - b) for a, b in zip(ends[:100], timed[:100], strict=True)]
+    assert max(apart) > 2.0, apart

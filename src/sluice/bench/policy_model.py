@@ -95,6 +95,7 @@ class _Job:
     refused_code: str = ""  # why it was refused, if it was
     finish_estimate: float = math.nan  # when a job given up while running would have finished
     capacity_cost: int = 0  # its cost in the capacity model's unit when admitted (:func:`_cause`)
+    busy_at_start: float = 0.0  # the run's running-job-seconds when it was dispatched (time_fill)
 
 
 #: Weight of the newest finished job in :class:`PromptWeightFit`'s moving averages.
@@ -183,6 +184,7 @@ def run(
     prompt_weight: float = 1.0,
     fit_prompt_weight: bool = False,
     check_weight: float | None = None,
+    time_fill: bool = False,
 ) -> Result:
     """One run of ``policy`` on ``engine`` under ``profile``. ``full_rate``: the engine's drain
     rate in a full batch, in cost units a second (:func:`saturated`), for telling the broken
@@ -194,7 +196,10 @@ def run(
     it starts at ``prompt_weight`` and is then learnt from the finished jobs (:class:`PromptWeightFit`).
     ``check_weight``: a job the policy admits must also pass the deadline check in a second unit
     (``check_weight`` · prompt + max_tokens, its own drain rate learnt alongside): the promise at
-    the slower of two units' predictions."""
+    the slower of two units' predictions. ``time_fill`` (a what-if): a finished job is told the
+    time average of the running jobs over its life, not the mean of their count at its start and
+    its end (which the brokers tell: a job that started in a lull and ended in a burst is told a
+    half-full batch, though most of its time ran in the lull's)."""
     rng = random.Random(seed + 1)
     sizes = random.Random(f"sizes-{seed}")
     drain = (
@@ -212,6 +217,7 @@ def run(
     generated = wasted = preemptions = steps = 0
     slowest = 0.0
     stepping = False
+    busy = busy_t = 0.0  # running-job-seconds so far, and when last counted (time_fill)
 
     m = engine.max_tokens
     weight = prompt_weight
@@ -234,6 +240,11 @@ def run(
         n = len(queue)
         queued_cost = round((check_weight or 0.0) * queued_prompt) + m * n
         return QueueView(n, queued_cost, n, queued_cost, n, queued_cost, running=len(running))
+
+    def count_busy(now: float) -> None:
+        nonlocal busy, busy_t
+        busy += len(running) * (now - busy_t)
+        busy_t = now
 
     def push(t: float, kind: str, job: _Job | None = None) -> None:
         heapq.heappush(events, (t, next(seq), kind, job))
@@ -286,6 +297,8 @@ def run(
                 job.outcome = "expired"
                 continue
             job.started, job.outcome = now, "running"
+            count_busy(now)
+            job.busy_at_start = busy
             running.append(job)
             job.running_at_start = len(running)
             waiting.append(job)
@@ -337,6 +350,7 @@ def run(
                 job.finish_estimate = now + (job.answer - job.tokens) * (
                     engine.step0 + engine.step1 * max(batch_now, 1)
                 )
+                count_busy(now)
                 running.remove(job)
                 if job in waiting:
                     waiting.remove(job)
@@ -352,6 +366,9 @@ def run(
                     # The jobs beside it, as the brokers tell the drain rate: the mean of the
                     # running jobs when it started and when it finished, itself included.
                     beside = (j.running_at_start + len(running)) / 2
+                    count_busy(now)
+                    if time_fill and now > j.started:
+                        beside = (busy - j.busy_at_start) / (now - j.started)
                     running.remove(j)
                     j.in_batch = False
                     j.outcome, j.done = "ok", now
@@ -576,6 +593,12 @@ def main() -> None:
         "(promise): bench/burst_limit.py",
     )
     ap.add_argument(
+        "--time-fill",
+        action="store_true",
+        help="a what-if: a finished job is told the time average of the running jobs over its life, "
+        "not the mean of their count at its start and end (the brokers')",
+    )
+    ap.add_argument(
         "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
@@ -665,6 +688,7 @@ def main() -> None:
                             prompt_weight=weights[engines[s]],
                             fit_prompt_weight=fit_weight,
                             check_weight=args.check_weight,
+                            time_fill=args.time_fill,
                         ),
                     )
                 )
