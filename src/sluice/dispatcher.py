@@ -62,7 +62,6 @@ from sluice.core.output_lengths import OutputLengths
 from sluice.core.routing import Candidate, Router, prefix_key
 from sluice.fleet import Engine, Fleet, PoolSpec
 from sluice.metrics import Metrics
-from sluice.protocol import Assembler
 
 log = logging.getLogger("sluice.worker")
 
@@ -422,7 +421,12 @@ class Dispatcher:
                 try:
                     remaining = job.deadline - self.clock()
                     async with asyncio.timeout(max(remaining, 0)):
-                        assembler = await self._generate(job, held)
+                        # attempt.generate awaited here, not through a method of its own:
+                        # every engine read resumes each coroutine frame between the task and
+                        # the read, once per streamed token
+                        assembler, limit_moved = await attempt.generate(self.broker, job, held)
+                        if limit_moved:
+                            self._capacity.set()
                 except BackendError as exc:
                     attempt.note_failure(engine, exc)
                     tried.add(engine.name)
@@ -521,12 +525,6 @@ class Dispatcher:
     async def _reacquire(self, job: Job, tried: set[str], retry_at: float) -> Hold | None:
         await asyncio.sleep(max(retry_at - self.clock(), 0.0))
         return await self._acquire(job, exclude=tried)
-
-    async def _generate(self, job: Job, hold: Hold) -> Assembler:
-        assembler, limit_moved = await attempt.generate(self.broker, job, hold)
-        if limit_moved:
-            self._capacity.set()
-        return assembler
 
     async def _finish(
         self,
