@@ -52,14 +52,45 @@ TOP_TENANTS = 10
 SUCCEEDED = "succeeded"
 
 
+#: the sample keys already made, by their name and labels as a report gives them: a report's
+#: samples are the same series tick after tick, and one key object for each series spares making
+#: it again, and lets the history's dict lookups find it by identity rather than comparing tuples
+_KEYS: dict[tuple[Any, ...], SampleKey] = {}
+#: keys kept at most, past which the cache starts again (the processes' label sets are bounded)
+KEYS_MAX = 10_000
+
+
+def _key(name: Any, labels: Any) -> SampleKey:
+    raw = (name, *labels.items()) if type(labels) is dict else None
+    try:
+        key = _KEYS.get(raw) if raw is not None else None
+    except TypeError:  # a label's value that cannot be hashed: made as it comes
+        key = raw = None
+    if key is None:
+        key = (str(name), tuple(sorted((str(k), str(v)) for k, v in dict(labels).items())))
+        # kept only when every part is a string: a later lookup equal to it is then the same series
+        # (a number would equal a number of another type, whose str differs: 1 and 1.0)
+        if (
+            raw is not None
+            and type(name) is str
+            and all(type(k) is type(v) is str for k, v in labels.items())
+        ):
+            if len(_KEYS) >= KEYS_MAX:
+                _KEYS.clear()
+            _KEYS[raw] = key
+    return key
+
+
 def samples_of(report: Mapping[str, Any]) -> dict[SampleKey, float]:
-    """A report's samples, by :data:`SampleKey`; malformed entries are skipped."""
+    """A report's samples, by :data:`SampleKey`; malformed entries are skipped, and so are the
+    histograms' ``_sum`` samples, which nothing here draws."""
     out: dict[SampleKey, float] = {}
     for entry in report.get("samples") or ():
         try:
             name, labels, value = entry
-            key = (str(name), tuple(sorted((str(k), str(v)) for k, v in dict(labels).items())))
-            out[key] = float(value)
+            if type(name) is str and name[-4:] == "_sum":
+                continue
+            out[_key(name, labels)] = float(value)
         except (TypeError, ValueError):
             continue
     return out
@@ -70,7 +101,7 @@ def grown(before: Mapping[SampleKey, float] | None, now: Mapping[SampleKey, floa
     process restarted) and grew by its whole value. ``before`` None: everything is new."""
     out: dict[SampleKey, float] = {}
     for key, value in now.items():
-        last = before.get(key, 0.0) if before is not None else 0.0
+        last = before[key] if before is not None and key in before else 0.0
         delta = value - last if value >= last else value
         if delta:
             out[key] = delta
@@ -95,6 +126,79 @@ class Tick:
     point: dict[str, Any] = field(default_factory=dict)
 
 
+#: a contribution to a window's sum at or past this size might round: its sum is made afresh
+_EXACT_BELOW = 2.0**43
+
+
+@dataclass
+class _Window:
+    """The running sum of the ticks inside one window length, carried from one tick to the next
+    so that a tick costs what it adds and drops, not the whole window again.
+
+    Sums of whole numbers under :data:`_EXACT_BELOW` are exact in any order, so the running sum
+    equals the sum over the window's ticks, newest first, that :meth:`History.window` defines; a
+    key that some tick grew by anything else (a fraction, a NaN) is summed afresh in that order.
+    """
+
+    #: the window's ticks (the history's count of ticks appended at each), oldest first
+    ticks: deque[tuple[int, Tick]] = field(default_factory=deque)
+    sums: dict[SampleKey, float] = field(default_factory=dict)
+    #: how many of the window's ticks grew each key (a key none grew is not in ``sums``)
+    counts: dict[SampleKey, int] = field(default_factory=dict)
+    #: how many of the window's ticks grew each key by other than a whole number
+    inexact: dict[SampleKey, int] = field(default_factory=dict)
+    #: the history's count of ticks appended when the window last took one
+    upto: int = 0
+
+    def add(self, seq: int, tick: Tick) -> None:
+        self.ticks.append((seq, tick))
+        sums, counts, inexact = self.sums, self.counts, self.inexact
+        for key, value in tick.grew.items():
+            if key in sums:
+                sums[key] += value
+                counts[key] += 1
+            else:
+                sums[key] = value
+                counts[key] = 1
+            if value % 1.0 or not -_EXACT_BELOW < value < _EXACT_BELOW:
+                inexact[key] = inexact[key] + 1 if key in inexact else 1
+
+    def drop(self) -> None:
+        _, tick = self.ticks.popleft()
+        sums, counts, inexact = self.sums, self.counts, self.inexact
+        for key, value in tick.grew.items():
+            left = counts[key] - 1
+            if left:
+                sums[key] -= value
+                counts[key] = left
+            else:
+                del sums[key], counts[key]
+            if key in inexact and (value % 1.0 or not -_EXACT_BELOW < value < _EXACT_BELOW):
+                if inexact[key] > 1:
+                    inexact[key] -= 1
+                else:
+                    del inexact[key]
+                    if left:  # what is left is whole numbers, but the running sum kept a rounding
+                        sums[key] = self._summed(key)
+
+    def _summed(self, key: SampleKey) -> float:
+        """``key``'s sum over the window's ticks, newest first (as :meth:`History.window` says)."""
+        value = 0.0
+        for _, tick in reversed(self.ticks):
+            if key in tick.grew:
+                value += tick.grew[key]
+        return value
+
+    def total(self) -> tuple[dict[SampleKey, float], float]:
+        total = dict(self.sums)
+        for key in self.inexact:
+            total[key] = self._summed(key)
+        span = 0.0
+        for _, tick in reversed(self.ticks):
+            span += tick.span_s
+        return total, span
+
+
 class History:
     """The fleet's counters, tick by tick, the last ``keep`` ticks."""
 
@@ -102,6 +206,13 @@ class History:
         self.ticks: deque[Tick] = deque(maxlen=keep)
         #: each process's samples as last seen, and when
         self._seen: dict[str, tuple[float, dict[SampleKey, float]]] = {}
+        #: ticks appended so far: the one at ``ticks[i]`` was the ``appended - len(ticks) + i + 1``th
+        self._appended = 0
+        #: the count of ticks appended when the latest one earlier than the one before it came (a
+        #: clock stepped back); while both are in :attr:`ticks` the windows are summed afresh
+        self._unordered = -1
+        #: the running sums of the windows asked for, by their length
+        self._windows: dict[float, _Window] = {}
 
     def advance(self, now: float, reports: Mapping[str, Mapping[str, Any]]) -> Tick:
         """Add the tick at ``now`` from the processes' reports. At the first tick every process's
@@ -114,23 +225,48 @@ class History:
             last = self._seen.get(process_id)
             if not first:
                 for key, delta in grown(last[1] if last is not None else None, current).items():
-                    grew[key] = grew.get(key, 0.0) + delta
+                    grew[key] = grew[key] + delta if key in grew else delta
             self._seen[process_id] = (now, current)
         for process_id in [p for p, (seen, _) in self._seen.items() if now - seen > FORGET_S]:
             del self._seen[process_id]
         span = now - self.ticks[-1].at if self.ticks else 1.0
+        if self.ticks and now < self.ticks[-1].at:
+            self._unordered = self._appended + 1
         tick = Tick(now, span if span > 0 else 1.0, grew)
         self.ticks.append(tick)
+        self._appended += 1
         return tick
 
     def window(self, seconds: float, now: float | None = None) -> tuple[dict[SampleKey, float], float]:
-        """What grew over the last ``seconds`` (the ticks after ``now - seconds``), and the seconds
-        those ticks span."""
+        """What grew over the last ``seconds`` (the ticks after ``now - seconds``, newest first
+        until the first at or before it), and the seconds those ticks span.
+
+        Without ``now`` (the latest tick's time), from the running sum of that window length
+        while the ticks' times are in order, updated with the ticks that came and went since."""
+        if not self.ticks:
+            return {}, 0.0
+        oldest = self._appended - len(self.ticks) + 1
+        if (now is not None and now != self.ticks[-1].at) or self._unordered > oldest:
+            self._windows.clear()
+            return self._summed(seconds, self.ticks[-1].at if now is None else now)
+        w = self._windows.get(seconds)
+        if w is None:
+            w = self._windows[seconds] = _Window()
+        new = self._appended - w.upto
+        if new > len(self.ticks):  # the window is older than the history: taken again
+            w = self._windows[seconds] = _Window()
+            new = len(self.ticks)
+        for i in range(len(self.ticks) - new, len(self.ticks)):
+            w.add(self._appended - len(self.ticks) + i + 1, self.ticks[i])
+        w.upto = self._appended
+        start = self.ticks[-1].at - seconds
+        while w.ticks and (w.ticks[0][0] < oldest or w.ticks[0][1].at <= start):
+            w.drop()
+        return w.total()
+
+    def _summed(self, seconds: float, end: float) -> tuple[dict[SampleKey, float], float]:
         total: dict[SampleKey, float] = {}
         span = 0.0
-        if not self.ticks:
-            return total, span
-        end = self.ticks[-1].at if now is None else now
         for tick in reversed(self.ticks):
             if tick.at <= end - seconds:
                 break
