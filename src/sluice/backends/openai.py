@@ -166,9 +166,10 @@ class OpenAIBackend(Backend):
                 lines = (pending + piece).splitlines() if pending else piece.splitlines()
                 # The last line is whole only when a line break ends the piece (\r\n split across
                 # two pieces gives an empty line, which is skipped as any line but data's). The
-                # tests below are slices and ``in``, not ``endswith``, ``startswith`` and ``strip``:
-                # the same answers without a C call each, on every line of every token.
-                pending = b"" if piece[-1:] in b"\n\r" else lines.pop() if lines else b""
+                # tests below are slices and the last byte's number, not ``endswith``,
+                # ``startswith`` and ``strip``: the same answers without a C call each, on every
+                # line of every token (``piece[-1:] in b"\n\r"`` would make and drop a TypeError).
+                pending = b"" if piece[-1] in _LINE_ENDS else lines.pop() if lines else b""
                 for line in lines:
                     if line[:5] != b"data:":
                         continue
@@ -328,6 +329,8 @@ def _model_info(entry: dict[str, Any], known: ModelInfo | None, now: int) -> Mod
 
 
 _JSON = {"Content-Type": "application/json"}
+#: LF and CR, as the numbers a byte of ``bytes`` reads as
+_LINE_ENDS = (ord("\n"), ord("\r"))
 
 
 def _end(response: aiohttp.ClientResponse, complete: bool) -> None:
