@@ -23,8 +23,12 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Collection
+import weakref
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
+
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 from sluice.broker.base import Broker
 from sluice.dispatcher import Dispatcher
@@ -55,15 +59,48 @@ def new_process_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:12]}"
 
 
+def _collected(metrics: Metrics, families: Collection[str]) -> Iterator[Metric]:
+    """Every family of ``metrics``' registry that is in ``families``, in the registry's order."""
+    return (family for family in metrics.registry.collect() if family.name in families)
+
+
+#: per Metrics, per set of families: its metrics that make them, found at the first report
+_FOUND: weakref.WeakKeyDictionary[Metrics, dict[frozenset[str], list[MetricWrapperBase] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _metrics_of(metrics: Metrics, families: frozenset[str]) -> list[MetricWrapperBase] | None:
+    """The metrics of ``metrics`` (its attributes, made in the registry's order) whose families are
+    ``families``, checked once against the whole registry's collection: their families, in the
+    same order. None when they are not (a family registered otherwise): then the whole registry
+    is collected each time."""
+    found = [
+        m
+        for m in vars(metrics).values()
+        if isinstance(m, MetricWrapperBase) and any(d.name in families for d in m.describe())
+    ]
+    names = [f.name for m in found for f in m.collect()]
+    return found if names == [f.name for f in _collected(metrics, families)] else None
+
+
 def metric_samples(metrics: Metrics, families: Collection[str]) -> list[list[Any]]:
     """The current samples of ``families`` in ``metrics``: counters' totals and histograms'
-    cumulative buckets, counts and sums (never the ``_created`` timestamps)."""
+    cumulative buckets, counts and sums (never the ``_created`` timestamps).
+
+    Collected from those families' metrics alone, not the whole registry (its gauges, the fleet's
+    collector, which builds a family per engine), found once per Metrics and set of families."""
+    key = families if isinstance(families, frozenset) else frozenset(families)
+    by_families = _FOUND.get(metrics)
+    if by_families is None:
+        by_families = _FOUND[metrics] = {}
+    if key not in by_families:
+        by_families[key] = _metrics_of(metrics, key)
+    found = by_families[key]
     out: list[list[Any]] = []
-    for family in metrics.registry.collect():
-        if family.name not in families:
-            continue
+    for family in (f for m in found for f in m.collect()) if found is not None else _collected(metrics, key):
         for sample in family.samples:
-            if not sample.name.endswith("_created"):
+            if sample.name[-8:] != "_created":
                 out.append([sample.name, dict(sample.labels), float(sample.value)])
     return out
 

@@ -10,7 +10,8 @@ requests' own.
 Here everything runs in one process on a memory broker with a clock of its own: the history is
 filled with ``--ticks`` ticks (one a second), at each of which ``--jobs`` jobs were admitted and
 finished (their queue waits and times to first token spread over the latency buckets) and a tenth
-as many refused (with a Retry-After); then the next tick is counted: every Python and C call
+as many refused (with a Retry-After), the fleet's collector registered as the app has it; then the
+next tick is counted: every Python and C call
 (``call`` and ``c_call`` events) from the worker's report to the snapshot.
 
 Usage: python -m sluice.bench.dashboard_tick [--jobs 0,10,100] [--ticks 600] [--models 1]
@@ -30,7 +31,7 @@ from typing import Any
 
 from sluice.broker.base import BrokerSettings
 from sluice.broker.memory import MemoryBroker
-from sluice.dashboard_feed import DashboardFeed
+from sluice.dashboard_feed import DashboardFeed, FleetCollector
 from sluice.metrics import Metrics
 from sluice.reports import WORKER_FAMILIES, Reporter, metric_samples
 
@@ -90,6 +91,7 @@ async def _one(
         lambda: {"engines": rows, "samples": metric_samples(metrics, WORKER_FAMILIES)},
     )
     feed = DashboardFeed(broker, metrics)
+    metrics.registry.register(FleetCollector(feed))  # as the app's /metrics has it
     rng = random.Random(42)
     for _ in range(ticks):
         _record(metrics, rng, jobs, models)
