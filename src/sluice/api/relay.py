@@ -438,9 +438,7 @@ class OpenAIStream:
                     queued.append(frame)
                     return True
                 writing = send({"type": "http.response.body", "body": frame, "more_body": True})
-                # uvicorn's send is a coroutine: told so without a call of isinstance, every token
-                # (``type`` is the event's type here)
-                if writing.__class__ is types.CoroutineType or isinstance(writing, types.CoroutineType):
+                if isinstance(writing, types.CoroutineType):
                     try:
                         pending = writing.send(None)
                     except StopIteration:
