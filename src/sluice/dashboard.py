@@ -287,7 +287,8 @@ def matching(
         if sample != name:
             continue
         have = dict(pairs)
-        if all(have.get(k) == v for k, v in labels.items()):
+        # with no labels asked (a histogram's buckets, a total), every sample of the name matches
+        if not labels or all(have.get(k) == v for k, v in labels.items()):
             yield have, value
 
 
