@@ -335,3 +335,10 @@ async def test_the_limit_learned_from_a_real_simulator_is_its_batch() -> None:
         # It doubled past the six slots, saw the engine queue, and came back to what it runs.
         assert limiter.limit == 6
         assert limiter.snapshot()["known_capacity"] == 6
+
+
+@pytest.mark.parametrize("text", [VLLM_V1, SGLANG, TGI, LLAMA])
+def test_the_names_asked_for_are_parsed_as_the_whole_exposition_parses_them(text: str) -> None:
+    whole = parse_prometheus(text)
+    for names in ({"vllm:num_requests_running", "tgi_queue_size"}, {"sglang:token_usage"}, set(), set(whole)):
+        assert parse_prometheus(text, names) == {k: v for k, v in whole.items() if k in names}

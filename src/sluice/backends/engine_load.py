@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -93,8 +93,11 @@ _NAMES: Mapping[EngineKind, _Names] = {
 }
 
 
-def parse_prometheus(text: str) -> dict[str, list[float]]:
-    """Every sample of a Prometheus text exposition, by metric name (one value per label set).
+def parse_prometheus(text: str, names: Collection[str] | None = None) -> dict[str, list[float]]:
+    """Every sample of a Prometheus text exposition, by metric name (one value per label set);
+    with ``names``, those of these names alone (the same values), the other lines passed over
+    before their labels are read: an engine's exposition grows with what it served (histogram
+    buckets), and a known kind reads a few of its names on every poll.
 
     Tolerant: a line it cannot read is skipped, not an error (an engine's report is a hint, and
     one odd line must not hide the rest); comments, timestamps and exemplars are ignored.
@@ -107,7 +110,10 @@ def parse_prometheus(text: str) -> dict[str, list[float]]:
         match = _NAME.match(line)
         if match is None:
             continue
-        name, rest = match.group(0), line[match.end() :]
+        name = match.group(0)
+        if names is not None and name not in names:
+            continue
+        rest = line[match.end() :]
         if rest.startswith("{"):
             end = _labels_end(rest)
             if end is None:
@@ -128,6 +134,11 @@ def parse_prometheus(text: str) -> dict[str, list[float]]:
 
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+#: Every metric name a kind's load is read from (see :func:`load_from_metrics`)
+_WANTED: Mapping[EngineKind, frozenset[str]] = {
+    kind: frozenset((*n.running, *n.waiting, *n.kv_usage, *n.preemptions)) for kind, n in _NAMES.items()
+}
 
 
 def _labels_end(rest: str) -> int | None:
@@ -245,7 +256,9 @@ class EngineLoadReader:
             return (
                 None
                 if text is None
-                else load_from_metrics(self.kind, parse_prometheus(text), slots=self._slots)
+                else load_from_metrics(
+                    self.kind, parse_prometheus(text, _WANTED.get(self.kind)), slots=self._slots
+                )
             )
         except (EngineUnreachable, ValueError):
             return None
