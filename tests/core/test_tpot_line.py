@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from sluice.core.tpot_line import CHANGE_MIN_COUNT, TpotLine
@@ -71,24 +73,12 @@ def test_a_bucket_far_from_the_line_drops_the_others() -> None:
 
 
 def _fresh_fit(line: TpotLine, now: float) -> tuple[float, float] | None:
-    """The fit as it was made before it was kept: from the buckets, at ``now``, nothing reused."""
-    fresh = [(n, b) for n, b in line._buckets.items() if now - b.updated <= line._memory_s]
-    if len(fresh) < 2 or max(n for n, _ in fresh) - min(n for n, _ in fresh) < 2:
-        return None
-    w = [float(b.count) for _, b in fresh]
-    sw = sum(w)
-    mx = sum(wi * n for wi, (n, _) in zip(w, fresh, strict=True)) / sw
-    my = sum(wi * b.tpot for wi, (_, b) in zip(w, fresh, strict=True)) / sw
-    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, fresh, strict=True))
-    sxy = sum(wi * (n - mx) * (b.tpot - my) for wi, (n, b) in zip(w, fresh, strict=True))
-    if sxx <= 0:
-        return None
-    b = max(0.0, sxy / sxx)
-    a = my - b * mx
-    if a <= 0:
-        a = max(my * 0.05, 1e-9)
-        b = max(0.0, (my - a) / mx)
-    return a, b
+    """The fit made afresh, nothing reused: a new TpotLine, which keeps no fit yet, on copies of
+    ``line``'s buckets (so that asking it leaves ``line``'s kept fit as it was), asked at ``now``."""
+    fresh = TpotLine(line._memory_s, lambda: now)
+    fresh._buckets = copy.deepcopy(line._buckets)
+    got = fresh.fit()
+    return None if got is None else (got.a, got.b)
 
 
 def test_the_kept_fit_is_the_fresh_fit() -> None:
