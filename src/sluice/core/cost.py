@@ -23,6 +23,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from sluice.core.c_json import c_encoder
+
 CHARS_PER_TOKEN = 4
 # Chat templates wrap every message in role markers and separators.
 TOKENS_PER_MESSAGE = 4
@@ -46,21 +48,9 @@ _MESSAGE_SKIPPED = frozenset({"role"})
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
 
 
-def _c_encode() -> Any:
-    """:data:`_encode`'s C encoder itself, made once (``JSONEncoder.encode`` makes one for every
-    call, through two Python methods); None where json has none (``c_make_encoder`` is CPython's
-    private API) or one that takes other arguments: :data:`_encode` then."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return None
-    default = json.JSONEncoder().default  # raises the TypeError json.dumps does
-    try:
-        return make(None, default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
-    except TypeError:
-        return None
-
-
-_C_ENCODE = _c_encode()
+# _encode's C encoder itself, made once (c_json); None where json has none: _encode then. Its
+# default is JSONEncoder's, which raises the TypeError json.dumps does.
+_C_ENCODE = c_encoder(json.JSONEncoder().default, ":", ",", sort_keys=False)
 
 
 def estimate_text_tokens(text: str) -> int:

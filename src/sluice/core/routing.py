@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.core.c_json import c_encoder
+
 __all__ = [
     "Candidate",
     "HashRing",
@@ -118,22 +120,9 @@ def _digest(text: str) -> int:
 _canonical = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
 
 
-def _c_canonical() -> Any:
-    """:data:`_canonical`'s C encoder itself, made once: ``JSONEncoder.encode`` makes one for every
-    call (in ``iterencode``), and walks two Python methods to reach it. The same options, and no
-    check for circular references: what it encodes is a request body parsed from JSON, which
-    cannot refer to itself. None where json has no C encoder (``c_make_encoder`` is CPython's
-    private API) or one that takes other arguments: :data:`_canonical` then."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return None
-    try:
-        return make(None, str, json.encoder.encode_basestring, None, ": ", ", ", True, False, True)
-    except TypeError:
-        return None
-
-
-_CANONICAL = _c_canonical()
+# _canonical's C encoder itself, made once (c_json), with the same options; None where json has
+# none: _canonical then.
+_CANONICAL = c_encoder(str, ": ", ", ", sort_keys=True)
 
 
 def _hex(value: Any) -> str:
