@@ -21,9 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sluice.core.admission import Admitted, Refused, check_bounds, clamp_retry_after
+from sluice.core.admission import Admitted, check_bounds
 from sluice.core.capacity import DrainRate
-from sluice.core.policy import Candidate, CoDelPolicy, PolicyState, _deadline, learning
+from sluice.core.policy import Candidate, CoDelPolicy, PolicyState, _deadline, learning, standing_refusal
 
 #: The what-if's choices (``--burst-limit``); ``delay`` is codel's own rule.
 TERMS = ("delay", "margin", "promise")
@@ -60,14 +60,7 @@ class PromiseTermsCoDel(CoDelPolicy):
         wait = c.drain.wait_s(c.view.ahead_tokens, slowdown=slowdown)
         limit = self.delay_limit(state, c.now, target, ratio)
         if wait > limit:
-            state.refused_at = c.now
-            raise Refused(
-                429,
-                "queue_full",
-                f"The model's queue is standing at {wait:.1f} s of waiting, over its limit of "
-                f"{limit:.1f} s; retry later.",
-                clamp_retry_after(wait),
-            )
+            raise standing_refusal(state, c.now, wait, limit)
         return _deadline(c, evict, slowdown)
 
     def delay_limit(self, state: PolicyState, now: float, target: float, ratio: float = 1.0) -> float:

@@ -62,6 +62,7 @@ __all__ = [
     "QueuePolicy",
     "decide",
     "make_policy",
+    "standing_refusal",
 ]
 
 
@@ -214,6 +215,20 @@ def learning(drain: DrainRate) -> bool:
     return drain.samples < LEARNING_BATCHES * max(drain.slots, 1)
 
 
+def standing_refusal(state: PolicyState, now: float, wait: float, limit: float) -> Refused:
+    """codel's refusal of a ``wait`` over the standing queue's delay ``limit``, noted in ``state``
+    (one text for codel and the what-ifs built on it: ``sluice.bench.burst_limit``)."""
+    state.refused_at = now
+    return Refused(
+        429,
+        "queue_full",
+        f"The model's queue is standing at {wait:.1f} s of waiting, over its limit of "
+        f"{limit:.1f} s; retry later.",
+        # When the work queued ahead now has started: the queue is then younger than you.
+        clamp_retry_after(wait),
+    )
+
+
 @dataclass(frozen=True)
 class CoDelPolicy(QueuePolicy):
     """Deadline admission, plus a limit on the queueing delay once the queue is standing.
@@ -313,15 +328,7 @@ class CoDelPolicy(QueuePolicy):
         wait = c.view.ahead_tokens / rate
         limit = self.delay_limit(state, c.now, target)
         if wait > limit:
-            state.refused_at = c.now
-            raise Refused(
-                429,
-                "queue_full",
-                f"The model's queue is standing at {wait:.1f} s of waiting, over its limit of "
-                f"{limit:.1f} s; retry later.",
-                # When the work queued ahead now has started: the queue is then younger than you.
-                clamp_retry_after(wait),
-            )
+            raise standing_refusal(state, c.now, wait, limit)
         return _deadline(c, evict, slowdown)
 
     def lua_args(self) -> list[str]:
