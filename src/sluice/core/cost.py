@@ -48,9 +48,8 @@ _MESSAGE_SKIPPED = frozenset({"role"})
 _encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
 
 
-# _encode's C encoder itself, made once (c_json); None where json has none: _encode then. Its
-# default is JSONEncoder's, which raises the TypeError json.dumps does.
-_C_ENCODE = c_encoder(json.JSONEncoder().default, ":", ",", sort_keys=False)
+# _encode's C encoder itself, made once (c_json); None where json has none: _encode then.
+_C_ENCODE = c_encoder(ascii=False, item_sep=",", key_sep=":", allow_nan=True)
 
 
 def estimate_text_tokens(text: str) -> int:

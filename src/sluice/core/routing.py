@@ -122,7 +122,7 @@ _canonical = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).e
 
 # _canonical's C encoder itself, made once (c_json), with the same options; None where json has
 # none: _canonical then.
-_CANONICAL = c_encoder(str, ": ", ", ", sort_keys=True)
+_CANONICAL = c_encoder(ascii=False, item_sep=", ", key_sep=": ", allow_nan=True, sort_keys=True, default=str)
 
 
 def _hex(value: Any) -> str:
