@@ -26,7 +26,7 @@ local f = job_read(job_k)
 if not f.state then return { 0 } end
 if f.state == 'queued' then
   local st = st_open(state_key(P, f.model), {})
-  fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
+  fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, f.cost * 1)
   st_flush(st)
   rcall('ZREM', deadline_k, id)
   settle(id, f, 'cancelled', { 'error', cancelled_error })

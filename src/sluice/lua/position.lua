@@ -29,7 +29,7 @@ end
 -- a job's virtual service time, as in FairQueue: cost / weight
 local function cost_of(jid)
   local c = rcall('HMGET', job_key(P, jid), 'cost', 'weight')
-  return tonumber(c[1]) / (tonumber(c[2]) or 1.0)
+  return c[1] / (c[2] or 1.0) -- arithmetic reads both texts as numbers (_keys.lua, tonum)
 end
 
 local tq, sched = tq_key(P, model, cls, tenant), sched_key(P, model, cls)

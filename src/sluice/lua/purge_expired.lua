@@ -29,7 +29,7 @@ for _, id in ipairs(late) do
   local f = job_read(job_key(P, id))
   if f.state == 'queued' then
     local st = st_open(state_key(P, f.model), {})
-    fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, tonumber(f.cost))
+    fq_remove(st, f.priority, tq_key(P, f.model, f.priority, f.tenant), id, f.cost * 1)
     st_flush(st)
     settle(id, f, 'expired', { 'error', expired_error })
     expired = expired + 1

@@ -36,24 +36,24 @@ for _, id in ipairs(ids) do
   f.id = id
   lost[#lost + 1] = f
 end
-table.sort(lost, function(a, b) return (tonumber(a.ls) or 0) < (tonumber(b.ls) or 0) end)
+table.sort(lost, function(a, b) return (a.ls or 0) * 1 < (b.ls or 0) * 1 end)
 local requeued, dead = 0, 0
 for _, f in ipairs(lost) do
   local id, jk = f.id, job_key(P, f.id)
   if f.state == 'running' then
-    local attempts = tonumber(f.attempts)
-    if attempts >= tonumber(f.max_attempts) then
+    local attempts = f.attempts * 1
+    if attempts >= f.max_attempts * 1 then
       rcall('ZADD', dead_k, now, id)
       settle(id, f, 'failed', { 'error', (string.gsub(worker_lost_error, '{attempts}', tostring(attempts))) })
       dead = dead + 1
     else
       local model, cls, tenant = f.model, f.priority, f.tenant
-      local seq = tonumber(f.seq) + 1
+      local seq = f.seq + 1
       rcall('HINCRBY', running_k, model, -1)
       tenant_move(P, blocked_k, tenant, 'running', 'queued')
       rcall('HSET', jk, 'state', 'queued', 'seq', seq)
       local st = st_open(state_key(P, model), {})
-      fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
+      fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, f.cost * 1, true)
       st_flush(st)
       rcall('ZADD', deadline_k, f.deadline, id)
       emit(out_key(P, id), seq, 'retry', '{"attempt":' .. attempts .. ',"reason":"lease expired"}')

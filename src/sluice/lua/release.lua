@@ -24,13 +24,13 @@ local f = job_read(job_k)
 if f.state ~= 'running' or f.worker ~= worker or f.lease ~= token then return 0 end
 if rcall('ZREM', active_k, id) == 0 then return 0 end
 local model, cls, tenant = f.model, f.priority, f.tenant
-local attempts, seq = tonumber(f.attempts) - 1, tonumber(f.seq) + 1
+local attempts, seq = f.attempts - 1, f.seq + 1
 rcall('HINCRBY', running_k, model, -1)
 tenant_move(P, blocked_k, tenant, 'running', 'queued')
 rcall('HSET', job_k, 'state', 'queued', 'attempts', attempts, 'seq', seq)
 rcall('HDEL', job_k, 'worker', 'lease')
 local st = st_open(state_key(P, model), {})
-fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, tonumber(f.cost), true)
+fq_push(st, cls, sched_key(P, model, cls), tq_key(P, model, cls, tenant), tenant, id, f.cost * 1, true)
 st_flush(st)
 rcall('ZADD', deadline_k, f.deadline, id)
 emit(stream_k, seq, 'retry', '{"attempt":' .. (attempts + 1) .. ',"reason":"released unstarted"}')
