@@ -197,6 +197,17 @@ def clamp_retry_after(seconds: float) -> float:
     return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
 
 
+def _excess(bounds: Bounds, jobs: int, tokens: int, cost: int, avg_cost: float) -> float:
+    """How far a job of ``cost`` takes a scope of ``jobs`` and ``tokens`` past ``bounds``, in
+    tokens (a job over the jobs bound counts as the queue's average, ``avg_cost``); 0 within."""
+    out = 0.0
+    if bounds.max_jobs is not None and jobs + 1 > bounds.max_jobs:
+        out = (jobs + 1 - bounds.max_jobs) * avg_cost
+    if bounds.max_tokens is not None and tokens + cost > bounds.max_tokens:
+        out = max(out, tokens + cost - bounds.max_tokens)
+    return out
+
+
 def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits, drain: DrainRate) -> bool:
     """The hard bounds on queued jobs and tokens, of the model and of the job's class.
 
@@ -207,27 +218,18 @@ def check_bounds(cost: int, priority: str, view: QueueView, limits: QueueLimits,
     filled, and a bound stays a bound.
     """
     avg_cost = view.model_tokens / view.model_jobs if view.model_jobs else cost
-
-    def excess(bounds: Bounds, jobs: int, tokens: int) -> float:
-        out = 0.0
-        if bounds.max_jobs is not None and jobs + 1 > bounds.max_jobs:
-            out = (jobs + 1 - bounds.max_jobs) * avg_cost
-        if bounds.max_tokens is not None and tokens + cost > bounds.max_tokens:
-            out = max(out, tokens + cost - bounds.max_tokens)
-        return out
-
     # The two scopes written out, not looped over by generators (each step of one is a call: this
     # runs on every admission), and the rate read only for a refusal's Retry-After.
     class_bounds = limits.classes.get(priority, _UNBOUNDED)
-    over_model = excess(limits.model, view.model_jobs, view.model_tokens)
-    over_class = excess(class_bounds, view.class_jobs, view.class_tokens)
+    over_model = _excess(limits.model, view.model_jobs, view.model_tokens, cost, avg_cost)
+    over_class = _excess(class_bounds, view.class_jobs, view.class_tokens, cost, avg_cost)
     if over_model <= 0 and over_class <= 0:
         return False
     victim = view.victim_tokens
     if (
         victim is not None
-        and excess(limits.model, view.model_jobs - 1, view.model_tokens - victim) <= 0
-        and excess(class_bounds, view.class_jobs - 1, view.class_tokens - victim) <= 0
+        and _excess(limits.model, view.model_jobs - 1, view.model_tokens - victim, cost, avg_cost) <= 0
+        and _excess(class_bounds, view.class_jobs - 1, view.class_tokens - victim, cost, avg_cost) <= 0
     ):
         return True
     if over_model > 0:
