@@ -9,7 +9,7 @@
 local J = {}
 
 -- The text of a settled record's TTL in milliseconds (the result TTL and a minute), made once
--- per TTL: a number passed to redis.call is formatted by Redis (%.17g, ~3 k instructions).
+-- per TTL, instead of a number Redis formats at every settle (_keys.lua, int_text).
 local TTL_MS = new_memo(64)
 local function ttl_ms_text(ttl)
   return TTL_MS.t[ttl] or memo_put(TTL_MS, ttl, string.format('%d', math.ceil(ttl * 1000) + 60000))

@@ -77,9 +77,13 @@ local function capped_key(P) return P .. 'capped' end
 local function callbacks_key(P) return P .. 'callbacks' end
 local function callbacks_marker_key(P) return P .. 'cbmarker' end
 
--- The text Redis makes of a number passed to redis.call (%.17g: about 2 k instructions each, a
--- script passes dozens), memoized for the integers 0 .. INT_TEXT_MAX - 1, which most are (counts,
--- sequence numbers): the same text, made once. Anything else is passed on as the number.
+-- Numbers to Redis, one rule for every script: a text the script already has (an argument, a
+-- reply) goes as that text; an integer as int_text; any other number as the number, which Redis
+-- formats itself (%.17g in Redis 7.0; later ones may write the shortest text that reads back:
+-- the same number either way) for about half of what num, a Lua string.format, costs. num is for
+-- a number inside a text (a reply's, a record's JSON). Redis's formatting is about 2 k
+-- instructions a number and a script passes dozens: int_text memoizes the integers
+-- 0 .. INT_TEXT_MAX - 1, which most are (counts, sequence numbers), and passes anything else on.
 local INT_TEXT, INT_TEXT_MAX = {}, 4096
 local function int_text(x)
   local t = INT_TEXT[x]
@@ -96,7 +100,8 @@ end
 -- as nil. Lua 5.1's tonumber parses a text twice (lua_isnumber, then lua_tonumber): in a Redis
 -- function ~3.1 k instructions for a 17-digit text (a time, a rate), against ~1.3 k for `x * 1`,
 -- which coerces it once and is x exactly. The scripts write `x * 1` where x is always there, `(x or 0) * 1`
--- for a default. Unlike tonumber a text that is no number raises an error, so tonumber stays
+-- for a default, and nothing where arithmetic coerces x anyway (`f.seq + 1`; a comparison does
+-- not). Unlike tonumber a text that is no number raises an error, so tonumber stays
 -- where a text may be anything (a caller's arguments, the settings, parsed once anyway).
 local function tonum(x) if x then return x * 1 end end
 

@@ -106,8 +106,7 @@ if state == 'succeeded' and started then
     else
       slow = slow * math.exp(-slow_step * (1 - slow_q))
     end
-    -- Numbers go to Redis as numbers: it makes the same %.17g text for half of what num costs
-    -- (a Lua string made by string.format).
+    -- numbers, not num's texts (_keys.lua, int_text: Redis formats them for half the cost)
     local fields = { F[1], per_slot, F[2], int_text(samples + 1), F[3], mean_s, F[4], slow, F[7], resid }
     local rb = tonum(f.rb)
     local beside = rb and (rb + running_now) / 2
