@@ -259,7 +259,8 @@ class Gateway:
             priority_header=priority_header,
             timeout_s=opts.timeout,
             timeout_header=timeout_header,
-            # as client_timeout() reads it: openai-node's, else openai-python's
+            # the time-out the client's own library waits, as it sent it (seconds): openai-node's
+            # x-stainless-timeout, else openai-python's x-stainless-read-timeout
             client_timeout_header=node_timeout or python_timeout,
             tools=body.get("tools"),
             functions=body.get("functions"),
@@ -374,12 +375,6 @@ def client_retry(request: Request) -> int:
     # ASCII only: str.isdigit() also accepts '²', which int() refuses; and short: int() refuses
     # more than 4300 digits, and no client retries a billion times.
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
-
-
-def client_timeout(request: Request) -> str | None:
-    """The time-out the client's own library waits, as it sent it: openai-node's
-    ``x-stainless-timeout``, openai-python's ``x-stainless-read-timeout`` (seconds)."""
-    return header(request, b"x-stainless-timeout") or header(request, b"x-stainless-read-timeout")
 
 
 def rate_headers(admission: Admission) -> dict[str, str]:

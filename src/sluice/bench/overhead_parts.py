@@ -99,13 +99,20 @@ async def _no_message() -> Message:
 def parts() -> dict[str, Callable[[], None]]:
     """The steps, each a call that does what one request does there."""
     read = _header_reader()
+    job_headers = getattr(gateway, "_JOB_HEADERS", None)
+    scan = None if job_headers is None else importlib.import_module("sluice.api.headers").headers
+    client_timeout: Any = getattr(gateway, "client_timeout", None)  # an older tree's, before the scan
 
     def headers(request: Request) -> None:
-        # build_job's own three, then what client_timeout, client_retry and bearer read.
-        read(request, "x-priority")
-        read(request, "x-request-timeout")
-        read(request, "idempotency-key")
-        gateway.client_timeout(request)
+        # build_job's own five (one scan of api.headers.headers in a tree that has it, else three
+        # reads and client_timeout's two), then what client_retry and bearer read.
+        if scan is not None:
+            scan(request, job_headers)
+        else:
+            read(request, "x-priority")
+            read(request, "x-request-timeout")
+            read(request, "idempotency-key")
+            client_timeout(request)
         gateway.client_retry(request)
         auth.bearer(request)
 
