@@ -196,6 +196,14 @@ def test_a_piece_of_content_folds_as_the_general_fold_folds_it(chunks: list[dict
     # every one): the same answer, the same count of generated chunks, the same choices relayed.
     job = chat_job()
     short, general = Assembler(job), Assembler(job)
+    folded: list[Any] = []  # the deltas the short way left to the general fold
+    fold = short._add_delta
+
+    def counted(c: Any, delta: Any) -> None:
+        folded.append(delta)
+        fold(c, delta)
+
+    short._add_delta = counted  # type: ignore[method-assign]
     for data in chunks:
         proxied = copy.deepcopy(data)
         for choice in proxied["choices"]:
@@ -204,6 +212,7 @@ def test_a_piece_of_content_folds_as_the_general_fold_folds_it(chunks: list[dict
         assert [{**c, "delta": dict(c["delta"])} for c in general.add(proxied)] == data["choices"]
     assert short.response() == general.response()
     assert short.tokens == general.tokens
+    assert len(folded) < len(chunks)  # the short way was taken: two ways compared, not one twice
 
 
 def test_the_chunks_relayed_are_never_changed_by_what_follows() -> None:
