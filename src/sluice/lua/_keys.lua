@@ -101,8 +101,9 @@ end
 -- function ~3.1 k instructions for a 17-digit text (a time, a rate), against ~1.3 k for `x * 1`,
 -- which coerces it once and is x exactly. The scripts write `x * 1` where x is always there, `(x or 0) * 1`
 -- for a default, and nothing where arithmetic coerces x anyway (`f.seq + 1`; a comparison does
--- not). Unlike tonumber a text that is no number raises an error, so tonumber stays
--- where a text may be anything (a caller's arguments, the settings, parsed once anyway).
+-- not). That holds for the scripts' own arguments too (a time, a TTL, a count: Python's numbers).
+-- Unlike tonumber a text that is no number raises an error, so tonumber stays where a text may be
+-- empty or no number (a limit not given) and in a settings parse (once per text anyway).
 local function tonum(x) if x then return x * 1 end end
 
 -- Numbers handed back to Python as strings: a Lua number in a reply is truncated to an integer, and

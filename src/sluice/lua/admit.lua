@@ -127,7 +127,7 @@ local now_s, id, tenant, model, cls = ARGV[1], ARGV[2], ARGV[3], S.model, S.cls
 local now, cost, deadline = now_s * 1, ARGV[4] * 1, ARGV[5] * 1
 local model_max_jobs, model_max_tokens = S.model_max_jobs, S.model_max_tokens
 local class_max_jobs, class_max_tokens = S.class_max_jobs, S.class_max_tokens
-local drain_prior, idem_ttl = S.drain_prior, tonumber(ARGV[6])
+local drain_prior, idem_ttl = S.drain_prior, ARGV[6] * 1
 local limits_given, bucket = ARGV[7] == '1', ARGV[8]
 local given_limits = { ARGV[9], ARGV[10], ARGV[11], ARGV[12] } -- rpm, tpm, max queued, max concurrent
 local policy_kind, policy = S.policy_kind, S.policy
@@ -150,7 +150,7 @@ if idem_ttl > 0 then
   if hit then
     local sp = string.find(hit, ' ', 1, true)
     local first = string.sub(hit, 1, sp - 1)
-    if tonumber(string.sub(hit, sp + 1)) > now and rcall('EXISTS', job_key(P, first)) == 1 then
+    if string.sub(hit, sp + 1) * 1 > now and rcall('EXISTS', job_key(P, first)) == 1 then
       return { 2, first }
     end
   end

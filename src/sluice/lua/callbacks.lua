@@ -12,10 +12,10 @@
 
 local pending_k, inflight_k, job_k = KEYS[1], KEYS[2], KEYS[3]
 local op, now_s = ARGV[1], ARGV[2]
-local now = tonumber(now_s)
+local now = now_s * 1
 
 if op == 'take' then
-  local lease_s, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+  local lease_s, most = ARGV[3] * 1, ARGV[4] * 1
   for _, id in ipairs(rcall('ZRANGEBYSCORE', inflight_k, '-inf', now_s)) do
     rcall('ZREM', inflight_k, id)
     rcall('RPUSH', pending_k, id) -- its worker went quiet: hand it out again

@@ -17,9 +17,9 @@
 -- @include _fairqueue.lua
 
 local job_k, deadline_k, results_k, running_k, blocked_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local now_s, P, id, result_ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local now_s, P, id, result_ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4] * 1, ARGV[5]
 local abort_channel, cancelled_error = ARGV[6], ARGV[7]
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now_s * 1, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 local f = job_read(job_k)

@@ -8,7 +8,7 @@
 -- Returns 1 when the slot was taken, 0 when `cap` connections are open already.
 
 local conns_k = KEYS[1]
-local now_s, conn, cap, expires, ttl_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local now_s, conn, cap, expires, ttl_ms = ARGV[1], ARGV[2], ARGV[3] * 1, ARGV[4], ARGV[5]
 
 rcall('ZREMRANGEBYSCORE', conns_k, '-inf', '(' .. now_s)
 if rcall('ZCARD', conns_k) >= cap then return 0 end

@@ -48,7 +48,7 @@ local function capacity_fields(model)
   })
 end
 local now_s, id, worker, token, state = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local used = tonumber(ARGV[6])
+local used = ARGV[6] * 1
 local P, result_ttl, maxlen, drain_alpha = S.P, S.result_ttl, S.maxlen, S.drain_alpha
 local slow_q, slow_step, per_slot_weight, fill_alpha = S.slow_q, S.slow_step, S.per_slot_weight, S.fill_alpha
 local CHANGES_AT = 8 -- ARGV[CHANGES_AT ..]: the field, value pairs to record

@@ -11,7 +11,7 @@
 
 local active_k = KEYS[1]
 local JOBS_AT = 2 -- KEYS[JOBS_AT ..]: the job hashes
-local now, lease_s, worker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local now, lease_s, worker = ARGV[1] * 1, ARGV[2] * 1, ARGV[3]
 local PAIRS_AT = 4 -- ARGV[PAIRS_AT ..]: job id, lease token per job
 
 local abort = {}

@@ -17,9 +17,9 @@
 -- @include _fairqueue.lua
 
 local deadline_k, results_k, dead_k, running_k, blocked_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local result_ttl, maxlen, expired_error = tonumber(ARGV[4]), ARGV[5], ARGV[6]
-J.P, J.now, J.now_s, J.ttl, J.maxlen = P, tonumber(now_s), now_s, result_ttl, maxlen
+local now_s, P, limit = ARGV[1], ARGV[2], ARGV[3] * 1
+local result_ttl, maxlen, expired_error = ARGV[4] * 1, ARGV[5], ARGV[6]
+J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now_s * 1, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
 local late = rcall('ZRANGEBYSCORE', deadline_k, '-inf', now_s, 'LIMIT', 0, limit)

@@ -20,9 +20,9 @@
 
 local active_k, deadline_k, results_k, dead_k = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local running_k, blocked_k = KEYS[5], KEYS[6]
-local now_s, P, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local result_ttl, maxlen, worker_lost_error = tonumber(ARGV[4]), ARGV[5], ARGV[6]
-local now = tonumber(now_s)
+local now_s, P, limit = ARGV[1], ARGV[2], ARGV[3] * 1
+local result_ttl, maxlen, worker_lost_error = ARGV[4] * 1, ARGV[5], ARGV[6]
+local now = now_s * 1
 J.P, J.now, J.now_s, J.ttl, J.maxlen = P, now, now_s, result_ttl, maxlen
 J.results, J.running, J.blocked = results_k, running_k, blocked_k
 
