@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.core.c_json import c_encoder as _c_encoder
 from sluice.core.job import Endpoint, Job
 
 #: json.loads' own scanner (its default decoder's: the C one where there is one), called straight
@@ -97,23 +98,6 @@ class TokenChunks:
         rest = {k: v for k, v in data.items() if k not in _OWN}
         rest["choices"] = data.get("choices") or []
         return self._head + plain_json(rest)[1:]
-
-
-def _c_encoder(*, ascii: bool, item_sep: str, key_sep: str, allow_nan: bool) -> Any:
-    """json.dumps' C encoder with these options, made once (json.dumps makes one per call), without
-    the check for circular references: what it encodes was decoded from JSON (an engine's chunk, a
-    broker's event, a request body), which cannot refer to itself. None where json has no C
-    encoder, or one that takes other arguments (``c_make_encoder`` is CPython's private API): the
-    callers then use json.dumps itself."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return None
-    default = json.JSONEncoder().default  # raises json.dumps' TypeError for what is not JSON
-    strings = json.encoder.encode_basestring_ascii if ascii else json.encoder.encode_basestring
-    try:
-        return make(None, default, strings, None, key_sep, item_sep, False, False, allow_nan)
-    except TypeError:
-        return None
 
 
 #: json.dumps with its default options (the token chunks a client is sent)
