@@ -463,3 +463,39 @@ def test_the_public_names_kept_per_engine_follow_its_model_list() -> None:
     one.models.append("extra")  # changed in place
     assert fleet.public_names(first) == {"chat", "chat-v1", "extra"}
     assert dispatcher._free_models() == ["chat", "chat-v1", "extra", "other"]
+
+
+class ShieldedBroker(MemoryBroker):
+    """The memory broker, told to be settled as a broker whose finish may await (Redis)."""
+
+    finish_at_once = False
+
+
+async def test_a_finish_that_awaits_nothing_is_not_shielded(monkeypatch: Any) -> None:
+    """The memory broker's finish settles at once: the dispatcher awaits it as it is (no task); a
+    broker whose finish may await is settled in a shielded task, as before."""
+    shielded: list[object] = []
+    shield = asyncio.shield
+
+    def counted(awaitable: Any) -> Any:
+        shielded.append(awaitable)
+        return shield(awaitable)
+
+    monkeypatch.setattr(asyncio, "shield", counted)
+    for broker_type, shields in ((MemoryBroker, 0), (ShieldedBroker, 3)):
+        shielded.clear()
+        broker = broker_type(BrokerSettings())
+        await broker.start()
+        dispatcher = Dispatcher(broker, [FakeBackend("a", 2, delay=0.0)])
+        await dispatcher.start()
+        try:
+            jobs = [make_job() for _ in range(3)]
+            for job in jobs:
+                await broker.admit(job)
+            for job in jobs:
+                done = await broker.wait(job.id, 10)
+                assert done is not None and done.state is JobState.SUCCEEDED and done.result is not None
+        finally:
+            await dispatcher.stop()
+            await broker.close()
+        assert len(shielded) == shields, broker_type.__name__

@@ -540,19 +540,20 @@ class Dispatcher:
         # The claims of a lost lease adopted by the running attempt count, as the broker counted
         # them (its STARTED events numbered them).
         attempts += self._claims.get(job.id, 1) - 1
-        # A client disconnect must not interrupt the settlement halfway.
-        done = await asyncio.shield(
-            self.broker.finish(
-                job.id,
-                self.worker_id,
-                state,
-                result=result,
-                usage=usage,
-                error=error,
-                attempts=attempts,
-                backend=backend.name if backend is not None else None,
-            )
+        settle = self.broker.finish(
+            job.id,
+            self.worker_id,
+            state,
+            result=result,
+            usage=usage,
+            error=error,
+            attempts=attempts,
+            backend=backend.name if backend is not None else None,
         )
+        # A client disconnect must not interrupt the settlement halfway: a broker that awaits in
+        # it (Redis) settles in a shielded task; one whose finish awaits nothing cannot be
+        # interrupted, and is awaited as it is (no task, and two turns of the loop fewer, a job).
+        done = await (settle if self.broker.finish_at_once else asyncio.shield(settle))
         if done is not None:
             log_outcome(done)
             if self.metrics:

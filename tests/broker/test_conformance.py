@@ -71,6 +71,29 @@ async def test_admit_claim_finish(broker: Broker, clock: FakeClock) -> None:
     assert types == [EventType.QUEUED, EventType.STARTED, EventType.TOKEN, EventType.DONE]
 
 
+async def test_a_finish_said_to_be_at_once_awaits_nothing(broker: Broker, clock: FakeClock) -> None:
+    """``finish_at_once`` lets the dispatcher await ``finish`` unshielded: it must then settle at
+    its coroutine's first step, whatever the outcome (settled, or ignored for a lost lease)."""
+    if not broker.finish_at_once:
+        pytest.skip("this broker's finish may await: the dispatcher shields it")
+    job, other = make_job(clock), make_job(clock)
+    await broker.admit(job)
+    await broker.admit(other)
+    assert (await broker.claim(W, ["m"], timeout=1.0)) is not None
+    assert (await broker.claim(W, ["m"], timeout=1.0)) is not None
+    for job_id, worker, state in (
+        (job.id, W, JobState.SUCCEEDED),
+        (other.id, "worker-2", JobState.SUCCEEDED),  # not its lease: ignored
+        (other.id, W, JobState.FAILED),
+        (job.id, W, JobState.SUCCEEDED),  # ended already: ignored
+    ):
+        settle = broker.finish(job_id, worker, state, result={}, error=None)
+        with pytest.raises(StopIteration):
+            settle.send(None)  # type: ignore[attr-defined]
+    assert (await broker.get(job.id)).state is JobState.SUCCEEDED  # type: ignore[union-attr]
+    assert (await broker.get(other.id)).state is JobState.FAILED  # type: ignore[union-attr]
+
+
 async def test_events_replay_and_resume(broker: Broker, clock: FakeClock) -> None:
     job = make_job(clock)
     await broker.admit(job)

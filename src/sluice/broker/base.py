@@ -302,6 +302,11 @@ class Broker(ABC):
     async def publish(self, job_id: str, type: EventType, data: dict[str, Any]) -> None:
         """Append an event to a running job's stream. The first TOKEN sets ``first_token_at``."""
 
+    #: whether :meth:`finish` settles the job without awaiting anything (one process's broker):
+    #: nothing can then cancel it halfway, and the dispatcher awaits it as it is rather than in a
+    #: shielded task of its own (a task made, and two turns of the event loop, per job)
+    finish_at_once = False
+
     @abstractmethod
     async def finish(
         self,
