@@ -22,6 +22,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -1184,3 +1186,108 @@ def test_without_a_c_encoder_the_encoders_fall_back_to_json_dumps(monkeypatch: p
     assert compact_json(value) == compact
     with pytest.raises(ValueError):
         compact_json({"a": float("nan")})
+
+
+# -- the fold's types read by their class: what the isinstance checks alone gave -----------------
+
+
+class _Str(str):
+    pass
+
+
+class _List(list):  # type: ignore[type-arg]
+    pass
+
+
+def _reference_fold(acc: dict[str, Any], new: Any, concat: bool) -> None:
+    """protocol._fold as it was before its types were read by ``__class__`` (isinstance alone)."""
+    from collections.abc import Mapping
+
+    for key, value in new.items():
+        old = acc.get(key)
+        if value is None:
+            acc.setdefault(key, None)
+        elif old is None or old == "":
+            acc[key] = _reference_start(value, concat and key not in protocol._NAMES)
+        elif key in protocol._NAMES:
+            continue
+        elif isinstance(old, protocol._Text) and isinstance(value, str):
+            old.parts.append(value)
+        elif isinstance(old, list) and isinstance(value, list):
+            old.extend(_reference_start(v, concat) for v in value)
+        elif isinstance(old, dict) and isinstance(value, Mapping):
+            _reference_fold(old, value, concat)
+        else:
+            acc[key] = _reference_start(value, concat)
+
+
+def _reference_start(value: Any, concat: bool) -> Any:
+    from collections.abc import Mapping
+
+    if isinstance(value, str):
+        return protocol._Text(value) if concat else value
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        _reference_fold(out, value, concat)
+        return out
+    if isinstance(value, list):
+        return [_reference_start(v, concat) for v in value]
+    return value
+
+
+def _reference_final(value: Any) -> Any:
+    if isinstance(value, protocol._Text):
+        return "".join(value.parts)
+    if isinstance(value, dict):
+        return {k: _reference_final(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reference_final(v) for v in value]
+    return value
+
+
+def _typed(value: Any) -> Any:
+    """A value with the class of every part of it, so that a str and a str subclass differ."""
+    if isinstance(value, dict):
+        return (value.__class__, {k: _typed(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return (value.__class__, [_typed(v) for v in value])
+    return (value.__class__, value)
+
+
+_KEYS = ["content", "role", "name", "id", "type", "index", "logprobs", "x", ""]
+_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.floats(allow_nan=False, width=16)
+    | st.sampled_from(["", "a", "bc"])
+    | st.sampled_from(["", "z"]).map(_Str)
+    | st.just(("a", "tuple"))
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=2).map(_List)
+        | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=3)
+        | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=2).map(types.MappingProxyType)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.dictionaries(st.sampled_from(_KEYS), _values, max_size=4), min_size=1, max_size=5),
+    st.booleans(),
+)
+def test_the_fold_by_class_gives_what_the_isinstance_checks_gave(chunks: list[Any], concat: bool) -> None:
+    # Plain JSON takes the class comparisons; a str, list or Mapping of another class (and a
+    # tuple, which is none of them) the isinstance checks: each folds, and comes out, as before.
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    for chunk_ in chunks:
+        protocol._fold(ours, chunk_, concat)
+        _reference_fold(theirs, chunk_, concat)
+    assert _typed(protocol._final(ours)) == _typed(_reference_final(theirs))
+    assert _typed(protocol._final(ours)) == _typed(_reference_final(ours))

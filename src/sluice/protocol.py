@@ -172,31 +172,60 @@ def _fold(acc: dict[str, Any], new: Mapping[str, Any], concat: bool) -> None:
     in order; without (a choice's or a chunk's own fields: state, repeated on each chunk) the latest
     string stays. Numbers and flags keep the latest value; lists extend (logprobs, token ids);
     objects fold the same way, one level down; names (:data:`_NAMES`) keep their first value. A null
-    never erases a value (engines send null for "nothing new"), but is kept where nothing else came."""
+    never erases a value (engines send null for "nothing new"), but is kept where nothing else came.
+
+    The types are read by ``__class__`` (an attribute, not a call) and compared with the plain
+    ones that parsed JSON and the accumulators are made of; only a value of another class goes
+    through the ``isinstance`` checks (a Mapping's is three calls), so what each value becomes is
+    what those checks alone decide."""
     for key, value in new.items():
         old = acc.get(key)
         if value is None:
             acc.setdefault(key, None)
         elif old is None or old == "":  # an empty name names nothing yet
-            acc[key] = _start(value, concat and key not in _NAMES)
+            cls = value.__class__
+            if cls is str:
+                acc[key] = _Text(value) if concat and key not in _NAMES else value
+            elif cls in _SCALARS:
+                acc[key] = value
+            else:
+                acc[key] = _start(value, concat and key not in _NAMES)
         elif key in _NAMES:
             continue
-        elif isinstance(old, _Text) and isinstance(value, str):
-            old.parts.append(value)
-        elif isinstance(old, list) and isinstance(value, list):
-            old.extend(_start(v, concat) for v in value)
-        elif isinstance(old, dict) and isinstance(value, Mapping):
-            _fold(old, value, concat)
         else:
-            acc[key] = _start(value, concat)
+            old_cls = old.__class__
+            if old_cls is _Text and (value.__class__ is str or isinstance(value, str)):
+                old.parts.append(value)
+            elif old_cls is list and isinstance(value, list):
+                old.extend(_start(v, concat) for v in value)
+            elif old_cls is dict and isinstance(value, Mapping):
+                _fold(old, value, concat)
+            else:
+                acc[key] = _start(value, concat)
+
+
+#: The classes of parsed JSON's numbers and flags: a fresh accumulator is the value itself.
+_SCALARS = frozenset({int, float, bool})
 
 
 def _start(value: Any, concat: bool) -> Any:
     """A fresh accumulator holding ``value`` (copied: the engine's chunk is relayed as it is)."""
+    cls = value.__class__
+    if cls is str:
+        return _Text(value) if concat else value
+    if cls is dict:
+        out: dict[str, Any] = {}
+        _fold(out, value, concat)
+        return out
+    if cls is list:
+        return [_start(v, concat) for v in value]
+    if cls in _SCALARS:
+        return value
+    # Anything else by the checks themselves (a str, Mapping or list of another class).
     if isinstance(value, str):
         return _Text(value) if concat else value
     if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
+        out = {}
         _fold(out, value, concat)
         return out
     if isinstance(value, list):
@@ -204,14 +233,22 @@ def _start(value: Any, concat: bool) -> Any:
     return value
 
 
+#: What an accumulator holds that :func:`_final` must turn into plain JSON: gathered text, and the
+#: plain dicts and lists that :func:`_start` makes (it makes no other container; every other value
+#: in an accumulator is one the engine sent, kept as it is).
+_GATHERED = frozenset({_Text, dict, list})
+
+
 def _final(value: Any) -> Any:
-    """An accumulator as plain JSON: every gathered text joined."""
-    if isinstance(value, _Text):
+    """An accumulator as plain JSON: every gathered text joined. A value that is none of
+    :data:`_GATHERED` is kept as it is without a call for it."""
+    cls = value.__class__
+    if cls is _Text:
         return "".join(value.parts)
-    if isinstance(value, dict):
-        return {k: _final(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_final(v) for v in value]
+    if cls is dict:
+        return {k: _final(v) if v.__class__ in _GATHERED else v for k, v in value.items()}
+    if cls is list:
+        return [_final(v) if v.__class__ in _GATHERED else v for v in value]
     return value
 
 
