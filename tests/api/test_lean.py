@@ -7,10 +7,12 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from sluice.api.errors import APIError
 from sluice.api.lean import send_error
+from sluice.api.relay import WholeAnswer
 from tests.api.sluice_server import serve_as_sluice
 
 
@@ -27,6 +29,55 @@ def _errors() -> list[APIError]:
         refused,
         failed,
     ]
+
+
+_ANSWER = {
+    "id": "chatcmpl-abc",
+    "object": "chat.completion",
+    "created": 1700000000,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "é☃😀 \u2028", "refusal": None}}],
+    "usage": {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18},
+}
+_RATE = {
+    "x-ratelimit-limit-requests": "60",
+    "x-ratelimit-remaining-requests": "59",
+    "x-ratelimit-reset-requests": "1s",
+    "X-Mixed-Case": "ü",
+}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [None, {}, {"x-sluice-job-id": "job_abc", "x-request-id": "job_abc"}, {"x-request-id": "job_a", **_RATE}],
+    ids=["none", "empty", "ids", "rate"],
+)
+async def test_a_whole_answer_is_starlettes_json_response(headers: dict[str, str] | None) -> None:
+    # The same status, body and raw headers in the same order, twice (the second with the names
+    # made already), and sent as Response.__call__ sends it.
+    expected = JSONResponse(_ANSWER, headers=headers)
+    for _ in range(2):
+        made = WholeAnswer(_ANSWER, headers)
+        assert isinstance(made, JSONResponse)
+        assert (made.status_code, made.body, made.raw_headers) == (
+            expected.status_code,
+            expected.body,
+            expected.raw_headers,
+        )
+        assert made.headers.get("content-type") == "application/json"
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await WholeAnswer(_ANSWER, headers)({"type": "http"}, None, send)  # type: ignore[arg-type]
+    expected_sent: list[dict[str, Any]] = []
+
+    async def expected_send(message: dict[str, Any]) -> None:
+        expected_sent.append(message)
+
+    await expected({"type": "http"}, None, expected_send)  # type: ignore[arg-type]
+    assert sent == expected_sent
 
 
 @pytest.mark.parametrize("error", _errors(), ids=lambda e: str(e.code))

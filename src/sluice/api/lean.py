@@ -31,7 +31,7 @@ from sluice.api.auth import KeyRing
 from sluice.api.errors import APIError, internal_error
 from sluice.api.gateway import Gateway
 from sluice.api.openai import complete
-from sluice.api.relay import CLIENT_GONE, EventStream
+from sluice.api.relay import CLIENT_GONE, EventStream, WholeAnswer
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.request_id import JOB_HEADER, new_request_id
 from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, SchedulingOptions, plainly_readable
@@ -171,7 +171,18 @@ async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, framew
             # server's send does not raise for a client that left), without a wrapper of send
             # that would say so one coroutine later for each of its two messages.
             sent = True
-            await answer(scope, receive, send)
+            if type(answer) is WholeAnswer:
+                # Its two messages, as Response.__call__ sends them, without that coroutine.
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": answer.status_code,
+                        "headers": answer.raw_headers,
+                    }
+                )
+                await send({"type": "http.response.body", "body": answer.body})
+            else:
+                await answer(scope, receive, send)
     except APIError as error:
         await _answer_error(send, error, started())
     except Refused as refused:

@@ -171,12 +171,38 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
     return skipped
 
 
-class _CompactJSON(JSONResponse):
-    """starlette's JSONResponse, the same bytes, rendered by one encoder made once
-    (:func:`compact_json`) rather than a JSONEncoder per answer."""
+#: What starlette's JSONResponse adds after the given headers: its media type, as it sends it.
+_JSON_TYPE = (b"content-type", b"application/json")
+#: The headers' names as they go out (lowercase latin-1), made once per name: a whole answer has
+#: the same few, all Sluice's own (the job's id twice, a rate limit's six): a bounded set.
+_RAW_NAMES: dict[str, bytes] = {}
 
-    def render(self, content: Any) -> bytes:
-        return compact_json(content)
+
+class WholeAnswer(JSONResponse):
+    """starlette's ``JSONResponse(content, headers=headers)``: the same status, body and raw
+    headers, in the same order, made without its steps (``render`` through a JSONEncoder made per
+    answer, ``init_headers``' scans for a Content-Length or Content-Type among headers that never
+    carry one, the ``super()`` chain). Still a Response, so that the FastAPI routes send it as any
+    other; the lean routes send its two messages to the server themselves
+    (:func:`sluice.api.lean.serve`).
+
+    ``headers`` must not name ``content-length`` or ``content-type`` (JSONResponse would then send
+    them instead of its own): a job's answer carries its ids and its rate limit's headers only."""
+
+    def __init__(self, content: Any, headers: dict[str, str] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = body = compact_json(content)
+        raw: list[tuple[bytes, bytes]] = []
+        if headers:
+            names = _RAW_NAMES
+            for k, v in headers.items():
+                name = names.get(k)
+                if name is None:
+                    name = names[k] = k.lower().encode("latin-1")
+                raw.append((name, v.encode("latin-1")))
+        raw += ((b"content-length", str(len(body)).encode()), _JSON_TYPE)
+        self.raw_headers = raw
 
 
 def answer(job: Job | None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -185,7 +211,7 @@ def answer(job: Job | None, headers: dict[str, str] | None = None) -> JSONRespon
     if job is None:
         raise APIError(404, "The job no longer exists.", "job_not_found")
     if job.state is JobState.SUCCEEDED and job.result is not None:
-        return _CompactJSON(job.result, headers=headers)
+        return WholeAnswer(job.result, headers)
     if not job.terminal:
         raise APIError(504, "The job did not finish in time.", "deadline_exceeded", should_retry=False)
     raise failure(job)
