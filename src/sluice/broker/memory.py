@@ -7,6 +7,7 @@ import collections
 import contextlib
 import heapq
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class MemoryBroker(Broker):
         #: (tenant, Idempotency-Key) → the job it names, for as long as that job's record is kept
         self._idempotency: dict[tuple[str, str], str] = {}
         self._workers: dict[str, tuple[dict[str, int], float]] = {}
+        #: :meth:`_slots`' sum, kept with the span of clock times it holds for: (sum, from, to)
+        self._live_slots: tuple[dict[str, int], float, float] | None = None
         #: what each worker knows of its models (``describe_models``)
         self._model_info: dict[str, dict[str, ModelInfo]] = {}
         #: each tenant's kept jobs, job id → created_at, for ``list_jobs``
@@ -144,20 +147,33 @@ class MemoryBroker(Broker):
             q = self._queues[model] = ClassScheduler(self.settings.classes)
         return q
 
-    def _drain_rate(self, model: str) -> DrainRate:
+    def _drain_rate(self, model: str, now: float | None = None) -> DrainRate:
         d = self._drain.get(model)
         if d is None:
             d = self._drain[model] = DrainRate(prior_per_slot=self.settings.drain_prior_per_slot)
-        d.slots = self._slots().get(model, 0)
+        d.slots = self._slots(now).get(model, 0)
         return d
 
-    def _slots(self) -> dict[str, int]:
-        now = self.now()
+    def _slots(self, now: float | None = None) -> dict[str, int]:
+        """Model -> the slots of the workers whose registration has not lapsed at ``now`` (the
+        clock's, when None); the caller must not change it. Summed again only when it may differ:
+        no registration changed, and ``now`` lies between the time of the last sum and the first
+        expiry of a registration it counted, have the same workers live as then (one lapsed
+        before that sum stays lapsed; a clock stepped back sums again). Three reads a job."""
+        if now is None:
+            now = self.now()
+        kept = self._live_slots
+        if kept is not None and kept[1] <= now <= kept[2]:
+            return kept[0]
         total: dict[str, int] = {}
+        until = math.inf
         for slots, expires in self._workers.values():
             if expires >= now:
+                if expires < until:
+                    until = expires
                 for model, n in slots.items():
                     total[model] = total.get(model, 0) + n
+        self._live_slots = (total, now, until)
         return total
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
@@ -260,7 +276,7 @@ class MemoryBroker(Broker):
                 return Admission(first, True, pos or 0, 0.0)
         tenant = self._tenant(job.tenant)
         limiter = self._key_limiter(tenant, limits)
-        drain = self._drain_rate(job.model)
+        drain = self._drain_rate(job.model, now)
         q = self._queue(job.model)
         try:
             view, victim = self._view(q, job)
@@ -469,13 +485,15 @@ class MemoryBroker(Broker):
 
     async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
         self._workers[worker_id] = (dict(slots), self.now() + max(self.settings.lease_s, 1.0))
+        self._live_slots = None
 
     async def unregister(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._live_slots = None
         self._model_info.pop(worker_id, None)
 
     async def served_models(self) -> dict[str, int]:
-        return self._slots()
+        return dict(self._slots())
 
     async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
         self._model_info[worker_id] = dict(models)
@@ -525,7 +543,7 @@ class MemoryBroker(Broker):
             if rec.job.deadline <= now:
                 self._settle(rec, JobState.EXPIRED, deadline_error())
                 continue
-            drain = self._drain_rate(rec.job.model)
+            drain = self._drain_rate(rec.job.model, now)
             if drain.measured and rec.job.deadline - now < drain.service_s(rec.job.cost):
                 # It would be aborted half-way: the engine's time goes to a job that can finish.
                 self._settle(rec, JobState.EXPIRED, unfinishable_error(rec.job.deadline - now))
@@ -533,16 +551,19 @@ class MemoryBroker(Broker):
             return rec.job
 
     async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    signal = self._work.current()
-                    job = self._pop(models)
-                    if job is not None:
-                        break
-                    await signal.wait()
-        except TimeoutError:
-            return None
+        # The signal taken before the look, so that no admission in between is missed; the timer
+        # armed only when there is a wait (a busy queue's claims find their job at once).
+        signal = self._work.current()
+        job = self._pop(models)
+        if job is None:
+            try:
+                async with asyncio.timeout(timeout):
+                    while job is None:
+                        await signal.wait()
+                        signal = self._work.current()
+                        job = self._pop(models)
+            except TimeoutError:
+                return None
         now = self.now()
         self._move(job, JobState.RUNNING)
         self._records[job.id].running_at_start = self._running[job.model]
@@ -629,12 +650,14 @@ class MemoryBroker(Broker):
         # The jobs that ran beside it, itself included: the mean of when it started and now.
         beside = (rec.running_at_start + self._running.get(job.model, 0)) / 2
         self._settle(rec, state, error)
+        now = job.finished_at  # the settlement's time, _settle's one read of the clock
+        assert now is not None
         if usage is not None and isinstance(usage.get("total_tokens"), int):
             limiter = self._charged_limiter(rec)
             if limiter is not None:
-                limiter.settle(job.cost, usage["total_tokens"], self.now())
-        if state is JobState.SUCCEEDED and job.started_at is not None and job.finished_at is not None:
-            self._drain_rate(job.model).observe(job.cost, job.finished_at - job.started_at, beside)
+                limiter.settle(job.cost, usage["total_tokens"], now)
+        if state is JobState.SUCCEEDED and job.started_at is not None:
+            self._drain_rate(job.model, now).observe(job.cost, now - job.started_at, beside)
         return job
 
     async def dead_letters(self) -> dict[str, float]:
