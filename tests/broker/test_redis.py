@@ -764,6 +764,42 @@ async def test_a_pipelined_transaction_runs_whole_and_alone(broker: RedisBroker)
     assert await batch.call(("ZRANGE", key, 0, -1)) == ["a", "c"]
 
 
+@pytest.mark.parametrize("places", [1, 2])
+async def test_commands_wait_for_a_place_and_go_out_as_one_pipeline(redis_url: str, places: int) -> None:
+    """With ``max_inflight`` pipelines in flight, what callers submit in later turns waits and goes
+    out together as the next pipeline when one comes back; below the bound it goes out at once."""
+    client = Redis.from_url(redis_url, protocol=2, decode_responses=True)
+    other = Redis.from_url(redis_url, decode_responses=True)
+    batch = Batcher(client, timeout=10.0, max_inflight=places)
+    key = "sluice-test:held"
+    try:
+        await batch.call(("DEL", key))
+        first = batch.pipelines
+        held = []
+        for _ in range(places):  # each in a turn of its own, so each its own pipeline
+            held.append(batch.submit(("BLPOP", key, 0)))
+            await asyncio.sleep(0)
+        await wait_blocked(redis_url, places)  # the second went out while the first was held
+        assert batch.pipelines - first == places
+        pings = []
+        for _ in range(5):  # five callers in five turns of the loop
+            pings.append(batch.submit(("PING",)))
+            await asyncio.sleep(0)
+        assert batch.pipelines - first == places  # every place is taken: the pings wait
+        assert not any(p.done() for p in pings)
+        await other.lpush(key, "a")  # one pipeline comes back
+        assert await asyncio.wait_for(asyncio.gather(*pings), 5) == ["PONG"] * 5
+        assert batch.pipelines - first == places + 1  # the five went out as one pipeline
+        assert batch.commands >= 5
+        if places == 2:
+            await other.lpush(key, "b")  # the other BLPOP
+        assert sorted(v for _, v in await asyncio.wait_for(asyncio.gather(*held), 5)) == ["a", "b"][:places]
+    finally:
+        await batch.drain()
+        await client.aclose()
+        await other.aclose()
+
+
 async def test_a_tenants_list_keeps_integer_scores_and_still_reads_the_older_form(
     broker: RedisBroker, clock: FakeClock
 ) -> None:

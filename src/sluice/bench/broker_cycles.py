@@ -186,7 +186,15 @@ def _cpu_s() -> float:
 
 
 def _process(
-    role: str, url: str, count: int, concurrency: int, start: Any, done: Any, total: int, cpu: Any
+    role: str,
+    url: str,
+    count: int,
+    concurrency: int,
+    start: Any,
+    done: Any,
+    total: int,
+    cpu: Any,
+    sent: Any = None,
 ) -> None:
     async def main() -> None:
         broker = RedisBroker(
@@ -196,30 +204,53 @@ def _process(
             await broker.ping()
             start.wait()
             began = _cpu_s()
+            batch = broker.home.batch
+            pipelines, commands = batch.pipelines, batch.commands
             if role == "admit":
                 await admit_loop(broker, count, concurrency)
             else:
                 await claim_loop(broker, done, total, concurrency)
             with cpu.get_lock():
                 cpu.value += _cpu_s() - began
+            if sent is not None:  # the pipelines' depth: commands sent over pipelines sent
+                with sent.get_lock():
+                    sent[0] += batch.pipelines - pipelines
+                    sent[1] += batch.commands - commands
         finally:
             await broker.close()
 
     asyncio.run(main())
 
 
-def redis_cpu_s(url: str) -> float:
+def redis_cpu_parts(url: str) -> tuple[float, float]:
+    """redis-server's user and system CPU seconds so far."""
     from redis import Redis
 
     info = Redis.from_url(url).info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return float(info["used_cpu_user"]), float(info["used_cpu_sys"])
+
+
+def redis_cpu_s(url: str) -> float:
+    return sum(redis_cpu_parts(url))
+
+
+def redis_calls(url: str) -> int:
+    """Commands sent to Redis so far, those the scripts run not counted (FCALL is one)."""
+    from redis import Redis
+
+    stats = Redis.from_url(url).info("commandstats")
+    inner = ("cmdstat_fcall", "cmdstat_bzpopmin", "cmdstat_multi", "cmdstat_exec")
+    return sum(int(v["calls"]) for k, v in stats.items() if k in inner)
 
 
 @dataclass
 class Run:
     rate: float  # cycles per second
     client_cpu_us: float  # CPU of the benchmark processes per cycle
-    redis_cpu_us: float  # CPU of redis-server per cycle
+    redis_cpu_us: float  # CPU of redis-server per cycle (user + system)
+    redis_sys_us: float = 0.0  # of which system time
+    depth: float = 0.0  # commands per pipeline the benchmark's processes sent
+    calls: float = 0.0  # FCALLs (and blocking pops) per cycle that reached Redis
 
 
 def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: int) -> Run:
@@ -227,20 +258,20 @@ def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: i
     start = ctx.Event()
     done = ctx.Value("q", 0)
     cpu = ctx.Value("d", 0.0)
+    sent = ctx.Array("q", 2)
     procs = []
     for i in range(admitters):
         share = jobs // admitters + (1 if i < jobs % admitters else 0)
-        procs.append(
-            ctx.Process(target=_process, args=("admit", url, share, concurrency, start, done, jobs, cpu))
-        )
+        args = ("admit", url, share, concurrency, start, done, jobs, cpu, sent)
+        procs.append(ctx.Process(target=_process, args=args))
     for _ in range(claimers):
-        procs.append(
-            ctx.Process(target=_process, args=("claim", url, 0, concurrency, start, done, jobs, cpu))
-        )
+        args = ("claim", url, 0, concurrency, start, done, jobs, cpu, sent)
+        procs.append(ctx.Process(target=_process, args=args))
     for p in procs:
         p.start()
     time.sleep(1.5)  # every process connected and waiting
-    redis_before = redis_cpu_s(url)
+    redis_before = redis_cpu_parts(url)
+    calls_before = redis_calls(url)
     began = time.perf_counter()
     start.set()
     # A process that fails (a refused admit) would leave the others waiting for jobs forever.
@@ -253,8 +284,11 @@ def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: i
         p.join()
     if done.value != jobs or any(p.exitcode for p in procs):
         raise RuntimeError(f"only {done.value} of {jobs} jobs finished")
-    redis_cpu = redis_cpu_s(url) - redis_before
-    return Run(jobs / elapsed, cpu.value / jobs * 1e6, redis_cpu / jobs * 1e6)
+    user, system = (after - before for after, before in zip(redis_cpu_parts(url), redis_before, strict=True))
+    calls = (redis_calls(url) - calls_before) / jobs
+    depth = sent[1] / sent[0] if sent[0] else 0.0
+    us = 1e6 / jobs
+    return Run(jobs / elapsed, cpu.value * us, (user + system) * us, system * us, depth, calls)
 
 
 def run_memory(jobs: int, concurrency: int) -> float:
@@ -565,6 +599,11 @@ def main() -> int:
         mid = runs[len(runs) // 2]
         cpu = f"{mid.client_cpu_us:,.0f} + {mid.redis_cpu_us:,.0f} µs"
         show(Row(f"Sluice RedisBroker, Redis {label}", procs, f"{mid.rate:,.0f} cycles/s", cpu))
+        print(
+            f"  Redis system time {mid.redis_sys_us:,.0f} µs a cycle; {mid.calls:.2f} calls a cycle"
+            f" reached Redis, {mid.depth:.1f} commands a pipeline",
+            flush=True,
+        )
 
     with redis_server() as url:
         show(Row("Sluice, Redis memory per queued job", f"{args.memory_jobs:,} jobs",

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: The most commands one pipeline carries; more wait for the next turn of the event loop.
 MAX_BATCH = 512
+#: Pipelines of one :class:`Batcher` in flight at once (those that wait for replicas aside).
+MAX_INFLIGHT = 2
 
 # Errors that say "Redis cannot take this now" rather than "this request is wrong": OOM under
 # noeviction, MISCONF (persistence failing), a replica that lost its master, a cluster mid-failover.
@@ -314,6 +316,8 @@ class _Entry:
     durable: bool = False
     #: a transaction: these commands between MULTI and EXEC instead of ``command``; the reply is EXEC's
     transaction: tuple[tuple[Any, ...], ...] | None = None
+    #: loop time it was submitted, kept for the first entry of a pipeline only (its deadline's start)
+    since: float = 0.0
 
     def commands(self) -> list[tuple[Any, ...]]:
         if self.transaction is None:
@@ -342,15 +346,37 @@ class Batcher:
     have it: a pipeline with one ends in ``WAIT`` (on the same connection, so it covers every write
     before it), and when fewer replicas confirm in time its durable commands fail with
     :class:`BrokerUnavailable`; they did run on the primary, which may yet lose them.
+
+    At most ``max_inflight`` pipelines without ``WAIT`` are in flight at once; what is submitted
+    meanwhile waits and goes out, all of it, as the next pipeline when one comes back. Redis runs
+    one command at a time whatever the connection, so a second pipeline sent sooner is not answered
+    sooner; sent later, it carries the commands of every caller woken meanwhile. Without the bound a
+    process of 32 callers sent pipelines of about three commands each (docs/benchmarks/broker.md,
+    the tenth round). A pipeline that waits for replicas holds no place (``WAIT`` may take its
+    whole timeout). Every command's deadline runs from when the first command of its pipeline was
+    submitted, so that one held back still fails within the timeout of an unreachable Redis.
     """
 
-    def __init__(self, client: Redis, timeout: float, durability: Durability | None = None) -> None:
+    def __init__(
+        self,
+        client: Redis,
+        timeout: float,
+        durability: Durability | None = None,
+        max_inflight: int = MAX_INFLIGHT,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be at least 1")
         self._client = client
         self._timeout = timeout
         self._durability = durability if durability is not None and durability.on else None
+        self._max_inflight = max_inflight
         self._pending: list[_Entry] = []
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
+        self._open = 0  # pipelines in flight that hold a place (no WAIT)
+        #: pipelines and commands sent (what the benchmark reports as the pipelines' depth)
+        self.pipelines = 0
+        self.commands = 0
 
     def submit(
         self,
@@ -366,12 +392,15 @@ class Batcher:
         return future
 
     def _add(self, entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._pending:
+            entry.since = loop.time()
         self._pending.append(entry)
         if len(self._pending) >= MAX_BATCH:
             self._flush()
-        elif not self._scheduled:
+        elif not self._scheduled and self._open < self._max_inflight:
             self._scheduled = True
             loop.call_soon(self._flush)
+        # else a pipeline in flight sends these as it comes back (_landed)
 
     async def transaction(self, *commands: tuple[Any, ...]) -> Any:
         """Run ``commands`` as one MULTI/EXEC in the next pipeline (on its connection, so nothing
@@ -403,19 +432,36 @@ class Batcher:
     def _flush(self) -> None:
         self._scheduled = False
         batch, self._pending = self._pending, []
-        if batch:
-            task = asyncio.get_running_loop().create_task(self._send(batch), name="redis-pipeline")
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+        if not batch:
+            return
+        waits = self._durability is not None and any(e.durable for e in batch)
+        if not waits:
+            self._open += 1
+        task = asyncio.get_running_loop().create_task(self._send(batch), name="redis-pipeline")
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        if not waits:
+            task.add_done_callback(self._landed)
+        self.pipelines += 1
+        self.commands += len(batch)
+
+    def _landed(self, _task: asyncio.Task[None]) -> None:
+        """A pipeline that held a place came back: what waited for it goes out next. Scheduled, not
+        sent here, so that the callers its replies woke add theirs first."""
+        self._open -= 1
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def _send(self, batch: list[_Entry], retried: bool = False, deadline: float | None = None) -> None:
         """Send ``batch`` and settle its futures, all within one deadline: the command timeout, plus
-        the WAIT timeout for a durable batch, for the round trip, loading scripts a new or restarted
-        primary lacks, and sending their commands again."""
+        the WAIT timeout for a durable batch, from when its first command was submitted, for the
+        wait for a place, the round trip, loading scripts a new or restarted primary lacks, and
+        sending their commands again."""
         wait = self._durability if any(e.durable for e in batch) else None
         budget = self._timeout + (wait.timeout_s if wait is not None else 0.0)
         if deadline is None:
-            deadline = asyncio.get_running_loop().time() + budget
+            deadline = (batch[0].since or asyncio.get_running_loop().time()) + budget
         try:
             async with asyncio.timeout_at(deadline):  # one timer per batch, not one per reply
                 replies, short = await self._roundtrip(batch, wait)
