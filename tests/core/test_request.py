@@ -375,7 +375,7 @@ def test_the_first_rule_broken_is_the_one_reported() -> None:
     for expected, _, mend in faults:
         r = rejected(asked)
         assert (r.param, r.code) == expected, r.message
-        asked = replace(asked, **mend)
+        asked = asked._replace(**mend)
     assert plan(asked).priority == "normal"
 
 
@@ -386,3 +386,15 @@ def test_the_rules_do_not_need_the_web_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_what_was_asked_and_its_plan_cannot_change() -> None:
+    # Both are NamedTuples (made for every request, in a fifth of a frozen dataclass's time), as
+    # immutable as the frozen dataclasses they were.
+    asked = chat()
+    p = plan(asked)
+    with pytest.raises(AttributeError):
+        asked.n = 2  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        p.priority = "high"  # type: ignore[misc]
+    assert p.cost == p.prompt_tokens + p.max_tokens
