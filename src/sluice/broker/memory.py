@@ -255,7 +255,7 @@ class MemoryBroker(Broker):
         # The event is kept as it is now: deliveries appended later are the record's, not the event's.
         view["deliveries"] = list(view["deliveries"])
         self._emit(rec, EventType.DONE if state is JobState.SUCCEEDED else EventType.ERROR, view)
-        rec.ended.notify()
+        rec.notify_end()
         if job.callback_url:
             self._callbacks.append(job.id)
             self._callback_signal.notify()
@@ -357,10 +357,12 @@ class MemoryBroker(Broker):
         rec = self._records.get(job_id)
         if rec is None:
             return None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                if not rec.job.terminal:
-                    await rec.ended.current().wait()
+        if not rec.job.terminal:
+            try:
+                async with asyncio.timeout(timeout):
+                    await rec.end()
+            except TimeoutError:
+                pass
         return rec.job
 
     async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:

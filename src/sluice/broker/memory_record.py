@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.broker.base import EventType
-from sluice.broker.signal import Signal
 from sluice.core.job import Job
 
 __all__ = ["Follower", "JobRecord", "pack_events", "unpack_events"]
@@ -55,8 +54,9 @@ class JobRecord:
     #: the one reader the broker calls with each event as it is published, in the publisher's own
     #: turn (``MemoryBroker.follow``): no wake-up of a task per token; None: none follows
     follower: Follower | None = None
-    #: the end of the job only: waiters for the outcome do not wake for every token
-    ended: Signal = field(default_factory=Signal)
+    #: the waiters for the job's end alone (:meth:`end`), a future each, as ``readers``: they do
+    #: not wake for every token; None while none waits (most jobs' case but one)
+    enders: list[asyncio.Future[None]] | None = None
     #: the buckets the job was charged to (``TenantLimits.bucket_id`` of its key inside its
     #: tenant); None when it came with no limits
     bucket: str | None = None
@@ -66,8 +66,9 @@ class JobRecord:
 
     def next_event(self) -> asyncio.Future[None]:
         """A future the next event sets. A bare future rather than an ``asyncio.Event`` per event
-        (what :class:`Signal` makes): a token's wake-up is on every streamed token's path, and the
-        Event, its ``wait`` coroutine and its own future cost more than the future alone."""
+        (what :class:`~sluice.broker.signal.Signal` makes): a token's wake-up is on every
+        streamed token's path, and the Event, its ``wait`` coroutine and its own future cost more
+        than the future alone."""
         future = asyncio.get_running_loop().create_future()
         self.readers.append(future)
         return future
@@ -77,6 +78,29 @@ class JobRecord:
         for future in readers:
             if not future.done():
                 future.set_result(None)
+
+    def end(self) -> asyncio.Future[None]:
+        """A future the job's end sets (:meth:`notify_end`). One a waiter, as :meth:`next_event`
+        (a shared one would be cancelled with the first waiter that gives up), rather than a
+        Signal's ``asyncio.Event``, its ``wait`` coroutine and a future: every short request
+        waits so once. Waiters that gave up (a long poll timed out) leave a done future, dropped
+        once a few have gathered."""
+        future = asyncio.get_running_loop().create_future()
+        enders = self.enders
+        if enders is None:
+            self.enders = [future]
+        else:
+            if len(enders) >= 8:
+                enders[:] = [f for f in enders if not f.done()]
+            enders.append(future)
+        return future
+
+    def notify_end(self) -> None:
+        enders, self.enders = self.enders, None
+        if enders is not None:
+            for future in enders:
+                if not future.done():
+                    future.set_result(None)
 
     @property
     def count(self) -> int:
