@@ -6,7 +6,7 @@ import random
 
 from sluice.bench.engine_family import ARTICLE, capacity, draw_engine, mix_neutral_weight, saturated
 from sluice.bench.policy_model import PromptWeightFit, loads, run, seed_line
-from sluice.core.capacity import EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, DrainRate
+from sluice.core.capacity import EXTRAPOLATION_SHARE, FILL_GAP_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 
 
@@ -186,7 +186,8 @@ def test_an_extrapolation_floor_keeps_a_kv_short_engines_fixed_answers_promises(
     for floor in (0.0, 0.25):
 
         def drain(slots: int, floor: float = floor) -> DrainRate:
-            return DrainRate(slots=slots, weigh_per_slot=True, extrapolation_floor=floor)
+            # the floor alone, without the fill gap's part (the next test's)
+            return DrainRate(slots=slots, weigh_per_slot=True, extrapolation_floor=floor, fill_gap_share=0.0)
 
         r = run(
             CoDelPolicy(), spike, 42, engine=engine, retriers=0.1, drain_factory=drain, full_rate=full_rate
@@ -194,6 +195,31 @@ def test_an_extrapolation_floor_keeps_a_kv_short_engines_fixed_answers_promises(
         broken[floor] = (r.broken, r.causes)
     assert broken[0.0] == (4, {"wait, promised above a full batch's rate": 4}), broken
     assert broken[0.25] == (0, {}), broken
+
+
+def test_the_fill_gap_keeps_a_kv_short_engines_promises_where_the_lull_filled_little() -> None:
+    """Seed 56 of the family (27 slots, fixed 256-token answers, a KV cache of 5,416 tokens): the
+    lull fills a fifth of the slots, and the line drawn through those fills reads a full batch at
+    0.70 of its time; fixed answers give no spread to move the promise. Without the fill gap's
+    part (``fill_gap_share`` 0, the rule before it) 2 waits are promised above the engine's
+    full-batch rate; with it (capacity.FILL_GAP_SHARE: the promise goes toward its bound for the
+    fills never measured) none, and the spike's goodput does not fall."""
+    engine = draw_engine(56)
+    answers_s, _, full_rate = saturated(engine)
+    spike = loads(answers_s)["spike 0.55x-5.5x"]
+    out = {}
+    for gap in (0.0, FILL_GAP_SHARE):
+
+        def drain(slots: int, gap: float = gap) -> DrainRate:
+            return DrainRate(slots=slots, weigh_per_slot=True, fill_gap_share=gap)
+
+        r = run(
+            CoDelPolicy(), spike, 56, engine=engine, retriers=0.1, drain_factory=drain, full_rate=full_rate
+        )
+        out[gap] = (r.broken, r.causes, r.goodput)
+    assert out[0.0][:2] == (2, {"wait, promised above a full batch's rate": 2}), out
+    assert out[FILL_GAP_SHARE][:2] == (0, {}), out
+    assert out[FILL_GAP_SHARE][2] >= out[0.0][2]
 
 
 def _recording(seen: list[float]) -> type[DrainRate]:

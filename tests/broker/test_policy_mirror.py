@@ -10,14 +10,18 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+from importlib import resources
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from sluice.broker.base import Broker, BrokerSettings
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
+from sluice.core import capacity
 from sluice.core.admission import RETRY_SHARE, Bounds, QueueLimits, Refused
+from sluice.core.capacity import DrainRate
 from sluice.core.job import JobState
 from sluice.core.policy import CapPolicy, CoDelPolicy, DeadlinePolicy, FifoPolicy, QueuePolicy
 from sluice.core.ratelimit import TenantLimits
@@ -235,3 +239,53 @@ async def test_gateways_on_one_redis_hand_out_times_from_one_book(redis_url: str
     finally:
         for g in gateways:
             await g.close()
+
+
+async def test_the_promises_slowdown_is_the_same_in_lua(redis_url: str) -> None:
+    """lua/_drain.lua's promise_slowdown is DrainRate.promise_slowdown, the fill gap's part too
+    (the random runs above seldom leave a gap: 3 slots fill up): on drain rates fed fills from a
+    few to all of the slots, with answers even and spread, the script gives the same slowdown as
+    the rate, and the gap's share decides some of them (where the line is flat and the fills low)."""
+    library = (resources.files("sluice") / "lua" / "_drain.lua").read_text(encoding="utf-8")
+    script = library + (
+        "\nlocal g = fill_fit(ARGV[1])\n"
+        "local fit = fit_slowdown(g, tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
+        "local spread = time_spread(tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))\n"
+        "return tostring(promise_slowdown(g, fit, tonumber(ARGV[3]), tonumber(ARGV[7]), spread,"
+        " tonumber(ARGV[8]), tonumber(ARGV[9])))\n"
+    )
+    client = aioredis.from_url(redis_url)
+    rng = random.Random(7)
+    by_gap = 0
+    try:
+        for case in range(40):
+            slots = rng.choice([4, 8, 16, 50])
+            top = rng.randint(1, slots)  # the most jobs running while the rate learnt
+            even = case % 2 == 0
+            d = DrainRate(slots=slots, weigh_per_slot=True)
+            for _ in range(rng.randint(20, 400)):
+                running = rng.randint(1, top)
+                per = 1.0 + 0.5 * running / slots
+                d.observe(100, per if even else per * rng.choice([0.2, 0.2, 0.2, 3.0]), running=running)
+            g = " ".join(repr(x) for x in (d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, float(d.fills)))
+            got = await client.eval(
+                script,
+                0,
+                g,
+                repr(capacity.FILL_RIDGE),
+                repr(capacity.MAX_FILL_SLOWDOWN),
+                repr(d.per_slot),
+                repr(d.slow),
+                str(d.samples),
+                repr(capacity.EXTRAPOLATION_SHARE),
+                repr(capacity.FILL_GAP_SHARE),
+                repr(capacity.FILL_GAP_SD),
+            )
+            assert float(got) == pytest.approx(d.promise_slowdown, rel=1e-12), case
+            var = max(d.fit_uu - d.fit_u**2, 0.0)
+            gap = 1.0 - d.fit_u - capacity.FILL_GAP_SD * var**0.5
+            if capacity.FILL_GAP_SHARE * gap > capacity.EXTRAPOLATION_SHARE * d.spread:
+                by_gap += 1
+        assert 5 <= by_gap < 40, by_gap
+    finally:
+        await client.aclose()

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from sluice.core import capacity
 from sluice.core.capacity import DrainRate
 
 
@@ -105,7 +106,9 @@ def test_a_promise_is_made_between_the_fitted_line_and_the_most_a_full_batch_can
     flatten the line), the wait is promised part of the way toward that bound, the more the more
     they spread; where every job takes the same, or the rate was measured at a full batch, the
     promise is the line's."""
-    even, spread = DrainRate(slots=8, weigh_per_slot=True), DrainRate(slots=8, weigh_per_slot=True)
+    # the spread's part alone (the fill gap's: the next tests)
+    even = DrainRate(slots=8, weigh_per_slot=True, fill_gap_share=0.0)
+    spread = DrainRate(slots=8, weigh_per_slot=True, fill_gap_share=0.0)
     for i in range(600):
         even.observe(100, 1.0, running=1 + i % 3)  # fills of 1/8 to 3/8, as fast at each
         spread.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)  # the same mean, spread
@@ -179,7 +182,9 @@ def test_the_promises_constants_are_the_rates_own() -> None:
     at 0 the promise is the mean at the fitted line, and the default rate is unchanged beside it."""
     plain, flat = (
         DrainRate(slots=8, weigh_per_slot=True),
-        DrainRate(slots=8, weigh_per_slot=True, extrapolation_share=0.0, wait_margin_z=0.0),
+        DrainRate(
+            slots=8, weigh_per_slot=True, extrapolation_share=0.0, wait_margin_z=0.0, fill_gap_share=0.0
+        ),
     )
     for i in range(600):
         for d in (plain, flat):
@@ -244,9 +249,9 @@ def test_an_extrapolation_floor_moves_an_even_promise_part_of_the_way_to_its_bou
     takes the same the promise follows the line (no spread, no extrapolation); with a floor it goes
     that share of the way toward the bound (1 / fill) all the same, on a log scale; where the
     spread asks for more than the floor, the spread decides."""
-    even = DrainRate(slots=8, weigh_per_slot=True)
-    floored = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25)
-    spread = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25)
+    even = DrainRate(slots=8, weigh_per_slot=True, fill_gap_share=0.0)
+    floored = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25, fill_gap_share=0.0)
+    spread = DrainRate(slots=8, weigh_per_slot=True, extrapolation_floor=0.25, fill_gap_share=0.0)
     for i in range(600):
         even.observe(100, 1.0, running=1 + i % 3)
         floored.observe(100, 1.0, running=1 + i % 3)
@@ -263,3 +268,44 @@ def test_an_extrapolation_floor_moves_an_even_promise_part_of_the_way_to_its_bou
     assert spread.promise_slowdown == pytest.approx(
         spread.slowdown * (min(1.0 / spread.fill, 4.0) / spread.slowdown) ** share, rel=1e-9
     )
+
+
+def test_a_promise_goes_toward_its_bound_for_the_fills_never_measured() -> None:
+    """The line is measured only up to the fills seen (their mean plus FILL_GAP_SD standard
+    deviations): where every job takes the same at fills of 1/8 to 3/8 (the line flat), the promise
+    goes FILL_GAP_SHARE of the way to the bound per unit of fill beyond them, on a log scale; where
+    the fills seen reach a full batch, the line is followed; and where the spread asks for more,
+    the spread decides (the larger of the two shares)."""
+    low, wide, spread = (DrainRate(slots=8, weigh_per_slot=True) for _ in range(3))
+    for i in range(600):
+        low.observe(100, 1.0, running=1 + i % 3)  # fills of 1/8 to 3/8
+        wide.observe(100, 1.0, running=1 + i % 8)  # fills of 1/8 to 8/8
+        spread.observe(100, 0.1 if i % 4 else 3.7, running=1 + i % 3)
+    assert (low.fill_gap_share, low.fill_gap_sd) == (capacity.FILL_GAP_SHARE, capacity.FILL_GAP_SD)
+    sd = math.sqrt(low.fit_uu - low.fit_u**2)
+    gap = 1.0 - low.fit_u - capacity.FILL_GAP_SD * sd
+    assert 0.5 < gap < 0.6  # measured up to ~0.45 of a full batch
+    assert low.spread < 0.05 and low.slowdown == pytest.approx(1.0, abs=0.01)
+    bound = min(1.0 / low.fill, capacity.MAX_FILL_SLOWDOWN)
+    assert low.promise_slowdown == pytest.approx(
+        low.slowdown * (bound / low.slowdown) ** (capacity.FILL_GAP_SHARE * gap), rel=1e-9
+    )
+    assert low.promise_slowdown > 1.3  # a wait promised at most 1 / 1.3 of the line's rate
+    assert low.batch_rate < low.rate / 1.3
+    # fills seen up to a full batch: nothing beyond them to guess
+    assert 1.0 - wide.fit_u - capacity.FILL_GAP_SD * math.sqrt(wide.fit_uu - wide.fit_u**2) < 0
+    assert wide.promise_slowdown == pytest.approx(wide.slowdown, rel=0.02)
+    # the spread's share is larger here: it decides, as without the gap
+    share = min(capacity.EXTRAPOLATION_SHARE * spread.spread, 1.0)
+    assert share > capacity.FILL_GAP_SHARE * gap
+    assert spread.promise_slowdown == pytest.approx(
+        spread.slowdown * (min(1.0 / spread.fill, 4.0) / spread.slowdown) ** share, rel=1e-9
+    )
+    # off, the rule before it: the line
+    off = DrainRate(slots=8, weigh_per_slot=True, fill_gap_share=0.0)
+    for i in range(600):
+        off.observe(100, 1.0, running=1 + i % 3)
+    assert off.promise_slowdown == pytest.approx(
+        off.slowdown * (bound / off.slowdown) ** (capacity.EXTRAPOLATION_SHARE * off.spread), rel=1e-9
+    )
+    assert off.promise_slowdown < 1.01 < 1.3 < low.promise_slowdown

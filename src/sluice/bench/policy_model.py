@@ -564,6 +564,20 @@ def main() -> None:
         "whatever the spread of the jobs' times (DrainRate.extrapolation_floor; 0: the brokers' rule)",
     )
     ap.add_argument(
+        "--fill-gap",
+        type=float,
+        default=capacity_rules.FILL_GAP_SHARE,
+        help="the promise's share toward its bound per unit of the fill not measured "
+        "(capacity.FILL_GAP_SHARE; 0: the rule before it)",
+    )
+    ap.add_argument(
+        "--fill-gap-sd",
+        type=float,
+        default=capacity_rules.FILL_GAP_SD,
+        help="standard deviations of the fills seen above their mean that count as measured "
+        "(capacity.FILL_GAP_SD)",
+    )
+    ap.add_argument(
         "--margin-z",
         type=float,
         default=capacity_rules.WAIT_MARGIN_Z,
@@ -615,6 +629,8 @@ def main() -> None:
             extrapolation_share=args.extrapolation,
             wait_margin_z=args.margin_z,
             extrapolation_floor=args.extrapolation_floor,
+            fill_gap_share=args.fill_gap,
+            fill_gap_sd=args.fill_gap_sd,
         )
 
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}

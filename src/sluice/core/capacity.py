@@ -57,6 +57,19 @@ MAX_FILL_SLOWDOWN = 4.0
 #: the short ones, which flatten it just when a queue forms; the more the jobs' times spread, the
 #: more it is flattened so (docs/policies.md). Where every job takes the same, the line is followed.
 EXTRAPOLATION_SHARE = 0.5
+#: How far a promise's slowdown goes toward its bound, on the same log scale, per unit of the fill
+#: the line was not measured at (:attr:`DrainRate.promise_slowdown`): the stretch from the fills
+#: seen, their mean plus :data:`FILL_GAP_SD` standard deviations (:attr:`DrainRate.fit_u`,
+#: ``fit_uu``), to a full batch. The line is drawn through the fills a light load gave; on an
+#: engine whose KV cache is short of a full batch it bends up past the fill where preemption
+#: starts, which no fill below it shows (seed 56 of the family: a lull at a fifth full, the line
+#: read a full batch at 0.70 of its true time). Where the lull's fills spread up to most of a full
+#: batch (the article's engine: to 0.73) the gap is short and the line is nearly followed; as a
+#: burst's full batches are measured the gap closes. Chosen on seeds 40-99 of the family
+#: (docs/benchmarks/policies.md).
+FILL_GAP_SHARE = 0.5
+#: The standard deviations of the fills seen above their mean that count as measured (:data:`FILL_GAP_SHARE`).
+FILL_GAP_SD = 2.0
 #: Standard errors that the wait a job is promised leaves room for (:meth:`DrainRate.wait_margin`):
 #: of the drain rate, a mean of the last few batches of jobs (on a few slots with long-tailed
 #: answers a mean of fifty jobs is off by a quarter often enough), and of the jobs queued ahead,
@@ -105,6 +118,9 @@ class DrainRate:
         extrapolation_floor: the least share of the way a promise's slowdown goes toward its
             bound, whatever the spread (0, the brokers' rule: none; a what-if of
             ``sluice.bench.policy_model --extrapolation-floor``, docs/benchmarks/policies.md).
+        fill_gap_share, fill_gap_sd: the promise's share per unit of fill not measured
+            (:data:`FILL_GAP_SHARE`, :data:`FILL_GAP_SD`, which the brokers use; the policy
+            model's ``--fill-gap`` and ``--fill-gap-sd`` set others).
     """
 
     prior_per_slot: float = 50.0
@@ -125,6 +141,8 @@ class DrainRate:
     extrapolation_share: float = EXTRAPOLATION_SHARE
     wait_margin_z: float = WAIT_MARGIN_Z
     extrapolation_floor: float = 0.0
+    fill_gap_share: float = FILL_GAP_SHARE
+    fill_gap_sd: float = FILL_GAP_SD
 
     def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
         """One finished job: its cost, the seconds it took, and (when the broker knows it) how
@@ -267,7 +285,11 @@ class DrainRate:
         1 / fill. The line lies on fills a light load gave, and a burst's first finishers in a
         full batch are its short answers, which flatten it just as the queue forms, the more so
         the more the jobs' times spread; where they all take the same, there is no such bias and
-        the line is followed. :attr:`slowdown` when never told a fill."""
+        the line is followed. And the line is only measured up to the fills seen (their mean
+        plus :data:`FILL_GAP_SD` standard deviations): for the stretch beyond them to a full
+        batch it goes :data:`FILL_GAP_SHARE` of the way per unit of fill, whichever of the two
+        shares is the larger (a KV cache short of a full batch bends the line up where no light
+        load measured it). :attr:`slowdown` when never told a fill."""
         return self._promise_slowdown(self.spread, self.slowdown)
 
     def _promise_slowdown(self, spread: float, fit: float) -> float:
@@ -280,6 +302,12 @@ class DrainRate:
         share = self.extrapolation_share * spread
         floor = self.extrapolation_floor
         share = floor if share < floor else share  # 0: share itself (spread is never below 0)
+        # the fills measured reach about fit_u + FILL_GAP_SD standard deviations; beyond them the
+        # line is a guess, and the promise goes part of the way to the bound for that stretch
+        var = self.fit_uu - self.fit_u * self.fit_u
+        gap = 1.0 - self.fit_u - self.fill_gap_sd * math.sqrt(var if var > 0.0 else 0.0)
+        by_gap = self.fill_gap_share * gap
+        share = by_gap if share < by_gap else share
         return fit * math.pow(bound / fit, 1.0 if share > 1.0 else share)
 
     @property
@@ -375,10 +403,13 @@ class DrainRate:
 def promise_args() -> list[str]:
     """What ``lua/_drain.lua``'s promise needs besides the model's fields (admit.lua is told it
     after the queue policy's numbers): the constants of :attr:`DrainRate.promise_slowdown` and
-    :meth:`DrainRate.promise_rate_behind`, the rate's ``alpha`` and whether it is weighed per slot."""
+    :meth:`DrainRate.promise_rate_behind`, the rate's ``alpha`` and whether it is weighed per slot,
+    then the fill gap's (:data:`FILL_GAP_SHARE`, :data:`FILL_GAP_SD`)."""
     return [
         repr(EXTRAPOLATION_SHARE),
         repr(WAIT_MARGIN_Z),
         repr(float(DrainRate.alpha)),
         "1" if WEIGHT_PER_SLOT else "0",
+        repr(FILL_GAP_SHARE),
+        repr(FILL_GAP_SD),
     ]

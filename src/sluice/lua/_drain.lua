@@ -45,13 +45,16 @@ local function residual_spread(resid, service, spread)
 end
 
 -- DrainRate.promise_slowdown: fill_slowdown moved toward the most a full batch can slow a job
--- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE) times the spread (at
--- most all the way), on a log scale. g: fill_fit's numbers, fit: fit_slowdown's of them (admit
--- has both already: the field is parsed once an admission).
-local function promise_slowdown(g, fit, max_slowdown, share, spread)
+-- (1 / fill, within max_slowdown) by share (capacity.EXTRAPOLATION_SHARE) times the spread, or by
+-- gap_share (capacity.FILL_GAP_SHARE) times the fill not measured (1 - fit_u - gap_sd standard
+-- deviations of the fills, capacity.FILL_GAP_SD), the larger (at most all the way), on a log
+-- scale. g: fill_fit's numbers, fit: fit_slowdown's of them (admit has both already: the field is
+-- parsed once an admission).
+local function promise_slowdown(g, fit, max_slowdown, share, spread, gap_share, gap_sd)
   if #g < 6 or g[6] == 0 then return fit end
   local bound = math.min(math.max(1 / math.max(g[1], 1e-3), fit), max_slowdown)
-  return fit * math.pow(bound / fit, math.min(share * spread, 1))
+  local by_gap = gap_share * (1 - g[2] - gap_sd * math.sqrt(math.max(g[4] - g[2] * g[2], 0)))
+  return fit * math.pow(bound / fit, math.min(math.max(share * spread, by_gap), 1))
 end
 
 -- DrainRate.promise_rate_behind's margin: z (capacity.WAIT_MARGIN_Z) standard errors of two means:

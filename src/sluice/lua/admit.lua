@@ -24,13 +24,14 @@
 --   1 model  2 the job's class  3 model max jobs  4 model max tokens  5 class max jobs
 --   6 class max tokens (-1: unbounded)  7 drain prior per slot
 --   8 the queue policy's kind  9 .. 13 its five numbers (QueuePolicy.lua_args)
---   14 .. 17 the promise's (capacity.promise_args): EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, the drain
---          rate's alpha, 1 when it is weighed per slot (DrainRate.promise_rate)
---   18 result TTL s  19 events kept per stream  20 error JSON of an evicted job (core.errors.evicted_error)
---   21 shortest, 22 longest Retry-After (admission.clamp_retry_after)
---   23 RETRY_PATIENCE_S  24 RETRY_SHARE (admission.reserve)
---   25 capacity.FILL_RIDGE  26 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
---   27 .. the class names, highest first
+--   14 .. 19 the promise's (capacity.promise_args): EXTRAPOLATION_SHARE, WAIT_MARGIN_Z, the drain
+--          rate's alpha, 1 when it is weighed per slot (DrainRate.promise_rate), FILL_GAP_SHARE,
+--          FILL_GAP_SD (DrainRate.promise_slowdown)
+--   20 result TTL s  21 events kept per stream  22 error JSON of an evicted job (core.errors.evicted_error)
+--   23 shortest, 24 longest Retry-After (admission.clamp_retry_after)
+--   25 RETRY_PATIENCE_S  26 RETRY_SHARE (admission.reserve)
+--   27 capacity.FILL_RIDGE  28 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
+--   29 .. the class names, highest first
 -- ARGV[14] the job's score in the tenant's list (redis_codec.created_us), ARGV[15] the list's
 --          expiry in ms, at least (both '' without KEYS[18])
 -- ARGV[16 ..] field, value pairs of the job record (sluice.broker.redis_codec)
@@ -88,11 +89,12 @@ local function parse_settings(v)
   for i = 1, 5 do s.policy[i] = tonumber(v[8 + i]) end
   s.extrapolation, s.margin_z = tonumber(v[14]), tonumber(v[15])
   s.drain_alpha, s.per_slot_weight = tonumber(v[16]), v[17] == '1'
-  s.result_ttl, s.maxlen, s.evicted_error = tonumber(v[18]), v[19], v[20]
-  s.retry_bounds = { tonumber(v[21]), tonumber(v[22]) }
-  s.patience, s.share = tonumber(v[23]), tonumber(v[24])
-  s.fill_ridge, s.max_slowdown = tonumber(v[25]), tonumber(v[26])
-  for i = 27, #v do s.classes[#s.classes + 1] = v[i] end
+  s.gap_share, s.gap_sd = tonumber(v[18]), tonumber(v[19])
+  s.result_ttl, s.maxlen, s.evicted_error = tonumber(v[20]), v[21], v[22]
+  s.retry_bounds = { tonumber(v[23]), tonumber(v[24]) }
+  s.patience, s.share = tonumber(v[25]), tonumber(v[26])
+  s.fill_ridge, s.max_slowdown = tonumber(v[27]), tonumber(v[28])
+  for i = 29, #v do s.classes[#s.classes + 1] = v[i] end
   local m = s.model
   s.capacity_fields = { 'p:' .. m, 'n:' .. m, 's:' .. m, 'e', 'h:' .. m, 'g:' .. m, 'r:' .. m, 'd:' .. m }
   s.f_vtime, s.f_seq = f_vtime(s.cls), f_seq(s.cls)
@@ -132,6 +134,7 @@ local limits_given, bucket = ARGV[7] == '1', ARGV[8]
 local given_limits = { ARGV[9], ARGV[10], ARGV[11], ARGV[12] } -- rpm, tpm, max queued, max concurrent
 local policy_kind, policy = S.policy_kind, S.policy
 local extrapolation, margin_z = S.extrapolation, S.margin_z
+local gap_share, gap_sd = S.gap_share, S.gap_sd
 local drain_alpha, per_slot_weight = S.drain_alpha, S.per_slot_weight
 local result_ttl, maxlen, evicted_error = S.result_ttl, S.maxlen, S.evicted_error
 local retry_bounds = S.retry_bounds
@@ -499,7 +502,8 @@ local wait = ahead_tokens / rate -- DrainRate.wait_s
 local batch_rate, promise_rate = rate, rate
 if samples > 0 then
   local spread = time_spread(per_slot, slow, samples)
-  local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread)
+  local slowdown_promised = promise_slowdown(fill_numbers, slowdown, max_slowdown, extrapolation, spread,
+    gap_share, gap_sd)
   batch_rate = math.max(per_slot / slowdown_promised * math.max(slots, 1), 1e-3)
   local residual = residual_spread(tonum(d[7]), tonum(d[8]), spread)
   promise_rate = math.max(batch_rate / wait_margin(spread, samples, slots, drain_alpha, per_slot_weight,
