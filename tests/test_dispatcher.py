@@ -499,3 +499,40 @@ async def test_a_finish_that_awaits_nothing_is_not_shielded(monkeypatch: Any) ->
             await dispatcher.stop()
             await broker.close()
         assert len(shielded) == shields, broker_type.__name__
+
+
+class WholeBackend(FakeBackend):
+    """Answers a job that does not stream in one call (``whole``), as the OpenAI backend does."""
+
+    whole_answers = True
+
+    def __init__(self) -> None:
+        super().__init__("w", 4, delay=0.0)
+        self.wholes = 0
+        self.streams = 0
+
+    async def whole(self, job: Job) -> dict[str, Any]:
+        self.wholes += 1
+        return {"choices": [{"index": 0, "delta": {"content": "whole"}, "finish_reason": "stop"}]}
+
+    async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        self.streams += 1
+        async for chunk in super().stream(job):
+            yield chunk
+
+
+async def test_a_job_that_does_not_stream_is_answered_by_whole_where_the_backend_has_it() -> None:
+    backend = WholeBackend()
+    whole, streamed = make_job(), make_job()
+    whole.stream_tokens, streamed.stream_tokens = False, True
+    broker = await run_jobs([backend], [whole, streamed])
+    assert backend.wholes == 1 and backend.streams == 1
+    done = await broker.get(whole.id)
+    assert done is not None and done.result is not None
+    assert done.result["choices"][0]["message"]["content"] == "whole"
+    tokens = [e for e in await _events(broker, whole.id) if e.type.value == "token"]
+    assert len(tokens) == 1  # the whole answer relayed as one token event, as its stream's one chunk
+
+
+async def _events(broker: MemoryBroker, job_id: str) -> list[Any]:
+    return [e async for e in broker.events(job_id, timeout=1.0)]

@@ -57,7 +57,17 @@ async def generate(broker: Broker, job: Job, hold: Hold) -> tuple[Assembler, boo
     engine.limiter.on_dispatch(inflight)
     first: float | None = None
     chunks = 0
-    stream = engine.backend.stream(sent)
+    backend = engine.backend
+    if not job.stream_tokens and backend.whole_answers:
+        # One chunk, the whole answer, from one call: no async generator made, hooked, iterated
+        # and closed around it (a short request's whole engine call).
+        choices = assembler.add(await backend.whole(sent))
+        if choices:
+            first = time.monotonic()
+            chunks = 1
+            await broker.publish(job.id, EventType.TOKEN, {**assembler.last_fields, "choices": choices})
+        return assembler, observe(engine, job, assembler, inflight, started, first, chunks)
+    stream = backend.stream(sent)
     try:
         async for data in stream:
             choices = assembler.add(data)

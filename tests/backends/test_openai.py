@@ -457,3 +457,23 @@ async def test_the_environments_proxy_carries_the_requests_as_it_did_with_httpx(
         finally:
             await backend.aclose()
     assert asked[0] == "GET /v1/models"  # and /props after it, as llama-server is asked
+
+
+async def test_a_whole_answer_is_what_the_stream_of_a_job_that_does_not_stream_yields() -> None:
+    answer = {
+        "id": "x",
+        "object": "chat.completion",
+        "system_fingerprint": "fp",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+    async with _mocked(lambda path, raw: _json(200, answer)) as backend:
+        assert backend.whole_answers
+        job = engine_job("m", Endpoint.CHAT, max_tokens=SHORT, stream_tokens=False)
+        streamed = [chunk async for chunk in backend.stream(job)]
+        whole = await backend.whole(job)
+    assert streamed == [whole]
+    assert whole["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    ]
+    assert whole["system_fingerprint"] == "fp" and whole["usage"] == answer["usage"]

@@ -104,6 +104,16 @@ class Backend(ABC):
     def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         """Run the job, yielding OpenAI stream chunks. Closing the iterator aborts the request."""
 
+    #: whether :meth:`whole` runs a job that does not stream (``job.stream_tokens`` false): the
+    #: dispatcher then awaits it instead of iterating a stream of its one chunk
+    whole_answers = False
+
+    async def whole(self, job: Job) -> dict[str, Any]:
+        """Run a job that does not stream: the one chunk :meth:`stream` would yield for it (its
+        whole answer in the shape of a stream chunk). Cancelling the call aborts the request.
+        Only where :attr:`whole_answers` says so."""
+        raise NotImplementedError
+
     @abstractmethod
     async def healthy(self) -> bool:
         """Whether the engine answers at all."""

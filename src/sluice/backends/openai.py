@@ -142,9 +142,11 @@ class OpenAIBackend(Backend):
             return False
         return status == 200
 
+    whole_answers = True
+
     async def stream(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         if not job.stream_tokens:
-            yield await self._whole(job)
+            yield await self.whole(job)
             return
         content = _encode(self._body(job, stream=True))
         response = await self._send(job, content)
@@ -200,8 +202,9 @@ class OpenAIBackend(Backend):
         except EngineUnreachable as exc:
             raise _transport_error(exc) from exc
 
-    async def _whole(self, job: Job) -> dict[str, Any]:
-        """One request for the whole answer, returned as a single chunk holding all of it.
+    async def whole(self, job: Job) -> dict[str, Any]:
+        """One request for the whole answer, returned as a single chunk holding all of it (what
+        :meth:`stream` yields, alone, for a job that does not stream).
 
         Closing the connection still aborts the generation: vLLM and llama-server watch for it.
         """
