@@ -10,6 +10,7 @@ import pytest
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from sluice.api import lean
 from sluice.api.errors import APIError
 from sluice.api.lean import send_error
 from sluice.api.relay import WholeAnswer
@@ -88,8 +89,10 @@ async def test_an_error_is_answered_as_its_response_would_be(error: APIError) ->
         sent.append(message)
 
     await send_error(send, error)
+    await send_error(send, error)  # the second with its body kept from the first
     expected = error.response()
-    start, body = sent
+    start, body, *again = sent
+    assert [again[0]["headers"][:-1], again[1]] == [start["headers"][:-1], body]
     assert start["status"] == expected.status_code
     *headers, (name, request_id) = start["headers"]
     assert headers == expected.raw_headers
@@ -122,3 +125,18 @@ async def test_a_request_leaves_no_cycle_for_the_collector(sim_url: str, http: h
         finally:
             gc.enable()
     assert alive <= 2
+
+
+async def test_the_error_bodies_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    monkeypatch.setattr(lean, "_BODIES", {})
+    monkeypatch.setattr(lean, "BODIES_KEPT", 3)
+    for i in range(10):
+        error = APIError(429, f"Queue full for 'm{i}'; retry later.", "queue_full", retry_after_s=1.0)
+        await send_error(send, error)
+        assert sent[-1]["body"] == error.response().body
+        assert len(lean._BODIES) <= 3

@@ -91,18 +91,32 @@ _NAMES: dict[str, bytes] = {
 }
 
 
+#: The most error bodies :func:`send_error` keeps made; past it, it starts again.
+BODIES_KEPT = 256
+#: An error's body and its Content-Length header, by what it is made of: a flood's refusals say
+#: the same few things (the message names the model, the code the rule), each encoded once.
+_BODIES: dict[tuple[str, str, str | None, str | None], tuple[bytes, tuple[bytes, bytes]]] = {}
+
+
+def _error_body(error: APIError) -> tuple[bytes, tuple[bytes, bytes]]:
+    key = (error.message, error.type, error.code, error.param)
+    made = _BODIES.get(key)
+    if made is None:
+        # compact_json: what JSONResponse renders, by an encoder made once.
+        body = compact_json(error_body(error.message, error.type, error.code, error.param))
+        if len(_BODIES) >= BODIES_KEPT:
+            _BODIES.clear()
+        made = _BODIES[key] = (body, (b"content-length", str(len(body)).encode()))
+    return made
+
+
 async def send_error(send: Send, error: APIError) -> None:
     """``error`` as its JSON answer (the bytes and headers ``error.response()`` makes, without
     building the Response), with its ``x-request-id`` (the job's where there is one)."""
-    # compact_json: what JSONResponse renders, by an encoder made once (a refusal's visible share).
-    body = compact_json(error_body(error.message, error.type, error.code, error.param))
+    body, length = _error_body(error)
     named = error.headers()
     headers = [(_NAMES.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
-    headers += (
-        (b"content-length", str(len(body)).encode()),
-        _JSON_TYPE,
-        (_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()),
-    )
+    headers += (length, _JSON_TYPE, (_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
