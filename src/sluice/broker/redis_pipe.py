@@ -374,6 +374,7 @@ class Batcher:
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
         self._open = 0  # pipelines in flight that hold a place (no WAIT)
+        self._held: list[AbstractConnection] = []  # connections kept between pipelines (_connection)
         #: pipelines and commands sent (what the benchmark reports as the pipelines' depth)
         self.pipelines = 0
         self.commands = 0
@@ -510,8 +511,9 @@ class Batcher:
             commands.append(("WAIT", wait.replicas, wait.timeout_ms))
         payload = b"".join(hiredis.pack_command(c) for c in commands)
         for attempt in (1, 2):
-            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+            conn = await self._connection(attempt == 1)
             replies: list[Any] = []
+            kept = False
             try:
                 await conn.send_packed_command(payload, check_health=False)
                 for entry in batch:
@@ -524,13 +526,15 @@ class Batcher:
                         except ResponseError as exc:
                             reply = exc
                     replies.append(reply)
-                if wait is None:
-                    return replies, None
-                try:
-                    acked: Any = await conn.read_response()
-                except ResponseError as exc:
-                    acked = exc
-                return replies, _short(acked, wait)
+                short = None
+                if wait is not None:
+                    try:
+                        acked: Any = await conn.read_response()
+                    except ResponseError as exc:
+                        acked = exc
+                    short = _short(acked, wait)
+                kept = True  # every reply read: the connection is clean
+                return replies, short
             except RedisConnectionError:
                 await conn.disconnect()
                 if replies or attempt == 2:
@@ -539,8 +543,26 @@ class Batcher:
                 await conn.disconnect()  # a half-read reply must not reach the next caller
                 raise
             finally:
-                await pool.release(conn)
+                if kept and len(self._held) < self._max_inflight:
+                    self._held.append(conn)
+                else:
+                    await pool.release(conn)
         raise AssertionError("unreachable")
+
+    async def _connection(self, reuse: bool) -> AbstractConnection:
+        """A connection for one pipeline: one this batcher kept from an earlier pipeline, else the
+        pool's. Kept, since the pool's checkout and return (a condition, a timeout, a liveness
+        probe, its metrics) cost a single-command pipeline about as much as the rest of its round
+        trip (docs/benchmarks/broker.md, the tenth round). A kept connection that should reconnect
+        (one to a former primary) goes back to the pool, which closes it. A dead one fails at its
+        first read; the batch is then sent again on the pool's (``reuse`` False), which probes."""
+        pool = self._client.connection_pool
+        while reuse and self._held:
+            conn = self._held.pop()
+            if not conn.should_reconnect():  # type: ignore[no-untyped-call]
+                return conn
+            await pool.release(conn)
+        return cast(AbstractConnection, await pool.get_connection())  # type: ignore[no-untyped-call]
 
     async def drain(self, timeout: float = 2.0) -> None:
         """Let the pipelines in flight finish (on close)."""
@@ -548,6 +570,9 @@ class Batcher:
             self._flush()
         if self._inflight:
             await asyncio.wait(self._inflight, timeout=timeout)
+        held, self._held = self._held, []
+        for conn in held:
+            await self._client.connection_pool.release(conn)
 
 
 def _short(acked: Any, wait: Durability) -> BrokerUnavailable | None:
