@@ -273,38 +273,52 @@ class Dispatcher:
         no other fits."""
         now = time.monotonic()
         ahead = self._ahead(job)  # an engine a job waits for goes to it first
-        engines = [
-            e
-            for e in self.fleet.serving(target)
-            if e.open_for_work(now) and (not ahead or ahead.isdisjoint(self.fleet.public_names(e)))
-        ]
-        fitting = {e.name for e in engines if e.has_slots_for(job) and e.fits(job.cost)}
-        preferred = {name for name in fitting if name not in exclude} or fitting
+        # One loop where comprehensions were (a frame each, on every job's pick); the same
+        # engines, sets and order.
+        cost = job.cost
+        predicted = self.routing == "predicted"
+        engines: list[Engine] = []
+        names: list[str] = []
+        speeds: dict[str, float | None] = {}  # each engine's seconds per token, where predicted
+        fitting: set[str] = set()
+        for e in self.fleet.serving(target):
+            if e.open_for_work(now) and (not ahead or ahead.isdisjoint(self.fleet.public_names(e))):
+                name = e.name
+                engines.append(e)
+                names.append(name)
+                if predicted:
+                    speeds[name] = e.limiter.seconds_per_token
+                if e.has_slots_for(job) and e.fits(cost):
+                    fitting.add(name)
+        preferred = (fitting.difference(exclude) or fitting) if exclude else fitting
         if not preferred:
             return None
-        if self.routing == "predicted":
-            weights = speed_weights({e.name: e.limiter.seconds_per_token for e in engines})
-        else:
-            weights = {}
-        candidates = [
-            Candidate(
-                name=e.name,
-                inflight=e.inflight,
-                # An engine the job does not fit stays on the ring (prefix homes stay put) but full.
-                limit=e.limit if e.name in preferred else e.inflight,
-                seconds_per_token=e.limiter.seconds_per_token if self.routing == "predicted" else None,
-                ttft_s=e.ttft_s if self.routing == "predicted" else None,
-                weight=weights.get(e.name, 1.0),
+        weights = speed_weights(speeds) if predicted else {}
+        candidates = []
+        for i, e in enumerate(engines):
+            name = names[i]
+            candidates.append(
+                Candidate(
+                    name=name,
+                    inflight=e.inflight,
+                    # An engine the job does not fit stays on the ring (prefix homes stay put) but
+                    # full.
+                    limit=e.limit if name in preferred else e.inflight,
+                    seconds_per_token=speeds[name] if predicted else None,
+                    ttft_s=e.ttft_s if predicted else None,
+                    weight=weights.get(name, 1.0),
+                )
             )
-            for e in engines
-        ]
-        name = self.router.pick(
+        picked = self.router.pick(
             candidates,
             prompt_tokens=job.prompt_tokens,
             output_tokens=job.max_tokens or 1,
             prefix=prefix,
         )
-        return next((e for e in engines if e.name == name), None)
+        for i, e in enumerate(engines):
+            if names[i] == picked:
+                return e
+        return None
 
     async def _wait_capacity(self, timeout: float) -> None:
         self._capacity.clear()
