@@ -125,3 +125,38 @@ def _series(metrics: Metrics) -> list[str]:
     """The exported lines, less the ``_created`` ones (when each child was made: they differ)."""
     lines = generate_latest(metrics.registry).decode().splitlines()
     return [line for line in lines if "_created" not in line]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_observed_children_export_what_observe_does(monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    """Observed through their sum and buckets (the probe's layout) or through observe(): the same
+    series for amounts on, between and past the bounds, negative, infinite, and NaN (in the sum,
+    in no bucket, as observe() has it)."""
+    assert metrics_module._OBSERVED_DIRECT  # the probe passes on the prometheus_client this project runs
+    monkeypatch.setattr(metrics_module, "_OBSERVED_DIRECT", direct)
+    kept, looked_up = Metrics(), Metrics()
+    amounts = [0.0, -0.0, 0.005, 0.0051, 0.3, 1, 120, 121.5, -2.0, float("inf"), float("-inf"), 7]
+    for amount in amounts:
+        metrics_module.observed(kept.retry_after.labels("queue_full")).observe(amount)
+        looked_up.retry_after.labels("queue_full").observe(amount)
+    assert _series(kept) == _series(looked_up)
+    nan = float("nan")
+    metrics_module.observed(kept.ttft.labels("m")).observe(nan)
+    looked_up.ttft.labels("m").observe(nan)
+    assert _series(kept) == _series(looked_up)
+    assert 'sluice_time_to_first_token_seconds_count{model="m"} 0.0' in _series(kept)
+    assert isinstance(metrics_module.observed(kept.ttft.labels("m")), metrics_module._Observed) is direct
+
+
+def test_a_wait_below_zero_is_observed_as_zero_and_a_nan_as_itself() -> None:
+    # observe_job's conditional is max(w, 0)'s answer: 0 for a clock that stepped back, the
+    # NaN itself (in the sum, no bucket), -0.0 as it came.
+    kept, looked_up = Metrics(), Metrics()
+    for started, first in ((-1.0, float("nan")), (-0.0, 0.5), (2.0, -3.0)):
+        job = _finished("a", "succeeded", started=True, token=True, usage=1)
+        job.started_at = job.created_at + started
+        job.first_token_at = job.created_at + first
+        kept.observe_job(job)
+        _reference(looked_up, job)
+    assert _series(kept) == _series(looked_up)
+    assert 'sluice_queue_wait_seconds_bucket{le="0.005",model="a"} 2.0' in _series(kept)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.values import MutexValue
 
 from sluice.broker.base import ModelStats
 from sluice.core.job import Job
@@ -40,6 +42,76 @@ def counted(child: Any) -> Any:
     and a lock, not three calls more (``inc``'s checks that a child of a labelled metric always
     passes, and its test for a negative amount); else the child."""
     return child._value if _DIRECT else child
+
+
+def _observations_direct() -> bool:
+    """Whether a Histogram's child keeps its sum and buckets where :class:`_Observed` reads them
+    (``_sum`` and ``_buckets``, MutexValues with their ``_lock`` and ``_value``; ``_upper_bounds``
+    ascending to +Inf): prometheus_client's private layout, checked once, as :func:`_values_direct`
+    checks a counter's: observations made through it must read in the exposition as ``observe()``'s
+    do. Where they do not, the public ``observe``."""
+    try:
+        registries, children = [], []
+        for _ in range(2):
+            registry = CollectorRegistry()
+            histogram = Histogram("sluice_probe", "", ["a"], buckets=(0.5, 1.0), registry=registry)
+            registries.append(registry)
+            children.append(histogram.labels("x"))
+        direct = _Observed(children[0])
+        for amount in (0.25, 0.5, 0.75, 2.0, -1.0):
+            direct.observe(amount)
+            children[1].observe(amount)
+        if not all(type(value) is MutexValue for value in (children[0]._sum, *children[0]._buckets)):
+            return False
+        # All but the children's creation times, which differ by the microseconds between them.
+        samples = [
+            [
+                (s.name, s.labels, s.value)
+                for m in r.collect()
+                for s in m.samples
+                if not s.name.endswith("_created")
+            ]
+            for r in registries
+        ]
+        return samples[0] == samples[1] and len(samples[0]) > 0
+    except Exception:
+        return False
+
+
+class _Observed:
+    """A Histogram child observed through its values: the sum, and the one bucket the amount falls
+    in (the first bound it does not pass, as ``observe()``'s loop finds it, here by a bisection),
+    each added under its own lock as ``MutexValue.inc`` adds: 4 calls an observation, where
+    ``observe()`` makes 10 (its observability checks, ``enumerate``, two ``inc``). A NaN, which
+    ``observe()`` adds to the sum and to no bucket, and any exemplar, go through ``observe()``."""
+
+    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._sum = child._sum
+        self._buckets = child._buckets
+        self._bounds = child._upper_bounds
+
+    def observe(self, amount: float) -> None:
+        if amount != amount:  # NaN
+            self._child.observe(amount)
+            return
+        total = self._sum
+        with total._lock:
+            total._value += amount
+        bucket = self._buckets[bisect_left(self._bounds, amount)]
+        with bucket._lock:
+            bucket._value += 1
+
+
+def observed(child: Any) -> Any:
+    """What a histogram's child is observed through, by ``.observe(amount)``: an :class:`_Observed`
+    where :func:`_observations_direct` found prometheus_client's layout, else the child."""
+    return _Observed(child) if _OBSERVED_DIRECT else child
+
+
+_OBSERVED_DIRECT = _observations_direct()
 
 
 class Metrics:
@@ -89,8 +161,8 @@ class Metrics:
         # observe_job's children per label values, each made on its first observation (as labels()
         # makes it): labels() takes a lock and builds its key on every call, for every finished job.
         self._jobs_by = _Children(self.jobs, counted)
-        self._queue_wait_by = _Children(self.queue_wait)
-        self._ttft_by = _Children(self.ttft)
+        self._queue_wait_by = _Children(self.queue_wait, observed)
+        self._ttft_by = _Children(self.ttft, observed)
         self._tokens_by = _Children(self.tokens, counted)
         # The scaling signal (sluice.scaling_signal; docs/autoscaling.md): every gateway computes it
         # from the shared broker state, so on Redis they all agree: scrape any one, or take the max.
@@ -168,10 +240,13 @@ class Metrics:
     def observe_job(self, job: Job) -> None:
         model = job.model
         self._jobs_by[model, job.state.value].inc(1)
+        # ``w if not w < 0 else 0``: max(w, 0) without its call (a NaN stays a NaN, -0.0 stays).
         if job.started_at is not None:
-            self._queue_wait_by[model].observe(max(job.started_at - job.created_at, 0))
+            wait = job.started_at - job.created_at
+            self._queue_wait_by[model].observe(wait if not wait < 0 else 0)
         if job.first_token_at is not None:
-            self._ttft_by[model].observe(max(job.first_token_at - job.created_at, 0))
+            ttft = job.first_token_at - job.created_at
+            self._ttft_by[model].observe(ttft if not ttft < 0 else 0)
         if job.usage and isinstance(tokens := job.usage.get("completion_tokens"), int):
             if tokens >= 0:
                 self._tokens_by[model].inc(tokens)

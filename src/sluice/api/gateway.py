@@ -23,7 +23,7 @@ from sluice.core.admission import Refused, clamp_retry_after
 from sluice.core.job import Endpoint, Job, new_job_id
 from sluice.core.model_info import ModelInfo
 from sluice.core.request import RequestedJob, RequestLimits, RequestRejected, plan_job
-from sluice.metrics import Metrics, counted
+from sluice.metrics import Metrics, counted, observed
 from sluice.startup import EngineStartup
 from sluice.webhooks import CallbackRefused, check_callback_url
 
@@ -362,7 +362,7 @@ class Gateway:
         if found is None:
             found = self._refused[code] = (
                 counted(self.metrics.admissions.labels("refused", code)),
-                self.metrics.retry_after.labels(code),
+                observed(self.metrics.retry_after.labels(code)),
             )
         return found
 
