@@ -177,6 +177,7 @@ class MemoryBroker(Broker):
         return total
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
+        # publish() has a copy of this for tokens, inline: what changes here changes there
         rec.events.append((type, data))
         terminal = type in TERMINAL_EVENTS
         if terminal:
@@ -617,9 +618,24 @@ class MemoryBroker(Broker):
         rec = self._records.get(job_id)
         if rec is None or rec.job.state is not JobState.RUNNING:
             return
-        if type is EventType.TOKEN and rec.job.first_token_at is None:
+        if type is not EventType.TOKEN:
+            self._emit(rec, type, data)
+            return
+        if rec.job.first_token_at is None:
             rec.job.first_token_at = self.now()
-        self._emit(rec, type, data)
+        # _emit's, inline for a token (never a terminal event): this runs for every token
+        events = rec.events
+        events.append((type, data))
+        follower = rec.follower
+        if follower is not None:
+            try:
+                keep = follower(rec.packed_count + len(events), type, data)
+            except Exception:  # a follower's failure is its own: the publisher goes on
+                keep = False
+            if not keep:
+                rec.follower = None
+        if rec.readers:
+            rec.notify()
 
     #: finish below awaits nothing (tests/broker/test_conformance.py holds it to that)
     finish_at_once = True
