@@ -67,7 +67,7 @@ EXTRAPOLATION_SHARE = 0.5
 #: batch (the article's engine: to 0.73) the gap is short and the line is nearly followed; as a
 #: burst's full batches are measured the gap closes. Chosen on seeds 40-99 of the family
 #: (docs/benchmarks/policies.md).
-FILL_GAP_SHARE = 0.5
+FILL_GAP_SHARE = 0.6
 #: The standard deviations of the fills seen above their mean that count as measured (:data:`FILL_GAP_SHARE`).
 FILL_GAP_SD = 2.0
 #: Standard errors that the wait a job is promised leaves room for (:meth:`DrainRate.wait_margin`):
