@@ -350,11 +350,12 @@ class Batcher:
     At most ``max_inflight`` pipelines without ``WAIT`` are in flight at once; what is submitted
     meanwhile waits and goes out, all of it, as the next pipeline when one comes back. Redis runs
     one command at a time whatever the connection, so a second pipeline sent sooner is not answered
-    sooner; sent later, it carries the commands of every caller woken meanwhile. Without the bound a
-    process of 32 callers sent pipelines of about three commands each (docs/benchmarks/broker.md,
-    the tenth round). A pipeline that waits for replicas holds no place (``WAIT`` may take its
-    whole timeout). Every command's deadline runs from when the first command of its pipeline was
-    submitted, so that one held back still fails within the timeout of an unreachable Redis.
+    sooner; sent later, it carries the commands of every caller woken meanwhile, and a pipeline of
+    one command costs the client about ten times what a command in a deep one does
+    (docs/benchmarks/broker.md, the tenth round). A pipeline that waits for replicas holds no
+    place (``WAIT`` may take its whole timeout). Every command's deadline runs from when the first
+    command of its pipeline was submitted, so that one held back still fails within the timeout of
+    an unreachable Redis.
     """
 
     def __init__(
