@@ -30,13 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from sluice.api.relay import CLIENT_GONE
 from sluice.protocol import error_body
@@ -176,95 +170,6 @@ class OneWrite:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
-
-
-#: Header names already lowercase as they go out, the ones Sluice's answers carry: uvicorn's own
-#: (``date``, ``server``) and the app's, which it lowers anyway. Any other name is lowered.
-_LOWERCASE = frozenset(
-    {
-        b"date",
-        b"server",
-        b"content-length",
-        b"content-type",
-        b"x-request-id",
-        b"x-sluice-job-id",
-        b"retry-after",
-        b"retry-after-ms",
-        b"x-should-retry",
-        b"cache-control",
-        b"x-accel-buffering",
-        b"connection",
-        b"transfer-encoding",
-    }
-)
-
-
-class LeanCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle whose head is written with two checks, not two a header.
-
-    uvicorn checks every header's name (``HEADER_RE``) and value (``HEADER_VALUE_RE``) by a
-    search each and lowers every name: 4 calls a header, 32 of a refusal's some 320 (its eight
-    headers). Both patterns are single-character classes, so a search of all the names joined
-    finds a character exactly where one name's search would, and so for the values: the head is
-    checked by two searches, and a name Sluice sends already lowercase (:data:`_LOWERCASE`) is
-    not lowered again. What is written, and the cycle's state after it, are uvicorn's; anything
-    else than a plain head (one it would log, a flow paused, a client gone, headers that are not
-    a list of pairs of bytes, or that fail a check) is its own ``send``, which raises its own
-    errors at its own header. The body is uvicorn's ``send`` as it is."""
-
-    async def send(self, message: Any) -> None:
-        if (
-            self.response_started
-            or message["type"] != "http.response.start"
-            or self.access_log
-            or self.disconnected
-            or self.flow.write_paused
-        ):
-            return await RequestResponseCycle.send(self, message)
-        given = message.get("headers", [])
-        if given.__class__ is not list:
-            return await RequestResponseCycle.send(self, message)
-        headers = self.default_headers + given
-        invalid: object
-        try:
-            invalid = HEADER_RE.search(b"".join([name for name, _ in headers])) or HEADER_VALUE_RE.search(
-                b"".join([value for _, value in headers])
-            )
-        except Exception:  # not pairs of bytes: uvicorn's send raises what it raises for them
-            invalid = True
-        if invalid:
-            return await RequestResponseCycle.send(self, message)
-        # From here, uvicorn's send of a head, line for line (uvicorn 0.55), less the checks done.
-        self.response_started = True
-        self.waiting_for_100_continue = False
-        status_code = message["status"]
-        content = [STATUS_LINE[status_code]]
-        has_connection_close = False
-        lowercase = _LOWERCASE
-        for name, value in headers:
-            if name not in lowercase:
-                name = name.lower()
-            if name == b"content-length" and self.chunked_encoding is None:
-                self.expected_content_length = int(value.decode())
-                self.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self.expected_content_length = 0
-                self.chunked_encoding = True
-            elif name == b"connection":
-                connection = [token.lower().strip() for token in value.split(b",")]
-                if b"close" in connection:
-                    self.keep_alive = False
-                    has_connection_close = True
-            content += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not has_connection_close:
-            content.append(b"connection: close\r\n")
-        if self.chunked_encoding is None and self.scope["method"] != "HEAD" and status_code not in (204, 304):
-            # Neither content-length nor transfer-encoding specified
-            self.chunked_encoding = True
-            content.append(b"transfer-encoding: chunked\r\n")
-        content.append(b"\r\n")
-        self.transport.write(b"".join(content))
-        return None
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -418,8 +323,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.body_timeout_s, BoundedHttpToolsProtocol._body_timeout)
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:
-                # Its task has been made but has not run: its first ``self.send`` is LeanCycle's.
-                cycle.__class__ = LeanCycle
                 cycle.transport = OneWrite(self.transport, self.loop)  # type: ignore[assignment]
                 watch = ClientGone(cycle, self.loop)
                 self._gone = [w for w in self._gone if not w.cycle.response_complete]
