@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sluice.core.capacity import DrainRate
 from sluice.core.ratelimit import RateStatus, TenantLimiter
@@ -48,9 +49,13 @@ class QueueLimits:
     classes: dict[str, Bounds] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class QueueView:
+class QueueView(NamedTuple):
     """What admission needs to know about the queue at this instant.
+
+    A NamedTuple, not a frozen dataclass: one is made for every admission and every refusal, and a
+    frozen dataclass sets each of its nine fields through ``object.__setattr__`` (3.7 us a view made
+    by keyword, against ~1 us as a tuple; the call counts never show it). It stays immutable and
+    takes the same positional and keyword arguments.
 
     Attributes:
         model_jobs, model_tokens: every job queued for the model, and their cost; the hard bounds

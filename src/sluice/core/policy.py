@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from sluice.core.admission import (
     Admitted,
@@ -88,9 +88,11 @@ class PolicyState:
     refused_at: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A job asking to be queued, and the queue as it is at this instant."""
+class Candidate(NamedTuple):
+    """A job asking to be queued, and the queue as it is at this instant.
+
+    A NamedTuple for the reason ``QueueView`` is one: made on every admission and refusal.
+    """
 
     cost: int
     priority: str
