@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import prometheus_client
+import prometheus_client.values
 import pytest
 from prometheus_client import generate_latest
 
@@ -160,3 +162,38 @@ def test_a_wait_below_zero_is_observed_as_zero_and_a_nan_as_itself() -> None:
         _reference(looked_up, job)
     assert _series(kept) == _series(looked_up)
     assert 'sluice_queue_wait_seconds_bucket{le="0.005",model="a"} 2.0' in _series(kept)
+
+
+def _observe_one_bucket_up(self: prometheus_client.Histogram, amount: float, exemplar: object = None) -> None:
+    # An observe() of another rule (the bucket after the one the bound gives): the probe must see it.
+    self._sum.inc(amount)
+    bounds = self._upper_bounds
+    index = next(i for i, bound in enumerate(bounds) if amount <= bound)
+    self._buckets[min(index + 1, len(bounds) - 1)].inc(1)
+
+
+class _OtherValue(prometheus_client.values.MutexValue):
+    """A value of another class than MutexValue (as multiprocess mode's MmapedValue is)."""
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("delattr", "prometheus_client.values.MutexValue", None),
+        ("setattr", "prometheus_client.values.ValueClass", _OtherValue),
+        ("setattr", "prometheus_client.Histogram.observe", _observe_one_bucket_up),
+    ],
+    ids=["no MutexValue", "values of another class", "observe by another rule"],
+)
+def test_the_probe_falls_back_to_observe_where_the_layout_is_not_its_own(
+    monkeypatch: pytest.MonkeyPatch, layout: tuple[str, str, object]
+) -> None:
+    """A prometheus_client whose private layout differs (an upgrade, multiprocess mode): the probe
+    says so, so that observed() hands back the child and observe() is what counts."""
+    assert metrics_module._observations_direct()
+    how, target, value = layout
+    if how == "delattr":
+        monkeypatch.delattr(target)
+    else:
+        monkeypatch.setattr(target, value)
+    assert not metrics_module._observations_direct()

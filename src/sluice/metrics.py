@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.values import MutexValue
 
 from sluice.broker.base import ModelStats
 from sluice.core.job import Job
@@ -51,6 +50,10 @@ def _observations_direct() -> bool:
     checks a counter's: observations made through it must read in the exposition as ``observe()``'s
     do. Where they do not, the public ``observe``."""
     try:
+        # Imported here, not at the top: a private module that an upgrade may move or rename must
+        # cost only this way (the probe fails, observe() is used), never the import of metrics.
+        from prometheus_client.values import MutexValue
+
         registries, children = [], []
         for _ in range(2):
             registry = CollectorRegistry()
