@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sluice.core.admission import (
@@ -330,3 +332,16 @@ def test_a_wait_is_promised_at_the_promise_rate_and_the_start_told_at_the_mean()
     assert drain.promise_rate_behind(shorter // 100) < drain.promise_rate
     ok = behind(shorter)
     assert ok.estimated_start_s == pytest.approx(drain.wait_s(shorter))
+
+
+def test_clamp_retry_after_is_min_of_max() -> None:
+    # the conditionals give min(max(s, MIN), MAX)'s values exactly, ties and signed zeros included
+    from sluice.core.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, clamp_retry_after
+
+    cases = [-1.0, -0.0, 0.0, 0, 0.49, MIN_RETRY_AFTER_S, 3, 7.25, MAX_RETRY_AFTER_S, 120.5, 1e9]
+    for s in cases:
+        want = min(max(s, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+        got = clamp_retry_after(s)
+        assert repr(got) == repr(want) and type(got) is type(want)
+    for s in (math.inf, -math.inf, math.nan):
+        assert clamp_retry_after(s) == MAX_RETRY_AFTER_S

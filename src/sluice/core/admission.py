@@ -199,7 +199,11 @@ def reserve(
 def clamp_retry_after(seconds: float) -> float:
     if not math.isfinite(seconds):
         return MAX_RETRY_AFTER_S
-    return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+    # min(max(...)) as conditionals, the same values (max keeps its first argument on a tie, min
+    # too): every refusal clamps at least twice (its own time, then the reservation's), two calls
+    # less each
+    low = MIN_RETRY_AFTER_S if seconds < MIN_RETRY_AFTER_S else seconds
+    return MAX_RETRY_AFTER_S if low > MAX_RETRY_AFTER_S else low
 
 
 def _excess(bounds: Bounds, jobs: int, tokens: int, cost: int, avg_cost: float) -> float:
