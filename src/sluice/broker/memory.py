@@ -177,7 +177,6 @@ class MemoryBroker(Broker):
         return total
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
-        # publish() has a copy of this for tokens, inline: what changes here changes there
         rec.events.append((type, data))
         terminal = type in TERMINAL_EVENTS
         if terminal:
@@ -618,24 +617,12 @@ class MemoryBroker(Broker):
         rec = self._records.get(job_id)
         if rec is None or rec.job.state is not JobState.RUNNING:
             return
-        if type is not EventType.TOKEN:
-            self._emit(rec, type, data)
-            return
-        if rec.job.first_token_at is None:
+        if type is EventType.TOKEN and rec.job.first_token_at is None:
             rec.job.first_token_at = self.now()
-        # _emit's, inline for a token (never a terminal event): this runs for every token
-        events = rec.events
-        events.append((type, data))
-        follower = rec.follower
-        if follower is not None:
-            try:
-                keep = follower(rec.packed_count + len(events), type, data)
-            except Exception:  # a follower's failure is its own: the publisher goes on
-                keep = False
-            if not keep:
-                rec.follower = None
-        if rec.readers:
-            rec.notify()
+        # Tokens too go through _emit, the one statement of how an event is appended and handed
+        # to the follower and the readers: its steps copied inline here save one call a token
+        # (memory_wakeup --whole 47.6 -> 46.5 of the whole path's calls), not worth two copies.
+        self._emit(rec, type, data)
 
     #: finish below awaits nothing (tests/broker/test_conformance.py holds it to that)
     finish_at_once = True
