@@ -140,3 +140,25 @@ async def test_the_error_bodies_kept_are_bounded(monkeypatch: pytest.MonkeyPatch
         await send_error(send, error)
         assert sent[-1]["body"] == error.response().body
         assert len(lean._BODIES) <= 3
+
+
+async def test_errors_differing_in_one_part_keep_their_own_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same message, each differing from the first in one of the key's other parts (type, code,
+    # param): each answered with its own body, not a kept one of another.
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    monkeypatch.setattr(lean, "_BODIES", {})
+    message = "Invalid value for 'n'."
+    errors = [
+        APIError(400, message, "invalid_value", param="n"),
+        APIError(400, message, "invalid_value", param="best_of"),
+        APIError(400, message, "invalid_value", type="not_found_error", param="n"),
+        APIError(400, message, "too_large", param="n"),
+    ]
+    for error in errors + errors:
+        await send_error(send, error)
+        assert sent[-1]["body"] == error.response().body
+    assert len({message["body"] for message in sent[1::2]}) == len(errors)

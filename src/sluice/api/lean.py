@@ -99,6 +99,9 @@ _BODIES: dict[tuple[str, str, str | None, str | None], tuple[bytes, tuple[bytes,
 
 
 def _error_body(error: APIError) -> tuple[bytes, tuple[bytes, bytes]]:
+    """``error``'s JSON body and its Content-Length header, made once for each (message, type,
+    code, param): the four parts :func:`sluice.protocol.error_body` makes the body of, so a kept
+    one is the body this error would be encoded to."""
     key = (error.message, error.type, error.code, error.param)
     made = _BODIES.get(key)
     if made is None:
