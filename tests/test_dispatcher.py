@@ -501,6 +501,79 @@ async def test_a_finish_that_awaits_nothing_is_not_shielded(monkeypatch: Any) ->
         assert len(shielded) == shields, broker_type.__name__
 
 
+class GatedFinishBroker(MemoryBroker):
+    """The memory broker with a finish that awaits (as Redis's does), held at a gate: a cancel
+    can reach the dispatcher's task while the settlement is halfway."""
+
+    finish_at_once = False
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        super().__init__(settings)
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.finishes = 0
+
+    async def finish(self, *args: Any, **kwargs: Any) -> Job | None:
+        self.finishes += 1
+        self.entered.set()
+        await self.gate.wait()
+        return await super().finish(*args, **kwargs)
+
+
+class CancellingFinishBroker(MemoryBroker):
+    """The memory broker whose finish is asked, as it starts, to cancel the task settling it (a
+    client gone, a lost lease seen, at that very moment): its finish awaits nothing, so the
+    cancel cannot land halfway."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        super().__init__(settings)
+        self.finishes = 0
+        self.settlers: list[asyncio.Task[Any]] = []
+
+    async def finish(self, *args: Any, **kwargs: Any) -> Job | None:
+        self.finishes += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self.settlers.append(task)
+        task.cancel()
+        return await super().finish(*args, **kwargs)
+
+
+async def test_a_cancel_mid_finish_neither_loses_nor_repeats_the_settlement() -> None:
+    """Either way of settling: a broker whose finish awaits is settled in a shielded task that the
+    cancel does not reach; the memory broker's, awaited as it is, cannot be cut halfway. The job
+    ends once, as the engine answered, and the cancelled task is not run again."""
+    gated = GatedFinishBroker(BrokerSettings())
+    at_once = CancellingFinishBroker(BrokerSettings())
+    for broker in (gated, at_once):
+        await broker.start()
+        dispatcher = Dispatcher(broker, [FakeBackend("a", 2, delay=0.0)])
+        await dispatcher.start()
+        try:
+            job = make_job()
+            await broker.admit(job)
+            if broker is gated:
+                await asyncio.wait_for(gated.entered.wait(), 5)
+                task = dispatcher.running[job.id]
+                task.cancel()  # the settlement is halfway: the gate holds it
+                await asyncio.wait({task}, timeout=5)
+                assert task.cancelled()
+                gated.gate.set()
+            done = await broker.wait(job.id, 5)
+            assert done is not None and done.state is JobState.SUCCEEDED and done.result is not None
+            assert broker.finishes == 1
+            if broker is at_once:
+                (settler,) = at_once.settlers
+                await asyncio.wait({settler}, timeout=5)
+                assert settler.done()
+            running, job_id = dispatcher.running, job.id
+            await wait_until(lambda: job_id not in running, 5)  # noqa: B023 (awaited here)
+            assert broker.finishes == 1 and (await broker.get(job.id)) is done
+        finally:
+            await dispatcher.stop()
+            await broker.close()
+
+
 class WholeBackend(FakeBackend):
     """Answers a job that does not stream in one call (``whole``), as the OpenAI backend does."""
 
