@@ -10,7 +10,7 @@ import pytest
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from sluice.api import lean
+from sluice.api import lean, relay
 from sluice.api.errors import APIError
 from sluice.api.lean import send_error
 from sluice.api.relay import WholeAnswer
@@ -162,3 +162,14 @@ async def test_errors_differing_in_one_part_keep_their_own_body(monkeypatch: pyt
         await send_error(send, error)
         assert sent[-1]["body"] == error.response().body
     assert len({message["body"] for message in sent[1::2]}) == len(errors)
+
+
+def test_the_header_names_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Names of a caller's own, more than are kept: each answer's headers still JSONResponse's.
+    monkeypatch.setattr(relay, "_RAW_NAMES", {})
+    monkeypatch.setattr(relay, "RAW_NAMES_KEPT", 3)
+    for i in range(10):
+        headers = {f"X-Own-{i}": "a", "x-request-id": "job_a"}
+        made, expected = WholeAnswer(_ANSWER, headers), JSONResponse(_ANSWER, headers=headers)
+        assert made.raw_headers == expected.raw_headers
+        assert len(relay._RAW_NAMES) <= 3

@@ -174,8 +174,12 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
 #: What starlette's JSONResponse adds after the given headers: its media type, as it sends it.
 _JSON_TYPE = (b"content-type", b"application/json")
 #: The headers' names as they go out (lowercase latin-1), made once per name: a whole answer has
-#: the same few, all Sluice's own (the job's id twice, a rate limit's six): a bounded set.
+#: the same few, all Sluice's own (the job's id twice, a rate limit's six).
 _RAW_NAMES: dict[str, bytes] = {}
+#: The most names :data:`_RAW_NAMES` keeps: Sluice's own are a few, but WholeAnswer takes any
+#: headers, and a caller passing names of its own must not grow the cache for ever (past it a
+#: name is lowered and encoded on each answer, as starlette does).
+RAW_NAMES_KEPT = 64
 
 
 class WholeAnswer(JSONResponse):
@@ -199,7 +203,9 @@ class WholeAnswer(JSONResponse):
             for k, v in headers.items():
                 name = names.get(k)
                 if name is None:
-                    name = names[k] = k.lower().encode("latin-1")
+                    name = k.lower().encode("latin-1")
+                    if len(names) < RAW_NAMES_KEPT:
+                        names[k] = name
                 raw.append((name, v.encode("latin-1")))
         raw += ((b"content-length", str(len(body)).encode()), _JSON_TYPE)
         self.raw_headers = raw
