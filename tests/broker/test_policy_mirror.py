@@ -8,7 +8,9 @@ refusals to the Retry-After, and codel must go through its states (good, standin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
+import math
 import random
 from importlib import resources
 from typing import Any
@@ -287,5 +289,88 @@ async def test_the_promises_slowdown_is_the_same_in_lua(redis_url: str) -> None:
             if capacity.FILL_GAP_SHARE * gap > capacity.EXTRAPOLATION_SHARE * d.spread:
                 by_gap += 1
         assert 5 <= by_gap < 40, by_gap
+    finally:
+        await client.aclose()
+
+
+def _edge_rates() -> dict[str, DrainRate]:
+    """Drain states the random ones above never reach, built field by field: never told a fill,
+    one fill (no spread of fills: the gap is 1 - fill), every fill a full batch (the gap below 0),
+    even answers (spread 0), a spread that is NaN, fills' moments that round below a variance of
+    0, a NaN or infinite second moment (a corrupt field: Python's max() as a conditional must
+    give what Lua's math.max gives, which keeps its first argument against a NaN), a flat line
+    (fit_t 0: the fit 1) beside one, and the gap's share against the spread's at a tie."""
+    nan, inf = float("nan"), float("inf")
+
+    def rate(
+        g: tuple[float, float, float, float, float, int], per_slot: float, slow: float, samples: int
+    ) -> DrainRate:
+        d = DrainRate(slots=8, weigh_per_slot=True, per_slot=per_slot, slow=slow, samples=samples)
+        d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, d.fills = g
+        return d
+
+    u = 0.3
+    return {
+        "no fills": rate((0.0, 0.0, 0.0, 0.0, 0.0, 0), 1.0, 1.5, 5),
+        "no fills, none measured": rate((0.0, 0.0, 0.0, 0.0, 0.0, 0), 0.0, 0.0, 0),
+        "one fill": rate((u, u, 1.2, u * u, u * 1.2, 1), 1.0, 1.0, 1),
+        "one fill, spread": rate((u, u, 1.2, u * u, u * 1.2, 1), 1.0, 2.5, 1),
+        "full batches": rate((1.0, 1.0, 1.5, 1.0, 1.5, 50), 1.0, 1.2, 50),
+        "near full, sd": rate((0.9, 0.8, 1.4, 0.8 * 0.8 + 0.01, 0.8 * 1.4 + 0.02, 50), 1.0, 1.1, 50),
+        "even answers": rate((0.2, 0.25, 1.0, 0.07, 0.26, 30), 1.0, 1.0, 30),
+        "spread NaN": rate((0.2, 0.25, 1.0, 0.07, 0.26, 30), 1.0, nan, 30),
+        "variance rounds below 0": rate((0.1, 0.1, 1.0, 0.1 * 0.1 - 1e-17, 0.1, 30), 1.0, 1.3, 30),
+        "second moment NaN": rate((0.2, 0.25, 1.0, nan, 0.26, 30), 1.0, 1.3, 30),
+        "second moment NaN, flat": rate((0.2, 0.25, 0.0, nan, 0.0, 30), 1.0, 1.3, 30),
+        "second moment inf, flat": rate((0.2, 0.25, 0.0, inf, 0.0, 30), 1.0, 1.3, 30),
+        "fill 0": rate((0.0, 0.05, 1.0, 0.003, 0.05, 30), 1.0, 1.3, 30),
+        "shares tie": rate(
+            (u, u, 1.2, u * u, u * 1.2, 1),
+            1.0,
+            1.0 + 2 * (1 - u) * capacity.FILL_GAP_SHARE / capacity.EXTRAPOLATION_SHARE,
+            1,
+        ),
+    }
+
+
+async def test_the_promises_slowdown_is_the_same_in_lua_at_the_edges(redis_url: str) -> None:
+    """lua/_drain.lua's promise_slowdown is DrainRate.promise_slowdown in every branch, on the
+    states _edge_rates builds: each compared to the ulp (NaN with NaN), the constants as the
+    brokers get them (capacity.promise_args, the last two), and the gap deciding some of them."""
+    library = (resources.files("sluice") / "lua" / "_drain.lua").read_text(encoding="utf-8")
+    script = library + (
+        "\nlocal g = fill_fit(ARGV[1])\n"
+        "local fit = fit_slowdown(g, tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
+        "local spread = time_spread(tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))\n"
+        "return string.format('%.17g', promise_slowdown(g, fit, tonumber(ARGV[3]), tonumber(ARGV[7]), spread,"
+        " tonumber(ARGV[8]), tonumber(ARGV[9])))\n"
+    )
+    args = capacity.promise_args()
+    assert args[-2:] == [repr(capacity.FILL_GAP_SHARE), repr(capacity.FILL_GAP_SD)]
+    client = aioredis.from_url(redis_url)
+    by_gap = []
+    try:
+        for name, d in _edge_rates().items():
+            g = " ".join(repr(float(x)) for x in (d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, d.fills))
+            got = float(
+                await client.eval(
+                    script,
+                    0,
+                    g,
+                    repr(capacity.FILL_RIDGE),
+                    repr(capacity.MAX_FILL_SLOWDOWN),
+                    repr(d.per_slot),
+                    repr(d.slow),
+                    str(d.samples),
+                    args[0],
+                    args[-2],
+                    args[-1],
+                )
+            )
+            want = d.promise_slowdown
+            assert got == want or (math.isnan(got) and math.isnan(want)), (name, got, want)
+            if not math.isnan(want) and want != dataclasses.replace(d, fill_gap_share=0.0).promise_slowdown:
+                by_gap.append(name)
+        assert {"one fill", "even answers", "fill 0"} <= set(by_gap), by_gap
     finally:
         await client.aclose()

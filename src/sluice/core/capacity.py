@@ -304,8 +304,10 @@ class DrainRate:
         share = floor if share < floor else share  # 0: share itself (spread is never below 0)
         # the fills measured reach about fit_u + FILL_GAP_SD standard deviations; beyond them the
         # line is a guess, and the promise goes part of the way to the bound for that stretch
+        # 0 only where var < 0, as Lua's math.max(var, 0) (a NaN stays NaN, and the gap then
+        # decides nothing on either side)
         var = self.fit_uu - self.fit_u * self.fit_u
-        gap = 1.0 - self.fit_u - self.fill_gap_sd * math.sqrt(var if var > 0.0 else 0.0)
+        gap = 1.0 - self.fit_u - self.fill_gap_sd * math.sqrt(0.0 if var < 0.0 else var)
         by_gap = self.fill_gap_share * gap
         share = by_gap if share < by_gap else share
         return fit * math.pow(bound / fit, 1.0 if share > 1.0 else share)
