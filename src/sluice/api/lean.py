@@ -31,7 +31,7 @@ from sluice.api.auth import KeyRing
 from sluice.api.errors import APIError, internal_error
 from sluice.api.gateway import Gateway
 from sluice.api.openai import complete
-from sluice.api.relay import CLIENT_GONE, EventStream, WholeAnswer
+from sluice.api.relay import CLIENT_GONE, JSON_TYPE, EventStream, WholeAnswer
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.request_id import JOB_HEADER, new_request_id
 from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, SchedulingOptions, plainly_readable
@@ -69,8 +69,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
     return replayed
 
-
-_JSON_TYPE = (b"content-type", b"application/json")
 
 #: The names an error's headers come with (``APIError.headers``, a rate limit's), as they go out:
 #: lowercase latin-1 made once, not for every refusal.
@@ -119,7 +117,7 @@ async def send_error(send: Send, error: APIError) -> None:
     body, length = _error_body(error)
     named = error.headers()
     headers = [(_NAMES.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
-    headers += (length, _JSON_TYPE, (_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
+    headers += (length, JSON_TYPE, (_REQUEST_ID, (named.get(JOB_HEADER) or new_request_id()).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -171,8 +171,9 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
     return skipped
 
 
-#: What starlette's JSONResponse adds after the given headers: its media type, as it sends it.
-_JSON_TYPE = (b"content-type", b"application/json")
+#: What starlette's JSONResponse adds after the given headers: its media type, as it sends it
+#: (here for a whole answer, and for the lean routes' errors: :func:`sluice.api.lean.send_error`).
+JSON_TYPE = (b"content-type", b"application/json")
 #: The headers' names as they go out (lowercase latin-1), made once per name: a whole answer has
 #: the same few, all Sluice's own (the job's id twice, a rate limit's six).
 _RAW_NAMES: dict[str, bytes] = {}
@@ -207,7 +208,7 @@ class WholeAnswer(JSONResponse):
                     if len(names) < RAW_NAMES_KEPT:
                         names[k] = name
                 raw.append((name, v.encode("latin-1")))
-        raw += ((b"content-length", str(len(body)).encode()), _JSON_TYPE)
+        raw += ((b"content-length", str(len(body)).encode()), JSON_TYPE)
         self.raw_headers = raw
 
 
