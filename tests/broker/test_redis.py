@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.base import Broker, BrokerUnavailable, EventType
 from sluice.broker.memory import MemoryBroker
@@ -798,6 +799,45 @@ async def test_commands_wait_for_a_place_and_go_out_as_one_pipeline(redis_url: s
         await batch.drain()
         await client.aclose()
         await other.aclose()
+
+
+async def test_a_held_commands_deadline_runs_from_its_submission(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that waits for a place fails within the command timeout of when it was submitted,
+    not of when it went out. The loop's clock is moved by hand (no sleeps for time to pass): one
+    pipeline holds the only place with a BLPOP until its own deadline, and the held BLPOP, sent
+    then, must fail at its submission's deadline, five seconds before one counted from its sending."""
+    loop = asyncio.get_running_loop()
+    real, shift = loop.time, [0.0]
+    monkeypatch.setattr(loop, "time", lambda: real() + shift[0])
+    # redis-py's own timeout of a read (its socket_timeout) is kept out of the way: the deadline's
+    client = Redis.from_url(redis_url, protocol=2, decode_responses=True, socket_timeout=60)
+    batch = Batcher(client, timeout=10.0, max_inflight=1)
+    try:
+        await batch.call(("DEL", "sluice-test:never-a", "sluice-test:never-b"))
+        first = batch.pipelines
+        holder = batch.submit(("BLPOP", "sluice-test:never-a", 0))  # deadline t0 + 10
+        await wait_blocked(redis_url, 1)
+        shift[0] += 5.0
+        held = batch.submit(("BLPOP", "sluice-test:never-b", 0))  # at t0 + 5: deadline t0 + 15
+        await asyncio.sleep(0)
+        assert batch.pipelines - first == 1 and not held.done()  # the place is taken: it waits
+        shift[0] += 5.1  # t0 + 10.1: the holder's deadline passes, and the held one goes out
+        with pytest.raises(RedisTimeoutError, match="no answer"):
+            await asyncio.wait_for(holder, 5)
+        await wait_until(lambda: batch.pipelines - first == 2)
+        await wait_blocked(redis_url, 1)  # sent, and blocked in Redis
+        shift[0] += 4.8  # t0 + 14.9: before either deadline
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        shift[0] += 0.2  # t0 + 15.1: past the submission's deadline, 5 s before the sending's
+        await wait_until(held.done, timeout=3)
+        with pytest.raises(Exception, match="no answer"):
+            await held
+    finally:
+        await batch.drain()
+        await client.aclose()
 
 
 async def test_a_tenants_list_keeps_integer_scores_and_still_reads_the_older_form(
