@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
+from typing import cast
 
 import pytest
 
@@ -339,6 +341,10 @@ def test_clamp_retry_after_is_min_of_max() -> None:
     from sluice.core.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, clamp_retry_after
 
     cases = [-1.0, -0.0, 0.0, 0, 0.49, MIN_RETRY_AFTER_S, 3, 7.25, MAX_RETRY_AFTER_S, 120.5, 1e9]
+    # ties of another type than the bound's, the only ties where a <= in place of a < shows: max
+    # and min keep their first argument (120, not 120.0; the Fraction, not 0.5)
+    cases += [int(MAX_RETRY_AFTER_S), cast(float, Fraction(MIN_RETRY_AFTER_S))]
+    assert int(MAX_RETRY_AFTER_S) == MAX_RETRY_AFTER_S and Fraction(MIN_RETRY_AFTER_S) == MIN_RETRY_AFTER_S
     for s in cases:
         want = min(max(s, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
         got = clamp_retry_after(s)
