@@ -173,3 +173,21 @@ def test_the_header_names_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
         made, expected = WholeAnswer(_ANSWER, headers), JSONResponse(_ANSWER, headers=headers)
         assert made.raw_headers == expected.raw_headers
         assert len(relay._RAW_NAMES) <= 3
+
+
+async def test_the_lean_route_sends_a_whole_answer_as_its_response_would(
+    sim_url: str, http: httpx.AsyncClient
+) -> None:
+    # lean.serve sends a WholeAnswer's two messages itself: what reaches the client is that
+    # Response's status, body and headers (after the server's own date and server).
+    async with serve_as_sluice([sim_url], log_level="warning") as served:
+        body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = await http.post(served.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    job_id = r.headers["x-sluice-job-id"]
+    expected = WholeAnswer(r.json(), {"x-sluice-job-id": job_id, "x-request-id": job_id})
+    assert r.content == expected.body
+    sent = [
+        (name.lower(), value) for name, value in r.headers.raw if name.lower() not in (b"date", b"server")
+    ]
+    assert sent == expected.raw_headers
