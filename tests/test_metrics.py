@@ -152,9 +152,9 @@ def test_observed_children_export_what_observe_does(monkeypatch: pytest.MonkeyPa
 
 def test_a_wait_below_zero_is_observed_as_zero_and_a_nan_as_itself() -> None:
     # observe_job's conditional is max(w, 0)'s answer: 0 for a clock that stepped back, the
-    # NaN itself (in the sum, no bucket), -0.0 as it came.
+    # NaN itself (in the sum, no bucket), -0.0 as it came; each for the queue wait and the TTFT.
     kept, looked_up = Metrics(), Metrics()
-    for started, first in ((-1.0, float("nan")), (-0.0, 0.5), (2.0, -3.0)):
+    for started, first in ((-1.0, float("nan")), (-0.0, 0.5), (2.0, -3.0), (float("nan"), 1.0)):
         job = _finished("a", "succeeded", started=True, token=True, usage=1)
         job.started_at = job.created_at + started
         job.first_token_at = job.created_at + first
