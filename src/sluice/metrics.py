@@ -85,8 +85,10 @@ class _Observed:
     """A Histogram child observed through its values: the sum, and the one bucket the amount falls
     in (the first bound it does not pass, as ``observe()``'s loop finds it, here by a bisection),
     each added under its own lock as ``MutexValue.inc`` adds: 4 calls an observation, where
-    ``observe()`` makes 10 (its observability checks, ``enumerate``, two ``inc``). A NaN, which
-    ``observe()`` adds to the sum and to no bucket, and any exemplar, go through ``observe()``."""
+    ``observe()`` makes 7 (sys.setprofile's call and c_call events, prometheus_client 0.26: its
+    observability check, ``enumerate``, two ``inc``). A NaN, which ``observe()`` adds to the sum
+    and to no bucket, goes through ``observe()``; an exemplar cannot be given here (observe the
+    child itself for one)."""
 
     __slots__ = ("_bounds", "_buckets", "_child", "_sum")
 
