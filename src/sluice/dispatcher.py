@@ -278,7 +278,7 @@ class Dispatcher:
         cost = job.cost
         predicted = self.routing == "predicted"
         engines: list[Engine] = []
-        names: list[str] = []
+        names: list[str] = []  # engines' names, read once: Engine.name is a property (a call)
         speeds: dict[str, float | None] = {}  # each engine's seconds per token, where predicted
         fitting: set[str] = set()
         for e in self.fleet.serving(target):
