@@ -96,6 +96,8 @@ class JobRecord:
         return future
 
     def notify_end(self) -> None:
+        """Wake every waiter for the job's end (the broker's settlement calls it once, after the
+        terminal event); a waiter that gave up has a done future, left as it is."""
         enders, self.enders = self.enders, None
         if enders is not None:
             for future in enders:
