@@ -248,14 +248,6 @@ async def test_the_promises_slowdown_is_the_same_in_lua(redis_url: str) -> None:
     (the random runs above seldom leave a gap: 3 slots fill up): on drain rates fed fills from a
     few to all of the slots, with answers even and spread, the script gives the same slowdown as
     the rate, and the gap's share decides some of them (where the line is flat and the fills low)."""
-    library = (resources.files("sluice") / "lua" / "_drain.lua").read_text(encoding="utf-8")
-    script = library + (
-        "\nlocal g = fill_fit(ARGV[1])\n"
-        "local fit = fit_slowdown(g, tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
-        "local spread = time_spread(tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))\n"
-        "return tostring(promise_slowdown(g, fit, tonumber(ARGV[3]), tonumber(ARGV[7]), spread,"
-        " tonumber(ARGV[8]), tonumber(ARGV[9])))\n"
-    )
     client = aioredis.from_url(redis_url)
     rng = random.Random(7)
     by_gap = 0
@@ -269,28 +261,50 @@ async def test_the_promises_slowdown_is_the_same_in_lua(redis_url: str) -> None:
                 running = rng.randint(1, top)
                 per = 1.0 + 0.5 * running / slots
                 d.observe(100, per if even else per * rng.choice([0.2, 0.2, 0.2, 3.0]), running=running)
-            g = " ".join(repr(x) for x in (d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, float(d.fills)))
-            got = await client.eval(
-                script,
-                0,
-                g,
-                repr(capacity.FILL_RIDGE),
-                repr(capacity.MAX_FILL_SLOWDOWN),
-                repr(d.per_slot),
-                repr(d.slow),
-                str(d.samples),
-                repr(capacity.EXTRAPOLATION_SHARE),
-                repr(capacity.FILL_GAP_SHARE),
-                repr(capacity.FILL_GAP_SD),
-            )
-            assert float(got) == pytest.approx(d.promise_slowdown, rel=1e-12), case
-            var = max(d.fit_uu - d.fit_u**2, 0.0)
-            gap = 1.0 - d.fit_u - capacity.FILL_GAP_SD * var**0.5
-            if capacity.FILL_GAP_SHARE * gap > capacity.EXTRAPOLATION_SHARE * d.spread:
-                by_gap += 1
+            got = await _lua_promise_slowdown(client, d)
+            assert got == pytest.approx(d.promise_slowdown, rel=1e-12), case
+            by_gap += _gap_decides(d)
         assert 5 <= by_gap < 40, by_gap
     finally:
         await client.aclose()
+
+
+#: lua/_drain.lua with a call of its promise_slowdown on a rate's fields (ARGV as
+#: :func:`_lua_promise_slowdown` sends them), its answer to the last digit.
+_PROMISE_SCRIPT = (resources.files("sluice") / "lua" / "_drain.lua").read_text(encoding="utf-8") + (
+    "\nlocal g = fill_fit(ARGV[1])\n"
+    "local fit = fit_slowdown(g, tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
+    "local spread = time_spread(tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))\n"
+    "return string.format('%.17g', promise_slowdown(g, fit, tonumber(ARGV[3]), tonumber(ARGV[7]), spread,"
+    " tonumber(ARGV[8]), tonumber(ARGV[9])))\n"
+)
+
+
+async def _lua_promise_slowdown(client: aioredis.Redis, d: DrainRate) -> float:
+    """The script's promise slowdown for ``d``'s fields, the constants as the brokers get them
+    (capacity.promise_args: the extrapolation share, then the fill gap's two, last)."""
+    args = capacity.promise_args()
+    g = " ".join(repr(float(x)) for x in (d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, d.fills))
+    reply = await client.eval(
+        _PROMISE_SCRIPT,
+        0,
+        g,
+        repr(capacity.FILL_RIDGE),
+        repr(capacity.MAX_FILL_SLOWDOWN),
+        repr(d.per_slot),
+        repr(d.slow),
+        str(d.samples),
+        args[0],
+        args[-2],
+        args[-1],
+    )
+    return float(reply)
+
+
+def _gap_decides(d: DrainRate) -> bool:
+    """Whether the fill gap's share moves ``d``'s promise (the same rate without it differs)."""
+    want = d.promise_slowdown
+    return not math.isnan(want) and want != dataclasses.replace(d, fill_gap_share=0.0).promise_slowdown
 
 
 def _edge_rates() -> dict[str, DrainRate]:
@@ -337,39 +351,17 @@ async def test_the_promises_slowdown_is_the_same_in_lua_at_the_edges(redis_url: 
     """lua/_drain.lua's promise_slowdown is DrainRate.promise_slowdown in every branch, on the
     states _edge_rates builds: each compared to the ulp (NaN with NaN), the constants as the
     brokers get them (capacity.promise_args, the last two), and the gap deciding some of them."""
-    library = (resources.files("sluice") / "lua" / "_drain.lua").read_text(encoding="utf-8")
-    script = library + (
-        "\nlocal g = fill_fit(ARGV[1])\n"
-        "local fit = fit_slowdown(g, tonumber(ARGV[2]), tonumber(ARGV[3]))\n"
-        "local spread = time_spread(tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))\n"
-        "return string.format('%.17g', promise_slowdown(g, fit, tonumber(ARGV[3]), tonumber(ARGV[7]), spread,"
-        " tonumber(ARGV[8]), tonumber(ARGV[9])))\n"
-    )
     args = capacity.promise_args()
+    assert args[0] == repr(capacity.EXTRAPOLATION_SHARE)
     assert args[-2:] == [repr(capacity.FILL_GAP_SHARE), repr(capacity.FILL_GAP_SD)]
     client = aioredis.from_url(redis_url)
     by_gap = []
     try:
         for name, d in _edge_rates().items():
-            g = " ".join(repr(float(x)) for x in (d.fill, d.fit_u, d.fit_t, d.fit_uu, d.fit_ut, d.fills))
-            got = float(
-                await client.eval(
-                    script,
-                    0,
-                    g,
-                    repr(capacity.FILL_RIDGE),
-                    repr(capacity.MAX_FILL_SLOWDOWN),
-                    repr(d.per_slot),
-                    repr(d.slow),
-                    str(d.samples),
-                    args[0],
-                    args[-2],
-                    args[-1],
-                )
-            )
+            got = await _lua_promise_slowdown(client, d)
             want = d.promise_slowdown
             assert got == want or (math.isnan(got) and math.isnan(want)), (name, got, want)
-            if not math.isnan(want) and want != dataclasses.replace(d, fill_gap_share=0.0).promise_slowdown:
+            if _gap_decides(d):
                 by_gap.append(name)
         assert {"one fill", "even answers", "fill 0"} <= set(by_gap), by_gap
     finally:
