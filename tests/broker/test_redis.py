@@ -1014,3 +1014,52 @@ async def test_claim_drops_a_job_exactly_as_the_drain_rate_says(
         else:
             assert claimed is not None and claimed.id == job.id, (left, service)
         await broker._batch.call(("DEL", k.capacity))
+
+
+async def test_a_kept_connection_closed_by_the_server_is_replaced(redis_url: str) -> None:
+    """A connection the batcher kept from its last pipeline and Redis has since closed (``CLIENT
+    KILL``, an idle ``timeout``) fails at its first read; the next pipeline is sent again on a
+    connection from the pool and answers, and the dead one is not kept."""
+    client = Redis.from_url(redis_url, protocol=2, decode_responses=True)
+    other = Redis.from_url(redis_url, decode_responses=True)
+    batch = Batcher(client, timeout=10.0)
+    try:
+        kept = await batch.call(("CLIENT", "ID"))  # this pipeline's connection is kept
+        assert await other.client_kill_filter(_id=kept) == 1
+        assert await batch.call(("ECHO", "after the kill")) == "after the kill"
+        again = await batch.call(("CLIENT", "ID"))
+        assert again != kept
+        assert await batch.call(("CLIENT", "ID")) == again  # the replacement is kept in turn
+    finally:
+        await batch.drain()
+        await client.aclose()
+        await other.aclose()
+
+
+async def test_a_pipeline_cut_off_mid_read_leaves_no_reply_for_the_next(redis_url: str) -> None:
+    """A pipeline whose deadline passes while its reply is still owed (a BLPOP blocked in Redis) is
+    not kept for the next one: a later reply on that connection would be handed to another caller.
+    Its connection is closed, so Redis drops the blocked pop, and the next command gets its own."""
+    client = Redis.from_url(redis_url, protocol=2, decode_responses=True)
+    other = Redis.from_url(redis_url, decode_responses=True)
+    batch = Batcher(client, timeout=0.3)
+    key, mine = "sluice-test:owed", "sluice-test:mine"
+    try:
+        await batch.call(("DEL", key))
+        await batch.call(("SET", mine, "its own reply"))
+        owed = await batch.call(("CLIENT", "ID"))
+        with pytest.raises(BrokerUnavailable, match="no answer"):
+            await batch.call(("BLPOP", key, 0))  # sent on the kept connection, cut off by the deadline
+        await wait_until(lambda: _has_no_client(other, owed))
+        await other.lpush(key, "late")
+        for _ in range(3):  # every connection the batcher may hold now
+            assert await batch.call(("GET", mine)) == "its own reply"
+        assert await other.llen(key) == 1  # no pop was left blocked to take it
+    finally:
+        await batch.drain()
+        await client.aclose()
+        await other.aclose()
+
+
+async def _has_no_client(redis: Redis, client_id: int) -> bool:
+    return all(int(c["id"]) != client_id for c in await redis.client_list())
