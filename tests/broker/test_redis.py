@@ -14,7 +14,7 @@ from importlib import resources
 from typing import Any
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -1063,3 +1063,31 @@ async def test_a_pipeline_cut_off_mid_read_leaves_no_reply_for_the_next(redis_ur
 
 async def _has_no_client(redis: Redis, client_id: int) -> bool:
     return all(int(c["id"]) != client_id for c in await redis.client_list())
+
+
+@pytest.mark.parametrize("size", [1, 2])
+async def test_kept_connections_leave_the_pool_one_for_its_other_callers(redis_url: str, size: int) -> None:
+    """The connections a batcher keeps between pipelines stay checked out of its client's pool; in
+    a pool of one or two they must not take every connection, or the client's direct commands
+    (a script library's load among them) wait for the pool's timeout and fail."""
+    pool = BlockingConnectionPool.from_url(
+        redis_url, max_connections=size, timeout=0.5, protocol=2, decode_responses=True
+    )
+    client = Redis.from_pool(pool)
+    batch = Batcher(client, timeout=10.0)
+    try:
+        # two pipelines in flight at once, so that two connections come back to be kept
+        assert (
+            list(await asyncio.gather(batch.call(("PING",)), _next_turn(batch.call(("PING",)))))
+            == ["PONG"] * 2
+        )
+        assert await client.ping()  # a direct command finds a connection
+        assert await batch.call(("ECHO", "still")) == "still"
+    finally:
+        await batch.drain()
+        await client.aclose()
+
+
+async def _next_turn(call: Any) -> Any:
+    await asyncio.sleep(0)
+    return await call

@@ -376,6 +376,11 @@ class Batcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._open = 0  # pipelines in flight that hold a place (no WAIT)
         self._held: list[AbstractConnection] = []  # connections kept between pipelines (_connection)
+        # Kept connections stay checked out of the pool, which the client's other callers share
+        # (direct commands, a library's load): at least one is left to them, so that a small pool
+        # is not held idle by this batcher while they wait for its timeout.
+        size = getattr(client.connection_pool, "max_connections", None)
+        self._keep = max_inflight if not isinstance(size, int) else max(0, min(max_inflight, size - 1))
         #: pipelines and commands sent (what the benchmark reports as the pipelines' depth)
         self.pipelines = 0
         self.commands = 0
@@ -544,7 +549,7 @@ class Batcher:
                 await conn.disconnect()  # a half-read reply must not reach the next caller
                 raise
             finally:
-                if kept and len(self._held) < self._max_inflight:
+                if kept and len(self._held) < self._keep:
                     self._held.append(conn)
                 else:
                     await pool.release(conn)
