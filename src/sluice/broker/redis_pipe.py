@@ -557,11 +557,12 @@ class Batcher:
 
     async def _connection(self, reuse: bool) -> AbstractConnection:
         """A connection for one pipeline: one this batcher kept from an earlier pipeline, else the
-        pool's. Kept, since the pool's checkout and return (a condition, a timeout, a liveness
-        probe, its metrics) cost a single-command pipeline about as much as the rest of its round
-        trip (docs/benchmarks/broker.md, the tenth round). A kept connection that should reconnect
-        (one to a former primary) goes back to the pool, which closes it. A dead one fails at its
-        first read; the batch is then sent again on the pool's (``reuse`` False), which probes."""
+        pool's (at most ``_keep`` are kept: two, and never the pool's last). Kept, since the pool's
+        checkout and return (a condition, a timeout, a liveness probe, its metrics) cost a
+        single-command pipeline about as much as the rest of its round trip
+        (docs/benchmarks/broker.md, the tenth round). A kept connection that should reconnect (one
+        to a former primary) goes back to the pool, which closes it. A dead one fails at its first
+        read; the batch is then sent again on the pool's (``reuse`` False), which probes."""
         pool = self._client.connection_pool
         while reuse and self._held:
             conn = self._held.pop()
