@@ -7,7 +7,6 @@ import collections
 import contextlib
 import heapq
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from sluice.broker.base import (
     TenantDepth,
 )
 from sluice.broker.memory_record import Follower, JobRecord
+from sluice.broker.memory_workers import Workers
 from sluice.broker.signal import Signal
 from sluice.core import admission
 from sluice.core.capacity import DrainRate
@@ -38,7 +38,7 @@ from sluice.core.errors import (
     worker_lost_error,
 )
 from sluice.core.job import Job, JobError, JobState
-from sluice.core.model_info import ModelInfo, merge
+from sluice.core.model_info import ModelInfo
 from sluice.core.policy import Candidate, PolicyState, decide
 from sluice.core.ratelimit import TenantLimiter, TenantLimits
 from sluice.core.scheduler import Backlog, ClassScheduler, Entry
@@ -99,11 +99,8 @@ class MemoryBroker(Broker):
         self._tenants: dict[str, _Tenant] = {}
         #: (tenant, Idempotency-Key) → the job it names, for as long as that job's record is kept
         self._idempotency: dict[tuple[str, str], str] = {}
-        self._workers: dict[str, tuple[dict[str, int], float]] = {}
-        #: :meth:`_slots`' sum, kept with the span of clock times it holds for: (sum, from, to)
-        self._live_slots: tuple[dict[str, int], float, float] | None = None
-        #: what each worker knows of its models (``describe_models``)
-        self._model_info: dict[str, dict[str, ModelInfo]] = {}
+        #: the workers' registrations, their slots' kept sum and their models (memory_workers)
+        self._workers = Workers()
         #: each tenant's kept jobs, job id → created_at, for ``list_jobs``
         self._tenant_jobs: dict[str, dict[str, float]] = {}
         self._deadlines: list[tuple[float, str]] = []
@@ -151,30 +148,8 @@ class MemoryBroker(Broker):
         d = self._drain.get(model)
         if d is None:
             d = self._drain[model] = DrainRate(prior_per_slot=self.settings.drain_prior_per_slot)
-        d.slots = self._slots(now).get(model, 0)
+        d.slots = self._workers.slots(self.now() if now is None else now).get(model, 0)
         return d
-
-    def _slots(self, now: float | None = None) -> dict[str, int]:
-        """Model -> the slots of the workers whose registration has not lapsed at ``now`` (the
-        clock's, when None); the caller must not change it. Summed again only when it may differ:
-        no registration changed, and ``now`` lies between the time of the last sum and the first
-        expiry of a registration it counted, have the same workers live as then (one lapsed
-        before that sum stays lapsed; a clock stepped back sums again). Three reads a job."""
-        if now is None:
-            now = self.now()
-        kept = self._live_slots
-        if kept is not None and kept[1] <= now <= kept[2]:
-            return kept[0]
-        total: dict[str, int] = {}
-        until = math.inf
-        for slots, expires in self._workers.values():
-            if expires >= now:
-                if expires < until:
-                    until = expires
-                for model, n in slots.items():
-                    total[model] = total.get(model, 0) + n
-        self._live_slots = (total, now, until)
-        return total
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
         rec.events.append((type, data))
@@ -439,7 +414,7 @@ class MemoryBroker(Broker):
         return self._queue(job.model).position(job.priority, job.id, job.tenant)
 
     async def stats(self) -> dict[str, ModelStats]:
-        models = set(self._queues) | set(self._slots())
+        models = set(self._queues) | set(self._workers.slots(self.now()))
         out = {}
         for model in sorted(models):
             q = self._queue(model)
@@ -486,30 +461,19 @@ class MemoryBroker(Broker):
     # --- worker side --------------------------------------------------------------------------
 
     async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
-        self._workers[worker_id] = (dict(slots), self.now() + max(self.settings.lease_s, 1.0))
-        self._live_slots = None
+        self._workers.register(worker_id, slots, self.now() + max(self.settings.lease_s, 1.0))
 
     async def unregister(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
-        self._live_slots = None
-        self._model_info.pop(worker_id, None)
+        self._workers.unregister(worker_id)
 
     async def served_models(self) -> dict[str, int]:
-        return dict(self._slots())
+        return dict(self._workers.slots(self.now()))
 
     async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
-        self._model_info[worker_id] = dict(models)
+        self._workers.describe(worker_id, models)
 
     async def model_info(self) -> dict[str, ModelInfo]:
-        now = self.now()
-        accounts: dict[str, list[ModelInfo]] = {}
-        for worker_id, models in self._model_info.items():
-            registered = self._workers.get(worker_id)
-            if registered is None or registered[1] < now:
-                continue
-            for model, info in models.items():
-                accounts.setdefault(model, []).append(info)
-        return {model: merge(infos) for model, infos in accounts.items()}
+        return self._workers.merged_info(self.now())
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None = None) -> JobPage:
         kept = self._tenant_jobs.get(tenant, {})
