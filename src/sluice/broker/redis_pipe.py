@@ -348,7 +348,8 @@ class Batcher:
     :class:`BrokerUnavailable`; they did run on the primary, which may yet lose them.
 
     At most ``max_inflight`` pipelines without ``WAIT`` are in flight at once; what is submitted
-    meanwhile waits and goes out, all of it, as the next pipeline when one comes back. Redis runs
+    meanwhile waits and goes out, all of it, as the next pipeline when one comes back (or at once
+    when ``MAX_BATCH`` commands have piled up: a pipeline is never longer than that). Redis runs
     one command at a time whatever the connection, so a second pipeline sent sooner is not answered
     sooner; sent later, it carries the commands of every caller woken meanwhile, and a pipeline of
     one command costs the client about ten times what a command in a deep one does
