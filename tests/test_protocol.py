@@ -542,21 +542,21 @@ def test_system_fingerprint_and_service_tier_are_kept_and_the_identity_is_the_jo
     assert r["usage"] == USAGE
 
 
-def test_a_token_event_carries_its_chunks_own_fields_as_the_engine_sent_them() -> None:
-    # What a streaming client is relayed: each chunk's own fields beside its choices, never the
-    # engine's identity, usage or padding (the relay gives the job's identity back).
+def test_each_chunks_own_fields_are_kept_as_the_engine_sent_them_and_the_latest_folded() -> None:
+    # A token event is last_fields beside the choices (tests/test_attempt.py, where it is built):
+    # each chunk's own fields, never the engine's identity, usage or padding.
     job = chat_job()
     a = Assembler(job)
     head = {"id": "chatcmpl-engine", "object": "chat.completion.chunk", "created": 1, "model": "gpt"}
     first = {**head, "system_fingerprint": "fp_1", "service_tier": "default", "obfuscation": "x"}
-    choices = a.add({**first, **delta("Hi", role="assistant")})
-    assert a.event(choices) == {"system_fingerprint": "fp_1", "service_tier": "default", "choices": choices}
-    # The next chunk says another fingerprint and a field of its own: the event says what it said.
-    choices = a.add({**head, "system_fingerprint": "fp_2", "timings": {"n": 1}, **delta("!")})
-    assert a.event(choices) == {"system_fingerprint": "fp_2", "timings": {"n": 1}, "choices": choices}
-    # A chunk with nothing but choices gives an event with nothing but choices.
-    choices = a.add(delta("?"))
-    assert a.event(choices) == {"choices": choices}
+    a.add({**first, **delta("Hi", role="assistant")})
+    assert a.last_fields == {"system_fingerprint": "fp_1", "service_tier": "default"}
+    # The next chunk says another fingerprint and a field of its own: last_fields says what it said.
+    a.add({**head, "system_fingerprint": "fp_2", "timings": {"n": 1}, **delta("!")})
+    assert a.last_fields == {"system_fingerprint": "fp_2", "timings": {"n": 1}}
+    # A chunk with nothing but choices has no fields of its own.
+    a.add(delta("?"))
+    assert a.last_fields == {}
     # The whole answer keeps the latest value of each.
     r = a.response()
     assert (r["system_fingerprint"], r["service_tier"], r["timings"]) == ("fp_2", "default", {"n": 1})
@@ -567,7 +567,7 @@ def test_a_relayed_chunk_has_the_jobs_identity_and_the_engines_own_fields() -> N
     a = Assembler(job)
     engine = {"id": "cmpl-e", "object": "text_completion", "created": 5, "model": "e", "usage": USAGE}
     choices = a.add({**engine, "system_fingerprint": "fp_c", **text("a")})
-    relayed = chunk(job, choices, fields=a.event(choices))
+    relayed = chunk(job, choices, fields={**a.last_fields, "choices": choices})  # a token event
     assert relayed == {
         "id": response_id(job),
         "object": "text_completion",

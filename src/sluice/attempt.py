@@ -43,7 +43,13 @@ class Hold:
 async def generate(broker: Broker, job: Job, hold: Hold) -> tuple[Assembler, bool]:
     """Run one attempt on the held engine, each chunk with choices published as a TOKEN event;
     what it measured of the stream feeds the engine's limit and speed. Returns the assembled
-    answer, and whether the engine's limit moved (the capacity the dispatcher offers changed)."""
+    answer, and whether the engine's limit moved (the capacity the dispatcher offers changed).
+
+    A token event is the chunk's choices beside its own fields as the engine sent them
+    (``Assembler.last_fields``: ``system_fingerprint``, ``service_tier``, ...), so that a relayed
+    chunk says what the engine's said: a chunk less its identity and usage. Built here alone, as a
+    dict display, not by a method: a call per token (memory_wakeup --whole 47.6 -> 48.6 calls a
+    token with one)."""
     engine = hold.engine
     assembler = Assembler(job)
     # The engine is asked for its own model name (an alias's target), the client answered in
@@ -78,7 +84,6 @@ async def generate(broker: Broker, job: Job, hold: Hold) -> tuple[Assembler, boo
                         # queueing inside the engine shows in the first token, not the end
                         engine.limiter.on_first_token(inflight, first - started)
                 chunks += 1
-                # Assembler.event's, inline: this runs for every token
                 await broker.publish(job.id, EventType.TOKEN, {**assembler.last_fields, "choices": choices})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]

@@ -359,7 +359,8 @@ class Assembler:
         tokens: chunks that carried generated text (counted once per choice), the completion
             tokens of an engine that reports no usage.
         fields: the chunks' own fields besides identity, choices and usage, folded.
-        last_fields: those of the latest chunk alone, as it sent them (see :meth:`event`).
+        last_fields: those of the latest chunk alone, as it sent them: a token event is these
+            beside the chunk's choices (built where it is published, :func:`sluice.attempt.generate`).
     """
 
     def __init__(self, job: Job) -> None:
@@ -369,13 +370,6 @@ class Assembler:
         self.tokens = 0
         self.fields: dict[str, Any] = {}
         self.last_fields: dict[str, Any] = {}
-
-    def event(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """The token event that relays ``choices`` (what :meth:`add` returned) to stream readers:
-        the choices, beside the fields of the chunk they came in as the engine sent them
-        (``system_fingerprint``, ``service_tier``, ...), so that a relayed chunk says what the
-        engine's said. The event is therefore a chunk less its identity and usage."""
-        return {**self.last_fields, "choices": choices}
 
     def add(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one engine chunk; return the choices worth relaying (empty for a usage-only chunk).
