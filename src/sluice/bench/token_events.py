@@ -24,7 +24,7 @@ from sluice.broker.base import EventType
 from sluice.broker.redis import RedisBroker
 from sluice.core.job import Job, JobState
 
-# One chat token as an engine streams it, as the dispatcher publishes it (Assembler.event).
+# One chat token as an engine streams it, as the dispatcher publishes it (attempt.generate).
 EVENT = {
     "system_fingerprint": "fp",
     "choices": [{"index": 0, "delta": {"content": " word"}, "logprobs": None, "finish_reason": None}],

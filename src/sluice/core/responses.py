@@ -221,7 +221,7 @@ class ResponseEvents:
     def chunk(self, choices: Sequence[Any], fields: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """The events of one chunk's choices (only choice 0: a response has one answer).
         ``fields``: the chunk's own fields (a token event's, see
-        :meth:`sluice.protocol.Assembler.event`): its ``service_tier`` is the response's."""
+        :func:`sluice.attempt.generate`): its ``service_tier`` is the response's."""
         self._tier(fields)
         events = self._progress()
         for choice in choices:
