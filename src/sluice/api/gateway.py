@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from sluice.api.auth import Caller
 from sluice.api.errors import APIError
@@ -241,7 +243,11 @@ class Gateway:
         route validated it already (a ChatRequest is a SchedulingOptions), so that it is not
         validated, nor walked for unreadable strings, a second time."""
         if opts is None:
-            opts = SchedulingOptions.model_validate(body)
+            try:
+                opts = SchedulingOptions.model_validate(body)
+            except ValidationError as exc:  # a body passed on unvalidated: a 4xx, not a 500
+                errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+                raise RequestValidationError(errors) from None
         s = self.settings
         model = await self.resolve_model(opts.model)
         priority_header, timeout_header, node_timeout, python_timeout, idempotency_key = headers(
