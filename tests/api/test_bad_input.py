@@ -56,7 +56,11 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
         ("/submit", {}, "prompt"),
         ("/submit", {"prompt": ""}, "prompt"),
         # The article's route passes its extra fields on to the options unvalidated (the fuzzer's find).
-        ("/submit", {"prompt": "0", "n": []}, None),
+        ("/submit", {"prompt": "0", "n": []}, "n"),
+        ("/submit", {"prompt": "0", "n": 0}, "n"),
+        ("/submit", {"prompt": "0", "stream": "yes"}, "stream"),
+        ("/submit", {"prompt": "0", "max_completion_tokens": "ten"}, "max_completion_tokens"),
+        ("/submit", {"prompt": "0", "n": {"a": [1]}}, "n"),
     ],
 )
 async def test_invalid_bodies_are_400(

@@ -247,7 +247,9 @@ class Gateway:
                 opts = SchedulingOptions.model_validate(body)
             except ValidationError as exc:  # a body passed on unvalidated: a 4xx, not a 500
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-                raise RequestValidationError(errors) from None
+                # with the body: a param is named by walking what was sent (errors.param_name),
+                # and without it no segment is the body's, so the param came back null
+                raise RequestValidationError(errors, body=body) from None
         s = self.settings
         model = await self.resolve_model(opts.model)
         priority_header, timeout_header, node_timeout, python_timeout, idempotency_key = headers(
