@@ -17,7 +17,7 @@ Replicated Redis, for failover tests (every process on free ports, each in its o
         old = group.kill_primary()              # SIGKILL
         new = group.wait_failover(old)          # the replica the sentinels promoted
 
-    with RedisClusterNodes() as cluster:        # 3 masters, 1 replica each, made by redis-cli
+    with RedisClusterNodes() as cluster:        # 3 masters, 1 replica each
         ... cluster.url ...                     # redis+cluster://127.0.0.1:P1,...
         master = cluster.master_of("{sluice}:x")
         master.kill(); cluster.wait_promoted(master, "{sluice}:x")
@@ -43,7 +43,6 @@ from typing import Any
 import redis
 
 REDIS_SERVER = os.environ.get("SLUICE_TEST_REDIS_SERVER", "redis-server")
-REDIS_CLI = os.environ.get("SLUICE_TEST_REDIS_CLI", "redis-cli")
 
 
 def _free_port() -> int:
@@ -74,6 +73,31 @@ def _cluster_ok(node: RedisServer) -> bool:
     """Whether ``node`` says the cluster is whole (CLUSTER INFO's ``cluster_state:ok``)."""
     with node.client() as c:
         return "cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO"))
+
+
+#: Redis Cluster's hash slots
+CLUSTER_SLOTS = 16384
+
+
+def _node_id(node: RedisServer) -> str:
+    with node.client() as c:
+        return str(c.execute_command("CLUSTER", "MYID"))
+
+
+def _known_nodes(node: RedisServer) -> set[str]:
+    """The ids of the nodes ``node`` has met (its handshakes done), itself included."""
+    with node.client() as c:
+        lines = str(c.execute_command("CLUSTER", "NODES")).strip().splitlines()
+    fields = [line.split() for line in lines]
+    return {f[0] for f in fields if "handshake" not in f[2] and "noaddr" not in f[2]}
+
+
+def _slot_map(node: RedisServer) -> set[tuple[int, int, int]] | None:
+    """``node``'s slot map as (first slot, last slot, master's port), when it covers every slot (what
+    a client reading CLUSTER SLOTS from it is told); None while some slot has no master."""
+    with node.client() as c:
+        ranges = [(int(r[0]), int(r[1]), int(r[2][1])) for r in c.execute_command("CLUSTER", "SLOTS")]
+    return set(ranges) if sum(last - first + 1 for first, last, _ in ranges) == CLUSTER_SLOTS else None
 
 
 #: Times a server whose picked port was taken before it could bind picks another.
@@ -524,8 +548,9 @@ class SentinelGroup:
 
 
 class RedisClusterNodes:
-    """A Redis Cluster of ``masters`` masters with ``replicas`` replicas each, made by ``redis-cli
-    --cluster create``; every node on a free port (and a free cluster-bus port), with AOF.
+    """A Redis Cluster of ``masters`` masters with ``replicas`` replicas each, made with the CLUSTER
+    commands (as ``redis-cli --cluster create`` makes one); every node on a free port (and a free
+    cluster-bus port), with AOF.
 
     Args:
         masters: masters (at least three: a majority of masters votes for a failover).
@@ -548,6 +573,7 @@ class RedisClusterNodes:
                     "cluster-config-file": "nodes.conf",
                     "cluster-node-timeout": str(node_timeout_ms),
                     "cluster-port": str(_free_port()),
+                    "repl-diskless-sync-delay": "0",
                 },
             )
             for _ in range(masters * (1 + replicas))
@@ -561,30 +587,49 @@ class RedisClusterNodes:
         return next(n for n in self.nodes if n.port == port)
 
     def start(self, timeout: float = 60.0) -> RedisClusterNodes:
+        """Start the nodes and make them one cluster, within ``timeout`` seconds; returns once every
+        node says the cluster is whole and sees the same masters, each with its replicas in sync.
+
+        The cluster is made with the cluster commands themselves rather than ``redis-cli --cluster
+        create``, which sleeps a second between its checks, and a node's first replica is synced at
+        once (``repl-diskless-sync-delay 0``) rather than after Redis's five-second wait for more
+        replicas: on a loaded machine the waits added up to most of the bound.
+        """
+        deadline = time.monotonic() + timeout
         for node in self.nodes:
             node.start()
-        subprocess.run(
-            [
-                REDIS_CLI,
-                "--cluster",
-                "create",
-                *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                "--cluster-replicas",
-                str(self.replicas),
-                "--cluster-yes",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=timeout,
-        )
+        masters, replicas = self.nodes[: self.masters], self.nodes[self.masters :]
+        ids = {node.port: _node_id(node) for node in self.nodes}
+        per = CLUSTER_SLOTS // self.masters
+        for i, node in enumerate(masters):
+            last = CLUSTER_SLOTS - 1 if i == self.masters - 1 else (i + 1) * per - 1
+            with node.client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+        for epoch, node in enumerate(self.nodes, start=1):
+            with node.client() as c:  # distinct epochs: no collision for the nodes to settle first
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            with node.client() as c:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", first.port, first.extra["cluster-port"])
 
-        def ready() -> bool:
+        def met() -> bool:  # every node knows every other one, handshakes done
+            return all(_known_nodes(node) == set(ids.values()) for node in self.nodes)
+
+        _wait("the cluster nodes meeting", met, deadline - time.monotonic())
+        for i, node in enumerate(replicas):
+            with node.client() as c:
+                c.execute_command("CLUSTER", "REPLICATE", ids[masters[i % self.masters].port])
+
+        def ready() -> bool:  # every node whole and of one slot map, every master's replicas in sync
             if not all(_cluster_ok(node) for node in self.nodes):
+                return False
+            maps = [_slot_map(node) for node in self.nodes]
+            if maps[0] is None or any(m != maps[0] for m in maps):
                 return False
             return all(len(self.replicas_of(m)) == self.replicas for m in self.current_masters())
 
-        _wait("the cluster forming", ready, timeout)
+        _wait("the cluster forming", ready, deadline - time.monotonic())
         return self
 
     def _slots(self) -> list[list[Any]]:

@@ -1,4 +1,4 @@
-"""The Redis broker on a real Redis Cluster (three masters, a replica each, made by redis-cli): its
+"""The Redis broker on a real Redis Cluster (three masters, a replica each): its
 scripts run there as on one Redis, each model's queue is on the master of its own hash tag (so the
 models of one queue spread over the masters), a stale slot map is corrected by MOVED, and kill -9 of
 the master that serves a model lets its replica take over with nothing accepted lost (WAIT, on by
