@@ -1,0 +1,84 @@
+"""The spike's ceiling (bench/spike_ceiling.py): the most on-time jobs of the fluid relaxation, and
+its place above what codel and a clairvoyant admission get on the model's engine."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from sluice.bench.engine_family import Engine, draw_engine
+from sluice.bench.spike_ceiling import ceiling, full_rate_tokens, most_on_time
+
+
+def _feasible(windows: list[tuple[float, float, float]], rate: float) -> bool:
+    """Whether first-come order finishes every job in its window."""
+    t = float("-inf")
+    for release, deadline, work in windows:
+        t = max(t, release) + work / rate
+        if t > deadline + 1e-9:
+            return False
+    return True
+
+
+def test_a_long_job_gives_way_to_two_short_ones() -> None:
+    """By hand, one server of 1 work a second: a 3-s job at 0 and two 1-s jobs at 1 and 1.5, all due
+    at 3. First come first served takes the long one and is late with either short one; the most
+    on time is the two short ones (1 → 2, 2 → 3), and the long one is the one dropped."""
+    windows = [(0.0, 3.0, 3.0), (1.0, 3.0, 1.0), (1.5, 3.0, 1.0)]
+    assert most_on_time(windows, 1.0) == [1, 2]
+    # Twice as fast, all three fit: 0 → 1.5, 1.5 → 2, 2 → 2.5.
+    assert most_on_time(windows, 2.0) == [0, 1, 2]
+
+
+def test_the_drop_that_ends_soonest_is_not_always_the_longest() -> None:
+    """A job dropped from before an idle gap saves nothing after it: jobs (0, 2, 1), (0, 2, 1.5),
+    (0.5, 2.5, 1) at rate 1. The second is late behind the first; dropping the first ends at 1.5,
+    dropping the second at 1, so the second goes and the third fits (1 → 2)."""
+    assert most_on_time([(0.0, 2.0, 1.0), (0.0, 2.0, 1.5), (0.5, 2.5, 1.0)], 1.0) == [0, 2]
+
+
+def test_it_is_the_most_on_time_of_every_subset() -> None:
+    """Against brute force over every subset, on small random agreeable cases (one patience for
+    all, deadlines cut at the run's end as the spike's are)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        patience, end = rng.uniform(0.5, 4.0), rng.uniform(5.0, 12.0)
+        releases = sorted(rng.uniform(0.0, 10.0) for _ in range(n))
+        windows = [(r, min(r + patience, end), rng.uniform(0.1, 3.0)) for r in releases]
+        chosen = most_on_time(windows, 1.0)
+        assert _feasible([windows[i] for i in chosen], 1.0)
+        best = max(
+            (
+                k
+                for k in range(n + 1)
+                for c in itertools.combinations(range(n), k)
+                if _feasible([windows[i] for i in c], 1.0)
+            ),
+            default=0,
+        )
+        assert len(chosen) == best
+
+
+def test_windows_must_be_agreeable() -> None:
+    with pytest.raises(ValueError, match="agreeable"):
+        most_on_time([(0.0, 5.0, 1.0), (1.0, 4.0, 1.0)], 1.0)
+
+
+def test_the_full_batch_decodes_the_most_tokens_a_second() -> None:
+    """4 slots, a step of 10 ms + 5 ms a sequence: 4 tokens in 30 ms."""
+    engine = Engine(slots=4, step0=0.01, step1=0.005)
+    assert full_rate_tokens(engine) == pytest.approx(4 / 0.03)
+    assert all(b / (0.01 + 0.005 * b) <= full_rate_tokens(engine) for b in range(1, 5))
+
+
+def test_the_ceiling_is_above_what_any_admission_got() -> None:
+    """On a family engine codel misses 73 % on (seed 2: 7 slots, KV-short), the ceiling bounds
+    codel's goodput and the clairvoyant admission's, and the clairvoyant (choosing as if answers
+    were unseen) gets at least codel's."""
+    c = ceiling(2, draw_engine(2), retrying=False)
+    assert c.codel <= c.blind <= c.blind_ceiling
+    assert c.clairvoyant <= c.ceiling
+    assert c.codel < 73.0 <= c.blind
