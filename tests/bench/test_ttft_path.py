@@ -4,6 +4,8 @@ job (the figures themselves are the benchmark's, not the test's)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from sluice.bench import ttft_path
 
 
@@ -11,7 +13,26 @@ async def test_each_step_is_measured_for_every_job(sim_url: str) -> None:
     out = await ttft_path.run(3, sim_url)
     assert set(out) == {label for _, _, label in ttft_path.STEPS}
     for label, figures in out.items():
-        assert len(figures["calls"]) == 3 and len(figures["us"]) == 3, label
+        assert len(figures["calls"]) == 3 and len(figures["us"]) == 3 and len(figures["turns"]) == 3, label
         # Each step ends after it starts: its points were reached, in this order.
         assert all(calls > 0 for calls in figures["calls"]), (label, figures)
         assert all(us > 0 for us in figures["us"]), (label, figures)
+        # Each step waits at least one turn of the loop: a wake-up of another task.
+        assert all(turns >= 1 for turns in figures["turns"]), (label, figures)
+
+
+def test_turns_count_the_loops_turns_between_start_and_stop() -> None:
+    async def main() -> int:
+        turns = ttft_path.Turns()
+        turns.enabled = True
+        turns.start()
+        for _ in range(5):
+            await asyncio.sleep(0)  # one turn each
+        turns.stop()
+        counted = turns.turns
+        for _ in range(3):  # stopped: no more
+            await asyncio.sleep(0)
+        assert turns.turns == counted
+        return counted
+
+    assert asyncio.run(main()) == 5

@@ -1,7 +1,9 @@
 """Sluice's own steps on the first token's path, in one process, in a figure that the machine's
 other load does not move: the Python calls (function and C-function calls, counted by a profile
 hook) that run between two points of the path, whatever task runs them; and the wall-clock time
-of the same steps, from a second pass without the hook (noisy on a shared machine).
+of the same steps, from a second pass without the hook (noisy on a shared machine); and, from a
+third pass, the turns of the event loop each step waited (:class:`Turns`), a figure as
+load-independent as the calls: a wake-up of another task, or a task of aiohttp's own, is a turn.
 
 The embedded broker, a dispatcher and the engine client (as ``sluice serve`` runs them, on uvloop)
 in this process, the simulator (``article`` preset) in its own; streamed jobs one at a time, each
@@ -47,15 +49,46 @@ from sluice.dispatcher import Dispatcher
 
 MODEL = "sim"
 STEPS = (("admitted", "written", "admitted -> request written"), ("chunk", "token", "chunk in -> token read"))
+STARTS = frozenset(start for start, _, _ in STEPS)
+ENDS = frozenset(end for _, end, _ in STEPS)
+
+
+class Turns:
+    """The turns of the event loop while counting: a callback that puts itself back on the ready
+    queue each time it runs runs once a turn (a callback scheduled during a turn runs in the next,
+    asyncio's and uvloop's rule alike). It counts only from :meth:`start` to :meth:`stop`, so that
+    the loop is not kept spinning while the job waits on the engine; it never waits on I/O itself,
+    and steps that wait on none (both steps here: the engine's bytes are in before the first, the
+    connection is kept alive) take the same turns with it as without."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.running = False
+        self.enabled = False
+
+    def start(self) -> None:
+        if self.enabled and not self.running:
+            self.running = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self.running = False
+
+    def _tick(self) -> None:
+        if self.running:
+            self.turns += 1
+            asyncio.get_running_loop().call_soon(self._tick)
 
 
 class Marks:
-    """When (perf_counter ns) and after how many calls each point of one job's path was reached;
-    with ``by_function``, also each function's calls inside each step (keyed by the step's label)."""
+    """When (perf_counter ns), after how many calls and after how many turns of the loop
+    (:class:`Turns`, in its pass) each point of one job's path was reached; with ``by_function``,
+    also each function's calls inside each step (keyed by the step's label)."""
 
     def __init__(self, by_function: bool = False) -> None:
         self.calls = 0
-        self.at: dict[str, tuple[int, int]] = {}
+        self.loop_turns = Turns()
+        self.at: dict[str, tuple[int, int, int]] = {}
         self.by_function = by_function
         self.step: dict[Any, int] | None = None
         self.each: dict[str, dict[Any, int]] = {label: {} for _, _, label in STEPS}
@@ -69,7 +102,13 @@ class Marks:
                 step[key] = step.get(key, 0) + 1
 
     def mark(self, name: str) -> None:
-        self.at[name] = (time.perf_counter_ns(), self.calls)
+        turns = self.loop_turns
+        self.at[name] = (time.perf_counter_ns(), self.calls, turns.turns)
+        if turns.enabled:  # in its own pass: no call in the counted one
+            if name in STARTS:
+                turns.start()
+            elif name in ENDS:
+                turns.stop()
         if self.by_function:
             self.step = None
             for start, _, label in STEPS:
@@ -91,8 +130,16 @@ def hook_engine_client(marks: Marks) -> Callable[[], None]:
         await write_bytes(self, *args, **kwargs)
 
     def traced_received(self: Any, data: bytes) -> None:
-        if "token" not in marks.at:
-            marks.mark("chunk")
+        # Each read of the engine's bytes until the token's, so the last is the token's chunk; not
+        # aiohttp's own data_received(b"") (its resume_reading, from inside the engine client's
+        # read of that chunk: the step would start half-way). The turns are counted only from a
+        # read that carries a chunk, not from the answer's head on through the engine's time to
+        # its first token.
+        if data and "token" not in marks.at:
+            if b"data:" in data or not marks.loop_turns.enabled:
+                marks.mark("chunk")
+            else:
+                marks.at["chunk"] = (time.perf_counter_ns(), marks.calls, marks.loop_turns.turns)
         data_received(self, data)
 
     aiohttp.client_reqrep.ClientRequest.write_bytes = traced_write  # type: ignore[method-assign]
@@ -127,7 +174,7 @@ def streamed_job() -> Job:
     )
 
 
-async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int]]:
+async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, int]]:
     """One job's marks, from its admission to its first token read."""
     job = streamed_job()
     marks.at = {}
@@ -148,8 +195,9 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int]]:
 
 
 async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, dict[str, list[float]]]:
-    """Per step: its calls in the counted pass, its µs in the plain one (``marks``: where they are
-    kept, with each function's calls when it was made ``by_function``)."""
+    """Per step: its calls in the counted pass, its µs in the plain one, its turns of the loop in
+    a third (``marks``: where they are kept, with each function's calls when it was made
+    ``by_function``)."""
     marks = Marks() if marks is None else marks
     undo = hook_engine_client(marks)
     broker = MemoryBroker()
@@ -157,7 +205,9 @@ async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, 
     backend = OpenAIBackend(sim_url, max_concurrency=16)
     dispatcher = Dispatcher(broker, [backend])
     await dispatcher.start()
-    out: dict[str, dict[str, list[float]]] = {label: {"calls": [], "us": []} for _, _, label in STEPS}
+    out: dict[str, dict[str, list[float]]] = {
+        label: {"calls": [], "us": [], "turns": []} for _, _, label in STEPS
+    }
     try:
         for _ in range(10):  # the connection opened, the drain rate measured
             await one(broker, marks)
@@ -168,6 +218,12 @@ async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, 
             sys.setprofile(None)
             marks.by_function, marks.step = False, None
         timed = [await one(broker, marks) for _ in range(jobs)]
+        marks.loop_turns.enabled = True
+        try:
+            turned = [await one(broker, marks) for _ in range(jobs)]
+        finally:
+            marks.loop_turns.enabled = False
+            marks.loop_turns.stop()
     finally:
         undo()
         await dispatcher.stop()
@@ -176,6 +232,7 @@ async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, 
     for start, end, label in STEPS:
         out[label]["calls"] = [float(m[end][1] - m[start][1]) for m in counted]
         out[label]["us"] = [(m[end][0] - m[start][0]) / 1000 for m in timed]
+        out[label]["turns"] = [float(m[end][2] - m[start][2]) for m in turned]
     return out
 
 
@@ -192,9 +249,12 @@ async def main(jobs: int, by_function: int, log: IO[bytes]) -> None:
     finally:
         await stop(sim)
     print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
-    print(f"{'step':<30} {'calls p50 [p10-p90]':>22} {'wall µs p50 [p10-p90]':>24}")
+    heads = ("calls p50 [p10-p90]", "loop turns p50 [p10-p90]", "wall µs p50 [p10-p90]")
+    print(f"{'step':<30} {heads[0]:>22} {heads[1]:>26} {heads[2]:>24}")
     for _, _, label in STEPS:
-        print(f"{label:<30} {spread(out[label]['calls']):>22} {spread(out[label]['us']):>24}")
+        figures = out[label]
+        shown = [spread(figures[key]) for key in ("calls", "turns", "us")]
+        print(f"{label:<30} {shown[0]:>22} {shown[1]:>26} {shown[2]:>24}")
     for _, _, label in STEPS if by_function else ():
         named: dict[str, int] = {}
         for key, calls in marks.each[label].items():
