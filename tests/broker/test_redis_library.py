@@ -5,6 +5,7 @@ version's library, and a clear error from a Redis without Functions."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from importlib import resources
 from typing import Any
 
@@ -42,6 +43,52 @@ def test_the_library_defines_each_shared_file_once_and_a_function_per_script() -
         assert library.source.count(f"-- {shared}\n") == 1
     # Another text, another name: two versions' libraries can be loaded side by side.
     assert build_library(SCRIPT_NAMES[:-1]).name != library.name
+
+
+#: A Lua comment (long or to the end of the line) or string literal (quoted or long): what
+#: :func:`_code` blanks out, so that only code is searched.
+_LUA_NOT_CODE = re.compile(
+    r"""--\[(=*)\[.*?\]\1\]|--[^\n]*|\[(=*)\[.*?\]\2\]|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""",
+    re.S,
+)
+#: ``redis`` used other than as ``redis.<name>``: aliased, indexed, or ``redis.call``/``redis.pcall``.
+_DIRECT = re.compile(r"\bredis\b(?!\s*\.\s*(?!p?call\b)[A-Za-z_])")
+
+
+def _code(text: str) -> str:
+    """``text`` without its comments, and with its strings emptied (a line still a line)."""
+
+    def blank(m: re.Match[str]) -> str:
+        gone = m.group(0)
+        return "\n" * gone.count("\n") + ("" if gone.startswith("--") else "''")
+
+    return _LUA_NOT_CODE.sub(blank, text)
+
+
+def _direct_calls(text: str) -> list[str]:
+    """The lines of Lua ``text`` that reach Redis's commands other than through ``rcall``."""
+    return [line.strip() for line in _code(text).splitlines() if _DIRECT.search(line)]
+
+
+def test_the_scripts_call_redis_only_through_the_shared_rcall() -> None:
+    # The checker itself: what it must find, and what it must let be.
+    found = "local a = redis.call('GET', k)\nlocal r = redis\nredis.pcall('X')\nlocal b = redis['call']\n"
+    assert len(_direct_calls(found)) == 4
+    fine = "-- redis.call in a comment\n--[[ redis.call\n]] local s = 'redis.call' .. \"redis.pcall\"\n"
+    assert _direct_calls(fine + "return redis.error_reply('x'), redis.log, rcall('GET', k)\n") == []
+    # Every script and shared file: a command is sent through _keys.lua's rcall upvalue (the global
+    # `redis` is a lookup through the globals' __index at each call); nothing else names redis.call.
+    lua = resources.files("sluice") / "lua"
+    for file in sorted(f for f in lua.iterdir() if f.name.endswith(".lua")):
+        text = file.read_text(encoding="utf-8")
+        assert _direct_calls(text) == [], file.name
+        declared = re.findall(r"\blocal\s+rcall\b", _code(text))
+        assert len(declared) == (file.name == "_keys.lua"), f"{file.name} declares its own rcall"
+    # In the library, redis.call is named only where each function sets rcall as it starts.
+    library = build_library(SCRIPT_NAMES)
+    direct = _direct_calls(library.source)
+    assert len(direct) == len(SCRIPT_NAMES)
+    assert all(line.endswith("function(KEYS, ARGV) rcall = redis.call") for line in direct), direct
 
 
 async def test_a_server_without_the_library_gets_it_again(redis_url: str) -> None:
