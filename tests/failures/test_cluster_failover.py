@@ -19,7 +19,7 @@ from sluice.broker.redis_keys import QueueKeys
 from sluice.broker.redis_shards import shard_of_job, shard_of_model, shard_queue
 from sluice.core.job import JobState
 from tests.failures.failover_load import FailoverLoad, load_settings
-from tests.helpers import make_job, wait_until
+from tests.helpers import FakeClock, make_job, wait_until
 from tests.redis_server import RedisClusterNodes, RedisServer, wait_replicas
 
 #: each test starts its own replicated Redis and waits out a failover
@@ -149,6 +149,55 @@ async def test_models_spread_over_the_masters(cluster: RedisClusterNodes) -> Non
         assert {m: (stats[m].queued_jobs, stats[m].running_jobs) for m in models} == dict.fromkeys(
             models, (0, 0)
         )
+
+
+async def test_a_tenants_jobs_are_listed_from_every_master(cluster: RedisClusterNodes) -> None:
+    # A tenant's list is in the home shard: admit.lua writes it for a model there, the broker
+    # (_list_job) for a model on another master; list_jobs reads the one list back.
+    models = _one_model_per_master(cluster)
+    home = cluster.master_of(QueueKeys().prefix)
+    assert any(cluster.master_of(_prefix(m)) is home for m in models)  # both writers are used
+    clock = FakeClock(time.time())
+
+    def tick() -> float:
+        clock.advance(0.001)  # distinct created_at: the list's order is defined
+        return clock()
+
+    async with RedisBroker(cluster.url, load_settings()) as gateway:
+        admitted = []
+        for i in range(7):
+            job = make_job(tick, model=models[i % len(models)], tenant="a")
+            await gateway.admit(job)
+            admitted.append(job.id)
+            await gateway.admit(make_job(tick, model=models[i % len(models)], tenant="b"))
+        newest_first = admitted[::-1]
+        page = await gateway.list_jobs("a", limit=10)
+        assert [j.id for j in page.jobs] == newest_first and not page.has_more
+        assert {j.model for j in page.jobs} == set(models)
+        # Page by page, from another broker that never saw these models or jobs.
+        async with RedisBroker(cluster.url, load_settings()) as stranger:
+            seen: list[str] = []
+            after = None
+            while True:
+                page = await stranger.list_jobs("a", limit=3, after=after)
+                seen += [j.id for j in page.jobs]
+                if not page.has_more:
+                    break
+                after = seen[-1]
+            assert seen == newest_first
+
+        # An admission whose first try got through but was not listed (its answer lost on the way
+        # back, before the broker listed it: a connection dropped, retried at once): the retry is
+        # answered "already admitted", and the job is listed then.
+        away = next(m for m in models if cluster.master_of(_prefix(m)) is not home)
+        job = make_job(tick, model=away, tenant="a")
+        await gateway.admit(job)
+        with home.client() as c:
+            assert c.zrem(QueueKeys().tenant_jobs_us("a"), job.id) == 1
+        again = await gateway.admit(job)
+        assert again.job.id == job.id
+        page = await gateway.list_jobs("a", limit=10)
+        assert [j.id for j in page.jobs] == [job.id, *newest_first]
 
 
 async def _events(broker: RedisBroker, job_id: str) -> list[EventType]:

@@ -110,6 +110,10 @@ class JobsMixin(RedisCore):
             first = await self.get(first_id)
             if first is None:  # dropped in between: admit afresh
                 return await self._admit(job, limits)
+            if reply.outcome is AdmitOutcome.RETRIED and not listed:
+                # The earlier try may have been cut off before it listed the job (its answer lost
+                # on the way back): list it now (a ZADD of the same member and score changes nothing).
+                await self._list_job(first, now)
             pos = await self.position(first_id)
             return Admission(first, reply.outcome is AdmitOutcome.DUPLICATE, pos or 0, 0.0)
         # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
