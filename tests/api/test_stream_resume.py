@@ -3,12 +3,18 @@ stream that read every event from the first, without walking the skipped ones ag
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
+from sluice.api.errors import APIError
 from sluice.api.relay import engine_accepted, openai_stream
+from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.broker.base import Event, EventType
-from sluice.core.job import Endpoint, Job
+from sluice.broker.memory import MemoryBroker
+from sluice.core.job import Endpoint, Job, JobError, JobState
 
 
 def _token(text: str) -> dict[str, Any]:
@@ -78,3 +84,69 @@ async def test_an_end_without_tokens_is_not_skipped() -> None:
     broker = _Broker(events)
     assert await engine_accepted(broker, _job()) == 1  # type: ignore[arg-type]
     assert await _payloads(broker, 1) == ["[DONE]"]
+
+
+# On the memory broker engine_accepted follows the job (broker.follow) rather than reading its
+# events: the same answers, and the job's start wakes no task of the route's while it waits.
+
+
+async def _claimed(broker: MemoryBroker) -> Job:
+    job = make_job(0)
+    await broker.admit(job)  # queued (1)
+    claimed = await broker.claim("w", [MODEL], timeout=1.0)  # started (2)
+    assert claimed is not None
+    return claimed
+
+
+async def _waiting(broker: MemoryBroker, job: Job, within_s: float = 5.0) -> asyncio.Task[int]:
+    task = asyncio.ensure_future(engine_accepted(broker, job, within_s))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+async def test_on_the_memory_broker_it_follows_the_job_and_skips_what_reading_would() -> None:
+    broker = MemoryBroker(settings())
+    async with broker:
+        followed_job, read_job = await _claimed(broker), await _claimed(broker)
+        # The second job has a follower already: engine_accepted reads its events instead.
+        other = broker.follow(read_job.id, 0, lambda *_: True)
+        assert other is not None
+        followed, read = await _waiting(broker, followed_job), await _waiting(broker, read_job)
+        followed_record = broker._records[followed_job.id]
+        # Waiting as a follower, not a reader: a published event wakes no task of the route's.
+        assert followed_record.follower is not None and followed_record.readers == []
+        assert broker._records[read_job.id].readers != []
+        for job in (followed_job, read_job):
+            await broker.publish(job.id, EventType.RETRY, {"attempt": 2})  # (3) skipped too
+            await broker.publish(job.id, EventType.TOKEN, _token("a"))
+        assert await followed == await read == 3
+        # It stopped following at the token: the stream may follow the job from there.
+        assert broker._records[followed_job.id].follower is None
+        other()
+
+
+async def test_on_the_memory_broker_a_failure_before_the_token_is_raised() -> None:
+    broker = MemoryBroker(settings())
+    async with broker:
+        job = await _claimed(broker)
+        waiting = await _waiting(broker, job)
+        error = JobError("the engine refused it", "invalid_request_error", None, None)
+        await broker.finish(job.id, "w", JobState.FAILED, error=error)
+        with pytest.raises(APIError) as raised:
+            await waiting
+        assert raised.value.job_id == job.id and "refused" in raised.value.message
+
+
+async def test_on_the_memory_broker_a_wait_that_runs_out_returns_what_it_skipped_and_stops_following() -> (
+    None
+):
+    broker = MemoryBroker(settings())
+    async with broker:
+        job = await _claimed(broker)
+        assert await engine_accepted(broker, job, 0.05) == 2
+        assert broker._records[job.id].follower is None
+        # ... and a token already published is taken at once.
+        await broker.publish(job.id, EventType.TOKEN, _token("a"))
+        assert await engine_accepted(broker, job, 0.0) == 2

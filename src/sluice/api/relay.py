@@ -151,7 +151,18 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
 
     Returns the id of the last event it read before the token or the end: every event up to it
     is one a stream skips (queued, started, a retry before any token), so that the stream reads
-    on after it (:func:`openai_stream`'s ``after``) rather than walking them again."""
+    on after it (:func:`openai_stream`'s ``after``) rather than walking them again.
+
+    On a broker that calls its readers back (``follow``: the memory broker) the events are taken
+    as the broker calls with each, in the publisher's own turn: the job's start, published in the
+    dispatcher's turn that claims it, wakes no task of this route's (its wake-up ran ahead of the
+    engine request's write, which aiohttp leaves to the next turn), and the first token wakes it
+    by a future alone, without an async generator's frames. The same events, read the same way."""
+    follow = getattr(broker, "follow", None)
+    if follow is not None:
+        followed = await _accepted_followed(follow, broker, job, within_s)
+        if followed is not None:
+            return followed
     events = broker.events(job.id)
     skipped = 0
     try:
@@ -169,6 +180,44 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     return skipped
+
+
+async def _accepted_followed(follow: Any, broker: Broker, job: Job, within_s: float) -> int | None:
+    """:func:`engine_accepted` through ``broker.follow``; None where the broker will not call
+    back for this job (it has a follower already, or is not known): the caller reads the events."""
+    accepted: asyncio.Future[EventType] = asyncio.get_running_loop().create_future()
+    skipped = 0
+
+    def follower(event_id: int, type: EventType, data: Any) -> bool:
+        nonlocal skipped
+        if accepted.done():  # timed out or cancelled meanwhile
+            return False
+        if type in _ACCEPTING:
+            accepted.set_result(type)
+            return False
+        skipped = event_id
+        return True
+
+    stop = follow(job.id, 0, follower)
+    if stop is None:
+        return None
+    try:
+        async with asyncio.timeout(within_s):
+            outcome = await accepted
+    except TimeoutError:
+        return skipped
+    finally:
+        stop()
+    if outcome is EventType.ERROR:
+        error = failure(await broker.get(job.id) or job)
+        error.job_id = job.id
+        raise error
+    return skipped
+
+
+#: the events that end :func:`engine_accepted`'s wait: the first token, the end (the job's answer,
+#: or its failure: the terminal events). A stream that ends with any other would be read through.
+_ACCEPTING = frozenset({EventType.TOKEN, EventType.DONE, EventType.ERROR})
 
 
 #: What starlette's JSONResponse adds after the given headers: its media type, as it sends it

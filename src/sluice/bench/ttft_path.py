@@ -7,15 +7,15 @@ load-independent as the calls: a wake-up of another task, or a task of aiohttp's
 
 The embedded broker, a dispatcher and the engine client (as ``sluice serve`` runs them, on uvloop)
 in this process, the simulator (``article`` preset) in its own; streamed jobs one at a time, each
-read by a reader that waits on ``broker.events`` from its admission on, as the relay's
-``engine_accepted`` does. Two steps:
+waited on from its admission on by the relay's own ``engine_accepted``, as the streaming routes
+wait for a job's first token. Two steps:
 
 - *admitted → request written*: from ``broker.admit`` to aiohttp writing the engine request's body
   on the socket: the claim, the engine's choice, the request built and sent, and whatever other
   task the loop runs before that write (the engine waits for it);
 - *chunk in → token read*: from the first chunk's bytes reaching the engine client (aiohttp's
-  ``data_received``) to the reader taking its TOKEN event: the parse, the assembler, the publish,
-  the reader's wake-up.
+  ``data_received``) to ``engine_accepted`` returning on its TOKEN event: the parse, the assembler, the
+  publish, the waiting route's wake-up.
 
 Not here: the HTTP front (uvicorn, the body's validation, the job built, the SSE frame written),
 which ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
@@ -39,10 +39,10 @@ import aiohttp.client_proto
 import aiohttp.client_reqrep
 import uvloop
 
+from sluice.api.relay import engine_accepted
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
-from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Endpoint, Job, JobState, new_job_id
 from sluice.dispatcher import Dispatcher
@@ -180,15 +180,9 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, i
     marks.at = {}
     marks.mark("admitted")
     await broker.admit(job)
-    events = broker.events(job.id)
-    try:
-        async with asyncio.timeout(30):
-            async for event in events:
-                if event.type is EventType.TOKEN:
-                    marks.mark("token")
-                    break
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
+    # The relay's own wait for the first token, as the streaming routes call it.
+    await engine_accepted(broker, job, 30)
+    marks.mark("token")
     done = await broker.wait(job.id, 30)
     assert done is not None and done.state is JobState.SUCCEEDED, done
     return marks.at
