@@ -110,7 +110,9 @@ class MemoryBroker(Broker):
         self._to_pack: collections.deque[tuple[float, str]] = collections.deque()
         self._callbacks: list[str] = []
         self._callback_signal = Signal()
-        self._work = Signal()
+        #: the claims waiting for work, a bare future each (True: work came; False: the wait ran
+        #: out): an admission wakes them all (:meth:`_wake_claimers`)
+        self._claimers: list[asyncio.Future[bool]] = []
         self._abort = Signal()
         self._draining: set[str] = set()
         self._keys: dict[str, dict[str, Any]] = {}
@@ -283,7 +285,7 @@ class MemoryBroker(Broker):
         self._emit(
             rec, EventType.QUEUED, {"position": ok.position, "estimated_start_s": ok.estimated_start_s}
         )
-        self._work.notify()
+        self._wake_claimers()
         return Admission(job, False, ok.position, ok.estimated_start_s, limiter.status(now))
 
     def _charged_limiter(self, rec: JobRecord) -> TenantLimiter | None:
@@ -516,20 +518,38 @@ class MemoryBroker(Broker):
                 continue
             return rec.job
 
+    def _wake_claimers(self) -> None:
+        claimers, self._claimers = self._claimers, []
+        for future in claimers:
+            if not future.done():
+                future.set_result(True)
+
     async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
-        # The signal taken before the look, so that no admission in between is missed; the timer
-        # armed only when there is a wait (a busy queue's claims find their job at once).
-        signal = self._work.current()
         job = self._pop(models)
         if job is None:
-            try:
-                async with asyncio.timeout(timeout):
-                    while job is None:
-                        await signal.wait()
-                        signal = self._work.current()
-                        job = self._pop(models)
-            except TimeoutError:
-                return None
+            # A claim waits on a future of its own, put where an admission wakes it right after
+            # the look (nothing runs in between: no admission is missed), bounded by a timer that
+            # settles it: the timer armed only when there is a wait (a busy queue's claims find
+            # their job at once). Not an asyncio.Event's wait and an asyncio.timeout around it:
+            # the dispatcher's claim loop waits so once a job, on the first token's path (the
+            # successor's first claim runs in the turn that writes the engine request).
+            loop = asyncio.get_running_loop()
+            ends = loop.time() + timeout
+            while job is None:
+                woken = loop.create_future()
+                self._claimers.append(woken)
+                timer = loop.call_at(ends, _ran_out, woken)
+                try:
+                    came = await woken
+                finally:
+                    timer.cancel()
+                if not came:
+                    # An idle dispatcher's claims do not pile up (a wake-up may have taken it
+                    # already, after the timer settled it).
+                    with contextlib.suppress(ValueError):
+                        self._claimers.remove(woken)
+                    return None
+                job = self._pop(models)
         now = self.now()
         self._move(job, JobState.RUNNING)
         self._records[job.id].running_at_start = self._running[job.model]
@@ -569,7 +589,7 @@ class MemoryBroker(Broker):
         # Its deadline entry may have gone while it ran: queued again, it must expire again.
         heapq.heappush(self._deadlines, (job.deadline, job.id))
         self._emit(rec, EventType.RETRY, {"attempt": job.attempts + 1, "reason": "released unstarted"})
-        self._work.notify()
+        self._wake_claimers()
         return True
 
     async def wait_abort_signal(self, timeout: float) -> None:
@@ -737,7 +757,7 @@ class MemoryBroker(Broker):
             # Its deadline entry may have gone while it ran: queued again, it must expire again.
             heapq.heappush(self._deadlines, (job.deadline, job.id))
             self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
-            self._work.notify()
+            self._wake_claimers()
         mono = time.monotonic()
         while self._to_pack and self._to_pack[0][0] <= mono:
             _, job_id = self._to_pack.popleft()
@@ -761,6 +781,12 @@ class MemoryBroker(Broker):
             idem = (rec.job.tenant, rec.job.idempotency_key)
             if self._idempotency.get(idem) == job_id:
                 del self._idempotency[idem]
+
+
+def _ran_out(waiting: asyncio.Future[bool]) -> None:
+    """A claim's wait that ran out (its timer's call)."""
+    if not waiting.done():
+        waiting.set_result(False)
 
 
 def _unfollowed() -> None:
