@@ -309,3 +309,26 @@ def test_a_promise_goes_toward_its_bound_for_the_fills_never_measured() -> None:
         off.slowdown * (bound / off.slowdown) ** (capacity.EXTRAPOLATION_SHARE * off.spread), rel=1e-9
     )
     assert off.promise_slowdown < 1.01 < 1.3 < low.promise_slowdown
+
+
+def test_a_promise_leaves_room_for_the_slope_a_few_noisy_fills_leave_unknown() -> None:
+    """``slope_z`` (a what-if of the policy model, 0 for the brokers): where a few dozen jobs with
+    answers that stop early were measured in a narrow band of fills, the line reads flat and the
+    spread's share is small, but the slope is unknown to within its own size: the promise goes at
+    least to the line at its slope plus ``slope_z`` standard errors (within the bound, 1 / fill);
+    with many jobs measured over wide fills that adds nothing, and at 0 it is the rule without it."""
+    rng = random.Random(3)
+    few = [DrainRate(slots=5, weigh_per_slot=True, slope_z=z) for z in (0.0, 2.0)]
+    for _ in range(37):
+        running = rng.choice([2, 3, 3, 3, 4])
+        per = rng.expovariate(1.0)  # an answer that stops early: no slope to read in the noise
+        for d in few:
+            d.observe(100, per, running=running)
+    off, on = few
+    assert off.promise_slowdown < on.promise_slowdown <= min(1.0 / on.fill, capacity.MAX_FILL_SLOWDOWN)
+    assert on.promise_slowdown > 1.3 > off.slowdown
+    many = [DrainRate(slots=8, weigh_per_slot=True, slope_z=z) for z in (0.0, 2.0)]
+    for i in range(2000):
+        for d in many:
+            d.observe(100, 1.0 + 0.5 * (1 + i % 8) / 8, running=1 + i % 8)
+    assert many[1].promise_slowdown == pytest.approx(many[0].promise_slowdown, rel=0.02)

@@ -44,6 +44,7 @@ from sluice.bench.engine_family import (
     saturated,
 )
 from sluice.bench.load import Profile, arrivals
+from sluice.bench.prompt_mix import PromptMixDrain
 from sluice.core import capacity as capacity_rules
 from sluice.core.admission import (
     RETRY_SHARE,
@@ -311,6 +312,9 @@ def run(
             if kind == "retry":
                 job = replace(job, arrived=now, deadline=now + client_timeout, retried=True, retry=False)
                 jobs.append(job)
+            if isinstance(drain, PromptMixDrain):  # the queue ahead's mix (--prompt-mix)
+                drain.ahead_prompt, drain.ahead_cost = queued_prompt, view().ahead_tokens
+                drain.own_prompt, drain.own_cost = job.prompt, cost(job)
             c = Candidate(cost(job), "normal", now, job.deadline, view(), limits, drain)
             try:
                 policy.admit(c, state)
@@ -373,6 +377,8 @@ def run(
                     j.in_batch = False
                     j.outcome, j.done = "ok", now
                     drain.observe(cost(j), now - j.started, beside)
+                    if isinstance(drain, PromptMixDrain):
+                        drain.observe_mix(j.prompt, m, j.tokens, now - j.started, beside)
                     if drain_b is not None:
                         drain_b.observe(cost_b(j), now - j.started, beside)
                     slowest = max(slowest, (now - j.started) / cost(j))
@@ -613,6 +619,25 @@ def main() -> None:
         "not the mean of their count at its start and end (the brokers')",
     )
     ap.add_argument(
+        "--prompt-mix",
+        choices=("off", "up", "both"),
+        default="off",
+        help="a what-if: the deadline check's promised wait at the queue ahead's prompt/output mix, "
+        "the prompt weight learnt from the finishes (bench/prompt_mix.py; up: only ever longer)",
+    )
+    ap.add_argument("--prompt-mix-ridge", type=float, default=0.5, help="PromptMixDrain.mix_ridge (0.5)")
+    ap.add_argument(
+        "--slope-z",
+        type=float,
+        default=0.0,
+        help="a what-if: the promise's slowdown at least the fill line's at its slope plus Z standard "
+        "errors (DrainRate.slope_z; 0: the brokers' rule)",
+    )
+    ap.add_argument("--prompt-mix-share", type=float, default=1.0, help="PromptMixDrain.mix_share (1)")
+    ap.add_argument(
+        "--prompt-mix-own", action="store_true", help="with --prompt-mix: a job's own time at its own mix too"
+    )
+    ap.add_argument(
         "--per-seed", action="store_true", help="also each seed's figures, after the table (seed_line)"
     )
     args = ap.parse_args()
@@ -623,7 +648,7 @@ def main() -> None:
     def drain_factory(slots: int) -> DrainRate:
         """The drain rate of each run, with the promise's constants of ``--extrapolation`` and
         ``--margin-z`` (the brokers' are capacity's)."""
-        return DrainRate(
+        drain = DrainRate(
             slots=slots,
             weigh_per_slot=True,
             extrapolation_share=args.extrapolation,
@@ -631,6 +656,16 @@ def main() -> None:
             extrapolation_floor=args.extrapolation_floor,
             fill_gap_share=args.fill_gap,
             fill_gap_sd=args.fill_gap_sd,
+            slope_z=args.slope_z,
+        )
+        if args.prompt_mix == "off":
+            return drain
+        return PromptMixDrain(
+            **vars(drain),
+            mix_both=args.prompt_mix == "both",
+            mix_ridge=args.prompt_mix_ridge,
+            mix_own=args.prompt_mix_own,
+            mix_share=args.prompt_mix_share,
         )
 
     params = {k: float(v) for k, v in (p.split("=", 1) for p in args.param)}
