@@ -36,3 +36,15 @@ def test_turns_count_the_loops_turns_between_start_and_stop() -> None:
         return counted
 
     assert asyncio.run(main()) == 5
+
+
+async def test_the_timeline_cuts_the_first_step_into_parts_that_add_up_to_it(sim_url: str) -> None:
+    out = await ttft_path.run(3, sim_url, timeline=True)
+    first = ttft_path.STEPS[0][2]
+    parts = [label for _, _, label in ttft_path.TIMELINE]
+    assert set(parts) <= set(out)
+    for key in ("calls", "turns"):
+        # The parts' marks are on the same jobs of the same pass: they add up to the whole step.
+        summed = [sum(values) for values in zip(*(out[label][key] for label in parts), strict=True)]
+        assert summed == out[first][key], key
+        assert all(v > 0 for label in parts[:2] for v in out[label]["calls"]), out

@@ -20,7 +20,7 @@ wait for a job's first token. Two steps:
 Not here: the HTTP front (uvicorn, the body's validation, the job built, the SSE frame written),
 which ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
 
-Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N]
+Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N] [--timeline]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import aiohttp.client_reqrep
 import uvloop
 
 from sluice.api.relay import engine_accepted
+from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
@@ -152,6 +153,42 @@ def hook_engine_client(marks: Marks) -> Callable[[], None]:
     return undo
 
 
+#: ``--timeline``: the first step cut at two more points, the claim's return (the dispatcher's
+#: task has the job) and the engine client's ``post`` (the request handed to aiohttp)
+TIMELINE = (
+    ("admitted", "claimed", "  admitted -> claimed"),
+    ("claimed", "sending", "  claimed -> engine client's post"),
+    ("sending", "written", "  post -> request written"),
+)
+
+
+def hook_timeline(marks: Marks) -> Callable[[], None]:
+    """Mark the claim's return with a job and the engine client's ``post`` (each wrapper's own
+    calls are in the figures); returns the undo."""
+    claim = MemoryBroker._claim
+    post = EngineHTTP.post
+
+    async def traced_claim(self: MemoryBroker, *args: Any) -> Job | None:
+        job = await claim(self, *args)
+        if job is not None and "claimed" not in marks.at:
+            marks.mark("claimed")
+        return job
+
+    async def traced_post(self: EngineHTTP, *args: Any) -> Any:
+        if "sending" not in marks.at:
+            marks.mark("sending")
+        return await post(self, *args)
+
+    MemoryBroker._claim = traced_claim  # type: ignore[method-assign,assignment]
+    EngineHTTP.post = traced_post  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        MemoryBroker._claim = claim  # type: ignore[method-assign]
+        EngineHTTP.post = post  # type: ignore[method-assign]
+
+    return undo
+
+
 def streamed_job() -> Job:
     now = time.time()
     return Job(
@@ -188,19 +225,23 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, i
     return marks.at
 
 
-async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, dict[str, list[float]]]:
+async def run(
+    jobs: int, sim_url: str, marks: Marks | None = None, *, timeline: bool = False
+) -> dict[str, dict[str, list[float]]]:
     """Per step: its calls in the counted pass, its µs in the plain one, its turns of the loop in
     a third (``marks``: where they are kept, with each function's calls when it was made
     ``by_function``)."""
     marks = Marks() if marks is None else marks
     undo = hook_engine_client(marks)
+    undo_timeline = hook_timeline(marks) if timeline else None
+    steps = STEPS + TIMELINE if timeline else STEPS
     broker = MemoryBroker()
     await broker.start()
     backend = OpenAIBackend(sim_url, max_concurrency=16)
     dispatcher = Dispatcher(broker, [backend])
     await dispatcher.start()
     out: dict[str, dict[str, list[float]]] = {
-        label: {"calls": [], "us": [], "turns": []} for _, _, label in STEPS
+        label: {"calls": [], "us": [], "turns": []} for _, _, label in steps
     }
     try:
         for _ in range(10):  # the connection opened, the drain rate measured
@@ -220,10 +261,12 @@ async def run(jobs: int, sim_url: str, marks: Marks | None = None) -> dict[str, 
             marks.loop_turns.stop()
     finally:
         undo()
+        if undo_timeline is not None:
+            undo_timeline()
         await dispatcher.stop()
         await backend.aclose()
         await broker.close()
-    for start, end, label in STEPS:
+    for start, end, label in steps:
         out[label]["calls"] = [float(m[end][1] - m[start][1]) for m in counted]
         out[label]["us"] = [(m[end][0] - m[start][0]) / 1000 for m in timed]
         out[label]["turns"] = [float(m[end][2] - m[start][2]) for m in turned]
@@ -235,17 +278,19 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} [{deciles[0]:,.0f}-{deciles[-1]:,.0f}]"
 
 
-async def main(jobs: int, by_function: int, log: IO[bytes]) -> None:
+async def main(jobs: int, by_function: int, timeline: bool, log: IO[bytes]) -> None:
     sim, url = await spawn_sim("article", log, extra=["--model", MODEL])
     marks = Marks(by_function=by_function > 0)
     try:
-        out = await run(jobs, url, marks)
+        out = await run(jobs, url, marks, timeline=timeline)
     finally:
         await stop(sim)
     print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
     heads = ("calls p50 [p10-p90]", "loop turns p50 [p10-p90]", "wall µs p50 [p10-p90]")
     print(f"{'step':<30} {heads[0]:>22} {heads[1]:>26} {heads[2]:>24}")
-    for _, _, label in STEPS:
+    if timeline:
+        print("(--timeline: the first step's parts follow it; both hooks' own calls are in the figures)")
+    for _, _, label in STEPS + TIMELINE if timeline else STEPS:
         figures = out[label]
         shown = [spread(figures[key]) for key in ("calls", "turns", "us")]
         print(f"{label:<30} {shown[0]:>22} {shown[1]:>26} {shown[2]:>24}")
@@ -272,6 +317,11 @@ if __name__ == "__main__":
         metavar="N",
         help="also list each step's N functions called most",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also cut the first step where the claim returns and where the engine client posts",
+    )
     args = parser.parse_args()
     with open(os.devnull, "wb") as log:
-        uvloop.run(main(args.jobs, args.by_function, log))
+        uvloop.run(main(args.jobs, args.by_function, args.timeline, log))
