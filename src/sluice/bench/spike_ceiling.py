@@ -23,9 +23,9 @@ Two figures bracket the best admission:
 - **A clairvoyant admission** (a lower bound on the best): the relaxation's chosen set, also
   with every window shortened by the mean job's full-batch service (it is a fluid server's set;
   the engine serves jobs side by side), admitted and everything else refused, run through the
-  model's engine, and run again without the jobs seen to miss their deadline (up to
-  :data:`REPAIRS` times). The set is chosen with each job's answer known, or unseen: every answer
-  taken as the run's mean, or (a cautious admission) as its 95th percentile; the prompts are seen.
+  model's engine. The set is chosen with each job's answer known (and then run again without the
+  jobs seen to miss their deadline, up to :data:`REPAIRS` times), or unseen: every answer taken as
+  the run's mean, or (a cautious admission) as its 95th percentile; the prompts are seen.
   Knowing every arrival in advance, such an admission is not one a broker can make: it shows what
   the engine and the trace allow, not a rule.
 
@@ -241,8 +241,8 @@ def clairvoyant_best(
 ) -> Result:
     """The best of a few clairvoyant sets run through the engine: the relaxation's set (answers as
     :func:`_windows` takes them), with windows shortened by the mean job's full-batch service or
-    not, each run again up to :data:`REPAIRS` times without the jobs it saw end past their
-    deadline. The best: the most goodput among the runs that broke no promise (else the fewest
+    not; with answers known, each run again up to :data:`REPAIRS` times without the jobs it saw
+    end past their deadline. The best: the most goodput among the runs that broke no promise (else the fewest
     broken)."""
     rate = full_rate_tokens(engine)
     full_step = engine.step0 + engine.step1 * engine.slots
@@ -252,7 +252,8 @@ def clairvoyant_best(
     for shrink in (0.0, own):
         chosen = most_on_time(_windows(jobs, engine, profile.duration, shrink, answers), rate)
         admit = {jobs[i].arrived for i in chosen}
-        for _ in range(REPAIRS + 1):
+        # Repairing needs the answers (which jobs then missed): only where they are known.
+        for _ in range((REPAIRS if answers == "known" else 0) + 1):
             trace: list[_Job] = []
             result = run(
                 Clairvoyant(admit),
@@ -305,6 +306,7 @@ class Ceiling:
     broken: int  # codel admitted, then ended past the deadline
     wasted: float  # % of codel's generated tokens
     refused: int
+    by_codel: int  # of those, by codel's delay limit (queue_full), the rest by the deadline check
     fit_refused: int  # of those, refused while a slot was free before they would have had to start
     idle_points: float  # idle slots while a refused client could still be served, in points
     idle_after: float  # idle slots from the first refusal to the run's end, in points
@@ -348,6 +350,7 @@ def ceiling(
         broken=broken,
         wasted=100 * codel.wasted_share,
         refused=refused,
+        by_codel=sum(1 for j in trace if not j.retried and j.refused_code == "queue_full"),
         fit_refused=fit,
         idle_points=100 * idle / (engine.slots * profile.duration),
         idle_after=100 * idle_after / (engine.slots * profile.duration),
@@ -357,7 +360,7 @@ def ceiling(
 HEADER = (
     "| seed | slots, answers, max_tokens | codel, all try once (10 % retry) | codel: broken (wasted) "
     "| clairvoyant, answers unseen (broken, wasted) | the same, answers at their p95 | clairvoyant, answers "
-    "known | ceiling | codel: refused, a slot free in time | idle while refusing (points) "
+    "known | ceiling | codel: refused (by its limit), a slot free in time | idle while refusing (points) "
     "| idle from the first refusal (points) |"
 )
 
@@ -369,7 +372,7 @@ def line(c: Ceiling) -> str:
     return (
         f"| {c.seed} | {e.slots}, {e.answers}, {e.max_tokens}{kv} | {c.codel:.1f} % ({retrying}) "
         f"| {c.broken} ({c.wasted:.1f} %) | {c.unseen} | {c.cautious} | {c.known} | {c.ceiling:.1f} % "
-        f"| {c.fit_refused} of {c.refused} | {c.idle_points:.1f} | {c.idle_after:.1f} |"
+        f"| {c.refused} ({c.by_codel}), {c.fit_refused} | {c.idle_points:.1f} | {c.idle_after:.1f} |"
     )
 
 
