@@ -67,6 +67,11 @@ def test_a_tethered_command_and_all_it_started_die_when_its_starter_is_killed(tm
             shell = int(Path(f"{pids}.ready").read_text())
             started = [keeper, shell, *map(int, pids.read_text().split())]
             assert len(started) == 4
+            # A pid is written as soon as its fork returns: until the child has exec'd its sleep,
+            # its cmdline is the shell's, or empty mid-exec (on a loaded machine, once, the detached
+            # one's read empty), and what all_gone matches it by below would be wrong.
+            sleeps = {started[2]: b"sleep\x001001\x00", started[3]: b"sleep\x001002\x00"}
+            wait_for(lambda: all(cmdline(pid) == line for pid, line in sleeps.items()), "the sleeps exec'd")
             seen = {pid: cmdline(pid) for pid in started}
             assert all(seen.values()) and all(alive(pid) for pid in started)
             detached = started[3]
