@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from sluice.bench.engine_family import ARTICLE, capacity, draw_engine, mix_neutral_weight, saturated
-from sluice.bench.policy_model import PromptWeightFit, loads, run, seed_line
+from sluice.bench.policy_model import loads, run, seed_line
+from sluice.bench.prompt_mix import PromptWeightFit
 from sluice.core.capacity import EXTRAPOLATION_SHARE, FILL_GAP_SHARE, WAIT_MARGIN_Z, DrainRate
 from sluice.core.policy import CoDelPolicy
 

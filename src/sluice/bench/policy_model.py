@@ -44,7 +44,7 @@ from sluice.bench.engine_family import (
     saturated,
 )
 from sluice.bench.load import Profile, arrivals
-from sluice.bench.prompt_mix import PromptMixDrain
+from sluice.bench.prompt_mix import PromptMixDrain, PromptWeightFit
 from sluice.core import capacity as capacity_rules
 from sluice.core.admission import (
     RETRY_SHARE,
@@ -97,45 +97,6 @@ class _Job:
     finish_estimate: float = math.nan  # when a job given up while running would have finished
     capacity_cost: int = 0  # its cost in the capacity model's unit when admitted (:func:`_cause`)
     busy_at_start: float = 0.0  # the run's running-job-seconds when it was dispatched (time_fill)
-
-
-#: Weight of the newest finished job in :class:`PromptWeightFit`'s moving averages.
-FIT_ALPHA = 0.01
-
-
-@dataclass
-class PromptWeightFit:
-    """A least-squares fit, without intercept, of a finished job's service seconds on its prompt
-    tokens and its ``max_tokens`` (``s ≈ a·prompt + b·max_tokens``, over moving averages of the
-    products, weight :data:`FIT_ALPHA`): the prompt weight is ``a / b``, within [0, 1]. Where the
-    prompts hardly vary (or every job asks for the same ``max_tokens`` and the fit has too little
-    spread in the prompts to draw the line) the weight stays what it was."""
-
-    pp: float = 0.0
-    pm: float = 0.0
-    mm: float = 0.0
-    ps: float = 0.0
-    ms: float = 0.0
-    samples: int = 0
-
-    def observe(self, prompt: int, max_tokens: int, service_s: float, weight: float) -> float:
-        """One finished job into the fit; the weight then (``weight``: the one before)."""
-        a = FIT_ALPHA if self.samples else 1.0
-        p, m, s = float(prompt), float(max_tokens), service_s
-        self.pp += a * (p * p - self.pp)
-        self.pm += a * (p * m - self.pm)
-        self.mm += a * (m * m - self.mm)
-        self.ps += a * (p * s - self.ps)
-        self.ms += a * (m * s - self.ms)
-        self.samples += 1
-        det = self.pp * self.mm - self.pm * self.pm
-        if self.samples < 20 or det <= 0.01 * self.pp * self.mm:  # prompts spread by < 10 %
-            return weight
-        on_prompt = (self.ps * self.mm - self.pm * self.ms) / det
-        on_max = (self.pp * self.ms - self.pm * self.ps) / det
-        if on_max <= 0:
-            return weight
-        return min(max(on_prompt / on_max, 0.0), 1.0)
 
 
 @dataclass
@@ -633,6 +594,11 @@ def main() -> None:
         help="a what-if: the promise's slowdown at least the fill line's at its slope plus Z standard "
         "errors (DrainRate.slope_z; 0: the brokers' rule)",
     )
+    ap.add_argument(
+        "--slope-residual",
+        action="store_true",
+        help="with --slope-z: the jobs' noise about the line read as residual_spread, not spread",
+    )
     ap.add_argument("--prompt-mix-share", type=float, default=1.0, help="PromptMixDrain.mix_share (1)")
     ap.add_argument(
         "--prompt-mix-own", action="store_true", help="with --prompt-mix: a job's own time at its own mix too"
@@ -657,6 +623,7 @@ def main() -> None:
             fill_gap_share=args.fill_gap,
             fill_gap_sd=args.fill_gap_sd,
             slope_z=args.slope_z,
+            slope_residual=args.slope_residual,
         )
         if args.prompt_mix == "off":
             return drain

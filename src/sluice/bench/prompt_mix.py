@@ -21,6 +21,8 @@ costs. Their ratio is the prompt weight ``w``; a queue whose prompts make a shar
 then takes ``(w·x + 1 - x) / (w·x̄ + 1 - x̄)`` times as long per cost unit as the mix ``x̄`` the
 rate was measured on (:meth:`PromptMixDrain.mix_factor`). Only the deadline check's promised
 wait reads it (codel's view of the queue, Retry-After and the job's own time stay as they are).
+
+:class:`PromptWeightFit` is the per-job fit of the round before (``--prompt-weight fit``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,45 @@ MIX_ALPHA = 0.02
 MIX_MIN_SAMPLES = 20
 #: The most the mix lengthens (or, both ways, shortens by its inverse) a promised wait.
 MIX_MAX_FACTOR = 2.0
+
+
+#: Weight of the newest finished job in :class:`PromptWeightFit`'s moving averages.
+FIT_ALPHA = 0.01
+
+
+@dataclass
+class PromptWeightFit:
+    """A least-squares fit, without intercept, of a finished job's service seconds on its prompt
+    tokens and its ``max_tokens`` (``s ≈ a·prompt + b·max_tokens``, over moving averages of the
+    products, weight :data:`FIT_ALPHA`): the prompt weight is ``a / b``, within [0, 1]. Where the
+    prompts hardly vary (or every job asks for the same ``max_tokens`` and the fit has too little
+    spread in the prompts to draw the line) the weight stays what it was."""
+
+    pp: float = 0.0
+    pm: float = 0.0
+    mm: float = 0.0
+    ps: float = 0.0
+    ms: float = 0.0
+    samples: int = 0
+
+    def observe(self, prompt: int, max_tokens: int, service_s: float, weight: float) -> float:
+        """One finished job into the fit; the weight then (``weight``: the one before)."""
+        a = FIT_ALPHA if self.samples else 1.0
+        p, m, s = float(prompt), float(max_tokens), service_s
+        self.pp += a * (p * p - self.pp)
+        self.pm += a * (p * m - self.pm)
+        self.mm += a * (m * m - self.mm)
+        self.ps += a * (p * s - self.ps)
+        self.ms += a * (m * s - self.ms)
+        self.samples += 1
+        det = self.pp * self.mm - self.pm * self.pm
+        if self.samples < 20 or det <= 0.01 * self.pp * self.mm:  # prompts spread by < 10 %
+            return weight
+        on_prompt = (self.ps * self.mm - self.pm * self.ms) / det
+        on_max = (self.pp * self.ms - self.pm * self.ps) / det
+        if on_max <= 0:
+            return weight
+        return min(max(on_prompt / on_max, 0.0), 1.0)
 
 
 def _solve3(a: list[list[float]], y: list[float]) -> list[float] | None:

@@ -122,7 +122,9 @@ class DrainRate:
             (:data:`FILL_GAP_SHARE`, :data:`FILL_GAP_SD`, which the brokers use; the policy
             model's ``--fill-gap`` and ``--fill-gap-sd`` set others).
         slope_z: a what-if of the policy model (``--slope-z``; 0, the brokers' rule: none): the
-            promise's slowdown at least the line's at its slope plus this many standard errors.
+            promise's slowdown at least the line's at its slope plus this many standard errors;
+            ``slope_residual``: the jobs' times strayed from the line by :attr:`residual_spread`
+            (``--slope-residual``), not :attr:`spread`.
     """
 
     prior_per_slot: float = 50.0
@@ -146,6 +148,7 @@ class DrainRate:
     fill_gap_share: float = FILL_GAP_SHARE
     fill_gap_sd: float = FILL_GAP_SD
     slope_z: float = 0.0
+    slope_residual: bool = False
 
     def observe(self, cost: int, service_s: float, running: float | None = None) -> None:
         """One finished job: its cost, the seconds it took, and (when the broker knows it) how
@@ -315,7 +318,8 @@ class DrainRate:
         share = by_gap if share < by_gap else share
         promised = fit * math.pow(bound / fit, 1.0 if share > 1.0 else share)
         if self.slope_z > 0:
-            upper = self._slope_upper(spread, var, bound)
+            noise = self.residual_spread if self.slope_residual else spread
+            upper = self._slope_upper(noise, var, bound)
             promised = upper if upper > promised else promised
         return promised
 
