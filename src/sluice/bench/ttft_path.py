@@ -157,7 +157,7 @@ def hook_engine_client(marks: Marks) -> Callable[[], None]:
 #: task has the job) and the engine client's ``post`` (the request handed to aiohttp)
 TIMELINE = (
     ("admitted", "claimed", "  admitted -> claimed"),
-    ("claimed", "sending", "  claimed -> engine client's post"),
+    ("claimed", "sending", "  claimed -> client's post"),
     ("sending", "written", "  post -> request written"),
 )
 
