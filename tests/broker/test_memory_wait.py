@@ -4,9 +4,13 @@ end; waiters that gave up neither hold back nor cancel the others."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 
 from sluice.broker.memory import MemoryBroker
+from sluice.core.admission import Refused
 from sluice.core.job import JobState
+from sluice.core.ratelimit import TenantLimits
 from tests.broker.brokers import make_settings
 from tests.helpers import FakeClock, make_job
 
@@ -78,3 +82,48 @@ async def test_a_claim_woken_by_work_it_cannot_take_waits_on_until_its_bound() -
     await asyncio.sleep(0)
     assert not waiting.done() and len(broker._claimers) == 1
     assert await asyncio.wait_for(waiting, 5) is None and broker._claimers == []
+
+
+async def test_the_queued_count_a_claim_looks_at_first_is_the_jobs_queued_through_every_change() -> None:
+    """The broker's count of queued jobs (a claim walks the queues only when it is not 0) against
+    the records' states, over random admissions (some refused: the small queue holds 3, a tenant
+    capped at 1 running), claims, releases, cancellations, finishes, expired leases and deadlines."""
+    clock = FakeClock()
+    broker = MemoryBroker(make_settings(clock))
+    rng = random.Random(20)
+    capped = TenantLimits(tenant="capped", max_concurrent=1)
+    running: list[str] = []
+
+    def queued() -> int:
+        return sum(rec.job.state is JobState.QUEUED for rec in broker._records.values())
+
+    for step in range(3_000):
+        move = rng.random()
+        if move < 0.35:
+            model, tenant = rng.choice(["m", "small"]), rng.choice(["a", "b", "capped"])
+            job = make_job(clock, model=model, tenant=tenant, timeout=rng.choice([2.0, 600.0]))
+            with contextlib.suppress(Refused):
+                await broker.admit(job, capped if tenant == "capped" else None)
+        elif move < 0.6:
+            got = await broker.claim(W, rng.choice([["m"], ["small"], ["m", "small"]]), timeout=0)
+            if got is not None:
+                running.append(got.id)
+        elif move < 0.7 and running:
+            await broker.release(running.pop(rng.randrange(len(running))), W)
+        elif move < 0.8 and broker._records:
+            await broker.cancel(rng.choice(list(broker._records)))
+        elif move < 0.9 and running:
+            state = rng.choice([JobState.SUCCEEDED, JobState.FAILED])
+            await broker.finish(running.pop(rng.randrange(len(running))), W, state, result={})
+        else:
+            clock.advance(rng.choice([0.5, 3.0, 6.0]))  # leases (5 s) and deadlines (2 s) run out
+            await broker.maintain()
+            running = [j for j in running if j in broker._leases]
+        assert broker._queued == queued() == sum(t.queued for t in broker._tenants.values()), step
+    # And with none queued a claim still finds what is admitted next.
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=5))
+    await asyncio.sleep(0)
+    job = make_job(clock)
+    await broker.admit(job)
+    claimed = await asyncio.wait_for(waiting, 5)
+    assert claimed is not None

@@ -97,6 +97,10 @@ class MemoryBroker(Broker):
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
         self._tenants: dict[str, _Tenant] = {}
+        #: the jobs queued, over every tenant and model (the sum of the tenants' ``queued``): a
+        #: claim with none to find does not walk the queues (the dispatcher's next claim, in the
+        #: turn that writes a job's engine request, finds none at light load)
+        self._queued = 0
         #: (tenant, Idempotency-Key) → the job it names, for as long as that job's record is kept
         self._idempotency: dict[tuple[str, str], str] = {}
         #: the workers' registrations, their slots' kept sum and their models (memory_workers)
@@ -202,11 +206,13 @@ class MemoryBroker(Broker):
             t.running -= 1
         elif job.state is JobState.QUEUED:
             t.queued -= 1
+            self._queued -= 1
         if state is JobState.RUNNING:
             self._running[job.model] = self._running.get(job.model, 0) + 1
             t.running += 1
         elif state is JobState.QUEUED:
             t.queued += 1
+            self._queued += 1
         job.state = state
         if t.idle:
             del self._tenants[job.tenant]
@@ -275,6 +281,7 @@ class MemoryBroker(Broker):
             self._evict(q, job.priority, victim)
         limiter.take(job.cost, now)
         tenant.queued += 1
+        self._queued += 1
         job.state = JobState.QUEUED
         rec = self._records[job.id] = JobRecord(job, bucket=None if limits is None else limits.bucket_id)
         self._tenant_jobs.setdefault(job.tenant, {})[job.id] = job.created_at
@@ -525,7 +532,7 @@ class MemoryBroker(Broker):
                 future.set_result(True)
 
     async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
-        job = self._pop(models)
+        job = self._pop(models) if self._queued else None
         if job is None:
             # A claim waits on a future of its own, put where an admission wakes it right after
             # the look (nothing runs in between: no admission is missed), bounded by a timer that
@@ -549,7 +556,7 @@ class MemoryBroker(Broker):
                     with contextlib.suppress(ValueError):
                         self._claimers.remove(woken)
                     return None
-                job = self._pop(models)
+                job = self._pop(models) if self._queued else None
         now = self.now()
         self._move(job, JobState.RUNNING)
         self._records[job.id].running_at_start = self._running[job.model]
