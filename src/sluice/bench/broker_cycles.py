@@ -254,7 +254,11 @@ class Run:
 
 
 def run_redis(url: str, jobs: int, admitters: int, claimers: int, concurrency: int) -> Run:
-    ctx = mp.get_context("spawn")
+    # Fork, not spawn: a spawn context starts multiprocessing's resource tracker (for its named
+    # semaphores and for every process it starts), a process that outlives the run until its
+    # caller exits. Fork's locks are unnamed and need none. Each child makes its own broker and
+    # event loop after the fork and uses nothing else it inherits (the caller runs no loop here).
+    ctx = mp.get_context("fork")
     start = ctx.Event()
     done = ctx.Value("q", 0)
     cpu = ctx.Value("d", 0.0)
