@@ -33,21 +33,29 @@ def test_a_long_job_gives_way_to_two_short_ones() -> None:
 
 
 def test_the_drop_that_ends_soonest_is_not_always_the_longest() -> None:
-    """A job dropped from before an idle gap saves nothing after it: jobs (0, 2, 1), (0, 2, 1.5),
-    (0.5, 2.5, 1) at rate 1. The second is late behind the first; dropping the first ends at 1.5,
-    dropping the second at 1, so the second goes and the third fits (1 → 2)."""
-    assert most_on_time([(0.0, 2.0, 1.0), (0.0, 2.0, 1.5), (0.5, 2.5, 1.0)], 1.0) == [0, 2]
+    """A job released late saves less when dropped than its length: jobs (0, 2.5, 2), (1.9, 4.4,
+    1.5), (2, 4.5, 1.2) at rate 1. The third is late behind the first two (it would end at 4.7);
+    dropping the first, the longest, ends at 4.6 (the second cannot start before 1.9), still late,
+    dropping the second at 3.2, so the second goes (dropping the longest, as Moore and Hodgson's
+    rule without releases does, keeps the second and third and misses)."""
+    assert most_on_time([(0.0, 2.5, 2.0), (1.9, 4.4, 1.5), (2.0, 4.5, 1.2)], 1.0) == [0, 2]
 
 
 def test_it_is_the_most_on_time_of_every_subset() -> None:
     """Against brute force over every subset, on small random agreeable cases (one patience for
-    all, deadlines cut at the run's end as the spike's are)."""
+    all, deadlines cut at the run's end as the spike's are), half of them on a grid where ties
+    abound."""
     rng = random.Random(7)
-    for _ in range(300):
+    for case in range(600):
         n = rng.randint(1, 8)
         patience, end = rng.uniform(0.5, 4.0), rng.uniform(5.0, 12.0)
-        releases = sorted(rng.uniform(0.0, 10.0) for _ in range(n))
-        windows = [(r, min(r + patience, end), rng.uniform(0.1, 3.0)) for r in releases]
+        if case % 2:  # on a grid of half seconds: ties in releases, deadlines and the drops' ends
+            patience = 0.5 * rng.randint(1, 8)
+            releases = sorted(0.5 * rng.randint(0, 20) for _ in range(n))
+            windows = [(r, min(r + patience, end), 0.5 * rng.randint(1, 6)) for r in releases]
+        else:
+            releases = sorted(rng.uniform(0.0, 10.0) for _ in range(n))
+            windows = [(r, min(r + patience, end), rng.uniform(0.1, 3.0)) for r in releases]
         chosen = most_on_time(windows, 1.0)
         assert _feasible([windows[i] for i in chosen], 1.0)
         best = max(
