@@ -126,7 +126,7 @@ class Clairvoyant(QueuePolicy):
     every answer known), refuses the rest."""
 
     name = "clairvoyant"
-    kind = -1
+    kind = -1  # no number in lua/_policy.lua: an offline set, for the policy model only
 
     def __init__(self, admit_at: Iterable[float]) -> None:
         self.admit_at = set(admit_at)
@@ -192,10 +192,11 @@ def _idle_slot_seconds(
     return max(total, 0.0)
 
 
-def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int, int, float, float]:
-    """codel's run, read: (broken, refused, refused while a slot was free before they would have
-    had to start, idle slot-seconds while a refused client could still be served, idle
-    slot-seconds from the spike's start to the end)."""
+def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int, float, float]:
+    """codel's run, read: (refused, refused while a slot was free before they would have had to
+    start, idle slot-seconds while a refused client could still be served, idle slot-seconds
+    from the first refusal to the end). Its broken promises are the run's own
+    (:attr:`Result.broken`)."""
     full_step = engine.step0 + engine.step1 * engine.slots
     first = [j for j in trace if not j.retried]
     busy = _busy(trace)
@@ -209,7 +210,6 @@ def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int,
         since = t
     if since < end:
         free.append((since, end))
-    broken = sum(1 for j in trace if j.admitted and j.outcome in ("timeout", "expired"))
     refused = [j for j in first if j.outcome == "refused"]
     fit = 0
     spans = []
@@ -220,7 +220,6 @@ def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int,
         spans.append((j.arrived, latest))
     spike_at = min((j.arrived for j in refused), default=end)
     return (
-        broken,
         len(refused),
         fit,
         _idle_slot_seconds(busy, engine.slots, spans),
@@ -229,6 +228,8 @@ def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int,
 
 
 def spike_profile(engine: Engine) -> tuple[float, Profile, float]:
+    """The engine's capacity (answers a second, :func:`saturated`), the model's spike scaled to
+    it, and its full batch's drain rate in cost units a second."""
     cap, _, full_rate = saturated(engine)
     return cap, loads(cap)["spike 0.55x-5.5x"], full_rate
 
@@ -279,7 +280,13 @@ def clairvoyant_best(
 
 @dataclass
 class Replay:
-    """A clairvoyant admission's run: goodput in % of capacity, broken promises, wasted share (%)."""
+    """A clairvoyant admission's run.
+
+    Attributes:
+        goodput: in % of the engine's capacity.
+        broken: admitted jobs that then ended past their deadline.
+        wasted: tokens generated for jobs given up while running, in % of those generated.
+    """
 
     goodput: float
     broken: int
@@ -296,23 +303,44 @@ class Replay:
 @dataclass
 class Ceiling:
     """One engine's spike: goodput in % of capacity (codel's, the clairvoyant admissions', the
-    ceiling's) and codel's losses."""
+    ceiling's) and codel's losses.
+
+    Attributes:
+        seed: the family's seed (the engine's draw and the run's trace).
+        engine: the engine run.
+        codel: codel's goodput, every client trying once (the trace the ceiling bounds).
+        codel_retrying: codel's goodput with the model's default 10 % of clients retrying (None:
+            not run).
+        known: the clairvoyant admission, every answer known (:func:`clairvoyant_best`).
+        unseen: the same, choosing as if every answer were the run's mean.
+        cautious: the same, leaving room for a 95th-percentile answer of the job's own.
+        ceiling: the most on-time jobs of the fluid relaxation (:func:`most_on_time`), as goodput.
+        broken: codel's admitted jobs that then ended past their deadline.
+        wasted: codel's wasted tokens, in % of those it generated.
+        refused: codel's refused first tries.
+        by_codel: of those, refused by codel's delay limit (``queue_full``), the rest by the
+            deadline check.
+        fit_refused: of those, refused while a slot was free before they would have had to start.
+        idle_points: idle slots while a refused client could still be served, in points of
+            goodput (slot-seconds over ``slots`` times the run's length).
+        idle_after: idle slots from the first refusal to the run's end, in points.
+    """
 
     seed: int
     engine: Engine
     codel: float
     codel_retrying: float | None
-    known: Replay  # the clairvoyant admission, every answer known
-    unseen: Replay  # choosing as if every answer were the run's mean
-    cautious: Replay  # the same, leaving room for a 95th-percentile answer of its own
+    known: Replay
+    unseen: Replay
+    cautious: Replay
     ceiling: float
-    broken: int  # codel admitted, then ended past the deadline
-    wasted: float  # % of codel's generated tokens
+    broken: int
+    wasted: float
     refused: int
-    by_codel: int  # of those, by codel's delay limit (queue_full), the rest by the deadline check
-    fit_refused: int  # of those, refused while a slot was free before they would have had to start
-    idle_points: float  # idle slots while a refused client could still be served, in points
-    idle_after: float  # idle slots from the first refusal to the run's end, in points
+    by_codel: int
+    fit_refused: int
+    idle_points: float
+    idle_after: float
 
 
 def ceiling(
@@ -340,7 +368,7 @@ def ceiling(
         a: Replay.of(clairvoyant_best(jobs, engine, profile, seed, full_rate, answers=a), cap)
         for a in ("known", "mean", "p95")
     }
-    broken, refused, fit, idle, idle_after = losses(trace, engine, profile.duration)
+    refused, fit, idle, idle_after = losses(trace, engine, profile.duration)
     return Ceiling(
         seed=seed,
         engine=engine,
@@ -350,7 +378,7 @@ def ceiling(
         unseen=replays["mean"],
         cautious=replays["p95"],
         ceiling=100 * upper / profile.duration / cap,
-        broken=broken,
+        broken=codel.broken,
         wasted=100 * codel.wasted_share,
         refused=refused,
         by_codel=sum(1 for j in trace if not j.retried and j.refused_code == "queue_full"),
