@@ -43,6 +43,8 @@ MIX_MAX_FACTOR = 2.0
 
 #: Weight of the newest finished job in :class:`PromptWeightFit`'s moving averages.
 FIT_ALPHA = 0.01
+#: Finished jobs before :class:`PromptWeightFit` reads its weight (before: the weight given).
+FIT_MIN_SAMPLES = 20
 
 
 @dataclass
@@ -51,7 +53,13 @@ class PromptWeightFit:
     tokens and its ``max_tokens`` (``s ≈ a·prompt + b·max_tokens``, over moving averages of the
     products, weight :data:`FIT_ALPHA`): the prompt weight is ``a / b``, within [0, 1]. Where the
     prompts hardly vary (or every job asks for the same ``max_tokens`` and the fit has too little
-    spread in the prompts to draw the line) the weight stays what it was."""
+    spread in the prompts to draw the line) the weight stays what it was.
+
+    Attributes:
+        pp, pm, mm: the moving averages of prompt², prompt · max_tokens and max_tokens².
+        ps, ms: the moving averages of prompt · service seconds and max_tokens · service seconds.
+        samples: the finished jobs fitted (the weight is read from the :data:`FIT_MIN_SAMPLES`-th on).
+    """
 
     pp: float = 0.0
     pm: float = 0.0
@@ -71,7 +79,7 @@ class PromptWeightFit:
         self.ms += a * (m * s - self.ms)
         self.samples += 1
         det = self.pp * self.mm - self.pm * self.pm
-        if self.samples < 20 or det <= 0.01 * self.pp * self.mm:  # prompts spread by < 10 %
+        if self.samples < FIT_MIN_SAMPLES or det <= 0.01 * self.pp * self.mm:  # prompts spread by < 10 %
             return weight
         on_prompt = (self.ps * self.mm - self.pm * self.ms) / det
         on_max = (self.pp * self.ms - self.pm * self.ps) / det
@@ -117,6 +125,15 @@ class PromptMixDrain(DrainRate):
         mix_own: the job's own time promised at its own mix too (:meth:`slow_service_s`).
         ahead_prompt, ahead_cost: the queue ahead's prompt tokens and cost, told by the caller
             before each admission; own_prompt, own_cost: the job's own (``mix_own``).
+        mix_samples: the finished jobs fitted (:meth:`observe_mix`; the weight is read from the
+            :data:`MIX_MIN_SAMPLES`-th on).
+        zz, zs: the moving averages (:data:`MIX_ALPHA`) of z zᵀ's six entries (upper triangle, row
+            by row) and of z · s, for z = (g, g·u, p) and s the job's service seconds.
+        mean_p, mean_g, mean_m: the moving averages (:data:`MIX_ALPHA`) of a finished job's prompt
+            tokens, generated tokens and ``max_tokens``.
+        rate_prompt, rate_cost: the moving averages, at the rate's own weight (:attr:`weight`), of
+            a finished job's prompt tokens and its cost (prompt + ``max_tokens``): the mix the
+            drain rate was measured on.
     """
 
     mix_both: bool = False
@@ -126,8 +143,6 @@ class PromptMixDrain(DrainRate):
     mix_ridge: float = 0.5
     mix_share: float = 1.0
     mix_samples: int = 0
-    # the moving averages of z = (g, g·u, p): z zᵀ's six entries and z·s, and of p, g, m, the
-    # rate's prompt and cost (at the rate's own weight, for the mix it was measured on)
     zz: tuple[float, ...] = (0.0,) * 6
     zs: tuple[float, ...] = (0.0,) * 3
     mean_p: float = 0.0
