@@ -211,19 +211,19 @@ def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int,
     if since < end:
         free.append((since, end))
     refused = [j for j in first if j.outcome == "refused"]
-    fit = 0
+    with_room = 0
     spans = []
     for j in refused:
         latest = min(j.deadline, end) - j.answer * full_step - engine.prefill * j.prompt
         if any(a < latest and b > j.arrived for a, b in free):
-            fit += 1
+            with_room += 1
         spans.append((j.arrived, latest))
-    spike_at = min((j.arrived for j in refused), default=end)
+    first_refusal = min((j.arrived for j in refused), default=end)
     return (
         len(refused),
-        fit,
+        with_room,
         _idle_slot_seconds(busy, engine.slots, spans),
-        _idle_slot_seconds(busy, engine.slots, [(spike_at, end)]),
+        _idle_slot_seconds(busy, engine.slots, [(first_refusal, end)]),
     )
 
 
@@ -252,8 +252,10 @@ def clairvoyant_best(
     full_step = engine.step0 + engine.step1 * engine.slots
     best: Result | None = None
     # the mean job's full-batch service beyond its fluid time (one figure keeps windows agreeable)
-    own = statistics.fmean(j.answer * full_step + engine.prefill * j.prompt - j.answer / rate for j in jobs)
-    for shrink in (0.0, own):
+    beside = statistics.fmean(
+        j.answer * full_step + engine.prefill * j.prompt - j.answer / rate for j in jobs
+    )
+    for shrink in (0.0, beside):
         chosen = most_on_time(_windows(jobs, engine, profile.duration, shrink, answers), rate)
         admit = {jobs[i].arrived for i in chosen}
         # Repairing needs the answers (which jobs then missed): only where they are known.
@@ -318,9 +320,9 @@ class Ceiling:
         broken: codel's admitted jobs that then ended past their deadline.
         wasted: codel's wasted tokens, in % of those it generated.
         refused: codel's refused first tries.
-        by_codel: of those, refused by codel's delay limit (``queue_full``), the rest by the
+        by_limit: of those, refused by codel's delay limit (``queue_full``), the rest by the
             deadline check.
-        fit_refused: of those, refused while a slot was free before they would have had to start.
+        refused_with_room: of those, refused while a slot was free before they would have had to start.
         idle_points: idle slots while a refused client could still be served, in points of
             goodput (slot-seconds over ``slots`` times the run's length).
         idle_after: idle slots from the first refusal to the run's end, in points.
@@ -337,8 +339,8 @@ class Ceiling:
     broken: int
     wasted: float
     refused: int
-    by_codel: int
-    fit_refused: int
+    by_limit: int
+    refused_with_room: int
     idle_points: float
     idle_after: float
 
@@ -368,7 +370,7 @@ def ceiling(
         a: Replay.of(clairvoyant_best(jobs, engine, profile, seed, full_rate, answers=a), cap)
         for a in ("known", "mean", "p95")
     }
-    refused, fit, idle, idle_after = losses(trace, engine, profile.duration)
+    refused, with_room, idle, idle_after = losses(trace, engine, profile.duration)
     return Ceiling(
         seed=seed,
         engine=engine,
@@ -381,8 +383,8 @@ def ceiling(
         broken=codel.broken,
         wasted=100 * codel.wasted_share,
         refused=refused,
-        by_codel=sum(1 for j in trace if not j.retried and j.refused_code == "queue_full"),
-        fit_refused=fit,
+        by_limit=sum(1 for j in trace if not j.retried and j.refused_code == "queue_full"),
+        refused_with_room=with_room,
         idle_points=100 * idle / (engine.slots * profile.duration),
         idle_after=100 * idle_after / (engine.slots * profile.duration),
     )
@@ -403,7 +405,7 @@ def line(c: Ceiling) -> str:
     return (
         f"| {c.seed} | {e.slots}, {e.answers}, {e.max_tokens}{kv} | {c.codel:.1f} % ({retrying}) "
         f"| {c.broken} ({c.wasted:.1f} %) | {c.unseen} | {c.cautious} | {c.known} | {c.ceiling:.1f} % "
-        f"| {c.refused} ({c.by_codel}), {c.fit_refused} | {c.idle_points:.1f} | {c.idle_after:.1f} |"
+        f"| {c.refused} ({c.by_limit}), {c.refused_with_room} | {c.idle_points:.1f} | {c.idle_after:.1f} |"
     )
 
 
