@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Callable
+from typing import Any
 
+from sluice.broker import memory
 from sluice.broker.memory import MemoryBroker
 from sluice.core.admission import Refused
 from sluice.core.job import JobState
@@ -45,6 +48,14 @@ async def test_waiters_that_gave_up_leave_the_others_waiting_for_the_end() -> No
 # A claim's wait for work: a future a claim, woken by an admission, bounded by a timer.
 
 
+def live_timers(callback: Callable[..., Any]) -> int:
+    """The running loop's timers still armed to call ``callback``: a wait that ended without
+    cancelling its timer leaves one (a handle the loop holds until it is due, per claim or stream).
+    Read off the asyncio loop's heap of timers, which these tests run on."""
+    loop: Any = asyncio.get_running_loop()
+    return sum(not h.cancelled() and getattr(h, "_callback", None) is callback for h in loop._scheduled)
+
+
 async def test_claims_that_ran_out_or_were_cancelled_leave_nothing_waiting_and_miss_no_job() -> None:
     clock = FakeClock()
     broker = MemoryBroker(make_settings(clock))
@@ -56,7 +67,9 @@ async def test_claims_that_ran_out_or_were_cancelled_leave_nothing_waiting_and_m
     await asyncio.sleep(0)
     cancelled.cancel()
     await asyncio.sleep(0)
-    assert len(broker._claimers) == 3 and not first.done() and not second.done()
+    # The cancelled claim took its future off the list and its timer with it.
+    assert len(broker._claimers) == 2 and not first.done() and not second.done()
+    assert cancelled.cancelled() and live_timers(memory._ran_out) == 2
     job = make_job(clock)
     await broker.admit(job)
     # The one job goes to one live claim; the other looks, finds none and waits on.
@@ -68,6 +81,38 @@ async def test_claims_that_ran_out_or_were_cancelled_leave_nothing_waiting_and_m
     await broker.admit(later)
     claimed = await asyncio.wait_for(waiting, 5)
     assert claimed is not None and claimed.id == later.id and broker._claimers == []
+    assert live_timers(memory._ran_out) == 0  # the claims that got a job cancelled their timers
+
+
+async def test_a_claim_that_ran_out_just_as_a_job_came_is_not_woken_twice_and_the_job_waits() -> None:
+    """The timer settled the claim's future, and a job is admitted before the claim has run on:
+    the admission's wake-up passes over the settled future (no InvalidStateError in the admission),
+    the claim ends empty at its bound, and the job is the next claim's."""
+    clock = FakeClock()
+    broker = MemoryBroker(make_settings(clock))
+    ran_out = asyncio.create_task(broker.claim(W, ["m"], timeout=0))
+    for _ in range(100):  # bounded: the timer is due at once
+        if broker._claimers and broker._claimers[0].done():
+            break
+        await asyncio.sleep(0)
+    assert broker._claimers and broker._claimers[0].done() and not ran_out.done()
+    job = make_job(clock)
+    await broker.admit(job)
+    assert await asyncio.wait_for(ran_out, 5) is None and broker._claimers == []
+    claimed = await broker.claim(W, ["m"], timeout=0)
+    assert claimed is not None and claimed.id == job.id
+
+
+async def test_a_claim_waiting_while_the_broker_closes_ends_at_its_bound_and_leaves_nothing() -> None:
+    clock = FakeClock()
+    broker = MemoryBroker(make_settings(clock))
+    await broker.start()
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=0.05))
+    await asyncio.sleep(0)
+    await broker.close()
+    assert not waiting.done() and len(broker._claimers) == 1
+    assert await asyncio.wait_for(waiting, 5) is None
+    assert broker._claimers == [] and live_timers(memory._ran_out) == 0
 
 
 async def test_a_claim_woken_by_work_it_cannot_take_waits_on_until_its_bound() -> None:
@@ -119,7 +164,11 @@ async def test_the_queued_count_a_claim_looks_at_first_is_the_jobs_queued_throug
             clock.advance(rng.choice([0.5, 3.0, 6.0]))  # leases (5 s) and deadlines (2 s) run out
             await broker.maintain()
             running = [j for j in running if j in broker._leases]
+            if rng.random() < 0.3:  # dead letters purged: their records go before their time
+                await broker.purge_dead_letters()
         assert broker._queued == queued() == sum(t.queued for t in broker._tenants.values()), step
+        # What the claim's look relies on: with the count at 0, no queue holds an entry.
+        assert broker._queued == sum(q.jobs for q in broker._queues.values()), step
     # And with none queued a claim still finds what is admitted next.
     waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=5))
     await asyncio.sleep(0)

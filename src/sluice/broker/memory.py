@@ -546,15 +546,15 @@ class MemoryBroker(Broker):
                 woken = loop.create_future()
                 self._claimers.append(woken)
                 timer = loop.call_at(ends, _ran_out, woken)
+                came = False
                 try:
                     came = await woken
                 finally:
                     timer.cancel()
+                    if not came:  # ran out or cancelled: not left behind (a wake-up may have taken it)
+                        with contextlib.suppress(ValueError):
+                            self._claimers.remove(woken)
                 if not came:
-                    # An idle dispatcher's claims do not pile up (a wake-up may have taken it
-                    # already, after the timer settled it).
-                    with contextlib.suppress(ValueError):
-                        self._claimers.remove(woken)
                     return None
                 job = self._pop(models) if self._queued else None
         now = self.now()
