@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
+from sluice.api import relay
 from sluice.api.errors import APIError
 from sluice.api.relay import engine_accepted, openai_stream
 from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.broker.base import Event, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Endpoint, Job, JobError, JobState
+from tests.broker.test_memory_wait import live_timers
 
 
 def _token(text: str) -> dict[str, Any]:
@@ -122,8 +124,9 @@ async def test_on_the_memory_broker_it_follows_the_job_and_skips_what_reading_wo
             await broker.publish(job.id, EventType.RETRY, {"attempt": 2})  # (3) skipped too
             await broker.publish(job.id, EventType.TOKEN, _token("a"))
         assert await followed == await read == 3
-        # It stopped following at the token: the stream may follow the job from there.
-        assert broker._records[followed_job.id].follower is None
+        # It stopped following at the token: the stream may follow the job from there; and the
+        # wait's timer went with it (not left armed for the 5 s, one per stream).
+        assert broker._records[followed_job.id].follower is None and live_timers(relay._ran_out) == 0
         other()
 
 
@@ -150,3 +153,37 @@ async def test_on_the_memory_broker_a_wait_that_runs_out_returns_what_it_skipped
         # ... and a token already published is taken at once.
         await broker.publish(job.id, EventType.TOKEN, _token("a"))
         assert await engine_accepted(broker, job, 0.0) == 2
+
+
+async def test_on_the_memory_broker_a_cancelled_wait_is_cancelled_and_leaves_no_follower_or_timer() -> None:
+    broker = MemoryBroker(settings())
+    async with broker:
+        job = await _claimed(broker)
+        waiting = await _waiting(broker, job)
+        assert broker._records[job.id].follower is not None and live_timers(relay._ran_out) == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert broker._records[job.id].follower is None and live_timers(relay._ran_out) == 0
+        # The job goes on, and a later wait takes its token.
+        await broker.publish(job.id, EventType.TOKEN, _token("a"))
+        assert await engine_accepted(broker, job, 0.0) == 2
+
+
+async def test_on_the_memory_broker_a_job_cancelled_before_it_starts_is_raised_waited_on_or_not() -> None:
+    broker = MemoryBroker(settings())
+    async with broker:
+        gone, queued = make_job(0), make_job(1)
+        await broker.admit(gone)
+        await broker.admit(queued)
+        await broker.cancel(gone.id)
+        with pytest.raises(APIError) as at_once:  # cancelled already: raised without a wait
+            await engine_accepted(broker, gone, 5.0)
+        assert at_once.value.job_id == gone.id and at_once.value.code == "cancelled"
+        assert live_timers(relay._ran_out) == 0
+        waiting = await _waiting(broker, queued)  # queued, never started
+        await broker.cancel(queued.id)
+        with pytest.raises(APIError) as raised:
+            await waiting
+        assert raised.value.job_id == queued.id and raised.value.code == "cancelled"
+        assert broker._records[queued.id].follower is None and live_timers(relay._ran_out) == 0
