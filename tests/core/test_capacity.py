@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -326,6 +327,13 @@ def test_a_promise_leaves_room_for_the_slope_a_few_noisy_fills_leave_unknown() -
             d.observe(100, per, running=running)
     off, on = few
     assert off.promise_slowdown < on.promise_slowdown <= min(1.0 / on.fill, capacity.MAX_FILL_SLOWDOWN)
+    # slope_residual is read only with slope_z: at 0 (the brokers') it changes nothing; on (below
+    # the bound) it reads the larger residual_spread here, not spread, so it promises more
+    assert dataclasses.replace(off, slope_residual=True).promise_slowdown == off.promise_slowdown
+    assert off.residual_spread > off.spread
+    one = dataclasses.replace(on, slope_z=1.0)
+    residual = dataclasses.replace(one, slope_residual=True)
+    assert one.promise_slowdown < residual.promise_slowdown < 1.0 / one.fill
     assert on.promise_slowdown > 1.3 > off.slowdown
     many = [DrainRate(slots=8, weigh_per_slot=True, slope_z=z) for z in (0.0, 2.0)]
     for i in range(2000):
