@@ -103,6 +103,24 @@ async def test_a_claim_that_ran_out_just_as_a_job_came_is_not_woken_twice_and_th
     assert claimed is not None and claimed.id == job.id
 
 
+async def test_a_claim_woken_by_a_job_cancelled_before_it_ran_waits_on_for_the_next() -> None:
+    clock = FakeClock()
+    broker = MemoryBroker(make_settings(clock))
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=10))
+    await asyncio.sleep(0)
+    gone = make_job(clock)
+    await broker.admit(gone)  # wakes the claim ...
+    await broker.cancel(gone.id)  # ... which finds it gone when it runs
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiting.done() and len(broker._claimers) == 1 and broker._queued == 0
+    job = make_job(clock)
+    await broker.admit(job)
+    claimed = await asyncio.wait_for(waiting, 5)
+    assert claimed is not None and claimed.id == job.id and broker._claimers == []
+    assert live_timers(memory._ran_out) == 0
+
+
 async def test_a_claim_waiting_while_the_broker_closes_ends_at_its_bound_and_leaves_nothing() -> None:
     clock = FakeClock()
     broker = MemoryBroker(make_settings(clock))
