@@ -37,12 +37,10 @@ class Depth:
     Attributes:
         goodput: the steady goodput, in % of the capacity on the jobs the run served.
         p99: the ok jobs' p99 latency, in seconds.
-        broken: admitted jobs that then ended past their deadline.
     """
 
     goodput: float
     p99: float
-    broken: int
 
 
 def steady(
@@ -56,7 +54,7 @@ def steady(
         policy, loads(cap)["steady 1.8x"], seed, engine=engine, retriers=0.1, full_rate=full_rate
     )
     served = saturated(engine, jobs=result.served)[0] if result.served else 0.0
-    return Depth(100 * result.goodput_steady / served if served else 0.0, result.ok_p99, result.broken)
+    return Depth(100 * result.goodput_steady / served if served else 0.0, result.ok_p99)
 
 
 def best_depth(engine: Engine, seed: int, *, most: int | None = None) -> tuple[int, Depth] | None:
