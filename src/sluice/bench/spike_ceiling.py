@@ -247,7 +247,8 @@ def clairvoyant_best(
     :func:`_windows` takes them), with windows shortened by the mean job's full-batch service or
     not; with answers known, each run again up to :data:`REPAIRS` times without the jobs it saw
     end past their deadline. The best: the most goodput among the runs that broke no promise (else the fewest
-    broken)."""
+    broken). That choice between the two windows is made on the runs' outcomes, so with the answers
+    unseen too one bit of hindsight goes into the set (which shortening to use)."""
     rate = full_rate_tokens(engine)
     full_step = engine.step0 + engine.step1 * engine.slots
     best: Result | None = None
