@@ -194,3 +194,80 @@ async def test_the_queued_count_a_claim_looks_at_first_is_the_jobs_queued_throug
     await broker.admit(job)
     claimed = await asyncio.wait_for(waiting, 5)
     assert claimed is not None
+
+
+# A capped tenant's queued job, held back while its running job holds the cap's one slot: the end
+# of that running job wakes the claims waiting, as an admission does.
+
+CAPPED = TenantLimits(tenant="capped", max_concurrent=1)
+
+
+async def _turns_until_done(task: asyncio.Task[Any], turns: int = 20) -> bool:
+    """Whether ``task`` ends within ``turns`` turns of the event loop: a woken claim ends in a few,
+    one left to its bound (10 s here) in none."""
+    for _ in range(turns):
+        if task.done():
+            return True
+        await asyncio.sleep(0)
+    return task.done()
+
+
+async def _capped_claim_waiting(broker: MemoryBroker, clock: FakeClock) -> tuple[str, str, asyncio.Task[Any]]:
+    """The capped tenant's one running job, its queued one held back, and a claim waiting."""
+    running = make_job(clock, tenant="capped", max_attempts=1)
+    await broker.admit(running, CAPPED)
+    assert (await broker.claim(W, ["m"], timeout=0)) is not None
+    held = make_job(clock, tenant="capped")
+    await broker.admit(held, CAPPED)
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=10))
+    assert not await _turns_until_done(waiting)  # the admission's wake-up found it held back
+    assert len(broker._claimers) == 1 and broker._queued == 1
+    return running.id, held.id, waiting
+
+
+async def _lose_lease(broker: MemoryBroker, clock: FakeClock, job_id: str) -> None:
+    clock.advance(broker.settings.lease_s + 1)  # its one attempt's lease runs out: failed
+    await broker.maintain()
+    assert broker._records[job_id].job.state is JobState.FAILED
+
+
+async def test_a_capped_tenants_held_job_goes_to_the_waiting_claim_when_its_running_job_ends() -> None:
+    ends: dict[str, Callable[[MemoryBroker, FakeClock, str], Any]] = {
+        "finish": lambda b, c, j: b.finish(j, W, JobState.SUCCEEDED, result={}),
+        "cancel": lambda b, c, j: b.cancel(j),
+        "lease lost": _lose_lease,
+    }
+    for how, end in ends.items():
+        clock = FakeClock()
+        broker = MemoryBroker(make_settings(clock))
+        running, held, waiting = await _capped_claim_waiting(broker, clock)
+        try:
+            await end(broker, clock, running)
+            assert await _turns_until_done(waiting), how  # not left to its 10 s bound
+            claimed = waiting.result()
+            assert claimed is not None and claimed.id == held, how
+            assert broker._claimers == [] and live_timers(memory._ran_out) == 0, how
+        finally:
+            waiting.cancel()
+
+
+async def test_an_end_that_frees_no_held_job_wakes_no_claim() -> None:
+    """An uncapped tenant's end, and a capped one's with nothing queued, leave the claim waiting:
+    the wake-up is for a slot that lets a held-back job run, not for every end."""
+    clock = FakeClock()
+    broker = MemoryBroker(make_settings(clock))
+    free = make_job(clock, model="other")
+    await broker.admit(free)
+    capped = make_job(clock, model="other", tenant="capped")
+    await broker.admit(capped, CAPPED)
+    for _ in (free, capped):
+        assert (await broker.claim(W, ["other"], timeout=0)) is not None
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=10))
+    try:
+        assert not await _turns_until_done(waiting)
+        (woken,) = broker._claimers
+        await broker.finish(free.id, W, JobState.SUCCEEDED, result={})
+        await broker.finish(capped.id, W, JobState.SUCCEEDED, result={})
+        assert not woken.done() and broker._claimers == [woken]
+    finally:
+        waiting.cancel()

@@ -9,7 +9,6 @@ import heapq
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.broker.base import (
@@ -25,7 +24,7 @@ from sluice.broker.base import (
     QueueBreakdown,
     TenantDepth,
 )
-from sluice.broker.memory_record import Follower, JobRecord
+from sluice.broker.memory_record import Follower, JobRecord, _Lease, _Tenant
 from sluice.broker.memory_workers import Workers
 from sluice.broker.signal import Signal
 from sluice.core import admission
@@ -48,37 +47,6 @@ MAINTAIN_INTERVAL_S = 0.1
 #: how long after its end a job's events are packed (:meth:`JobRecord.pack`): its live readers have
 #: read them by then
 PACK_AFTER_S = 1.0
-
-
-@dataclass
-class _Tenant:
-    """A tenant's jobs and its keys' buckets (admit.lua keeps the same in the tenant's hash)."""
-
-    #: the tenant's concurrency cap: ``TenantLimits.max_concurrent`` of the key that sent its latest job
-    max_concurrent: int | None = None
-    #: its jobs queued and running, over every model
-    queued: int = 0
-    running: int = 0
-    #: each key's buckets, by ``TenantLimits.bucket_id``; keys without buckets have no entry
-    limiters: dict[str, TenantLimiter] = field(default_factory=dict)
-
-    @property
-    def idle(self) -> bool:
-        # Nothing to remember: no jobs and no buckets whose levels matter.
-        return not (self.queued or self.running or self.limiters)
-
-    @property
-    def held_back(self) -> bool:
-        """Whether some of its queued jobs wait for its concurrency cap: more jobs than the cap lets
-        run (admit.lua keeps these tenants in the capped set)."""
-        cap = self.max_concurrent
-        return cap is not None and self.queued + self.running > cap
-
-
-@dataclass
-class _Lease:
-    worker_id: str
-    expires: float
 
 
 class MemoryBroker(Broker):
@@ -204,6 +172,10 @@ class MemoryBroker(Broker):
         if job.state is JobState.RUNNING:
             self._running[job.model] -= 1
             t.running -= 1
+            # A slot of its cap freed for its held-back jobs: the claims wake (or wait out their
+            # bound). An uncapped tenant's end reads one field more, no call.
+            if t.max_concurrent is not None and t.queued and t.running == t.max_concurrent - 1:
+                self._wake_claimers()
         elif job.state is JobState.QUEUED:
             t.queued -= 1
             self._queued -= 1

@@ -1,5 +1,5 @@
 """The memory broker's record of one job: the job, its event stream (live objects while it runs,
-packed once it has ended) and the readers waiting on it."""
+packed once it has ended) and the readers waiting on it; and its records of a tenant and a lease."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from typing import Any
 
 from sluice.broker.base import EventType
 from sluice.core.job import Job
+from sluice.core.ratelimit import TenantLimiter
 
+# Also _Tenant and _Lease below: the memory broker's own, kept here for memory.py's length (the Lua
+# scripts' comments name _Tenant as the memory broker's).
 __all__ = ["Follower", "JobRecord", "pack_events", "unpack_events"]
 
 #: What the broker calls with each event of a followed job as it is published (its id, its type,
@@ -143,3 +146,37 @@ def pack_events(events: list[list[Any]]) -> bytes | str:
 def unpack_events(packed: bytes | str) -> list[list[Any]]:
     value: list[list[Any]] = marshal.loads(packed) if isinstance(packed, bytes) else json.loads(packed)
     return value
+
+
+@dataclass
+class _Tenant:
+    """The memory broker's record of a tenant: its jobs and its keys' buckets (admit.lua keeps the
+    same in the tenant's hash)."""
+
+    #: the tenant's concurrency cap: ``TenantLimits.max_concurrent`` of the key that sent its latest job
+    max_concurrent: int | None = None
+    #: its jobs queued and running, over every model
+    queued: int = 0
+    running: int = 0
+    #: each key's buckets, by ``TenantLimits.bucket_id``; keys without buckets have no entry
+    limiters: dict[str, TenantLimiter] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        # Nothing to remember: no jobs and no buckets whose levels matter.
+        return not (self.queued or self.running or self.limiters)
+
+    @property
+    def held_back(self) -> bool:
+        """Whether some of its queued jobs wait for its concurrency cap: more jobs than the cap lets
+        run (admit.lua keeps these tenants in the capped set)."""
+        cap = self.max_concurrent
+        return cap is not None and self.queued + self.running > cap
+
+
+@dataclass
+class _Lease:
+    """A running job's lease: the worker that holds it, and when it runs out."""
+
+    worker_id: str
+    expires: float
