@@ -204,6 +204,9 @@ async def _events(broker: RedisBroker, job_id: str) -> list[EventType]:
     return [e.type async for e in broker.events(job_id, timeout=10)]
 
 
+#: the sum of its bounds: the cluster made (60 s), 150 accepted (60 s), the promotion and the old
+#: master back (each its own bound), 100 accepted on the promoted master (80 s), every job ended (60 s)
+@pytest.mark.timeout(360)
 async def test_killing_a_models_master_loses_no_accepted_job(cluster: RedisClusterNodes) -> None:
     models = _one_model_per_master(cluster)
     # the default with a cluster: one replica confirms every admission
@@ -219,7 +222,7 @@ async def test_killing_a_models_master_loses_no_accepted_job(cluster: RedisClust
         return not on_lost_master(job_id)
 
     try:
-        await wait_until(lambda: len(book.accepted) >= 150, timeout=30)
+        await load.wait_accepted(150, timeout=60)  # counted; the bound is for a loaded machine
         master = cluster.master_of(_prefix(models[0]))
         assert all(cluster.master_of(_prefix(m)) is not master for m in models[1:])
         # Not the home shard's master: every admission also writes the tenant's job list there.
