@@ -88,3 +88,34 @@ async def test_the_engine_body_is_a_copy_without_sluices_own_fields(gw: Gateway)
     assert "priority" not in job.body and "timeout" not in job.body
     assert list(job.body) == [k for k in body if k not in ("priority", "timeout")]
     assert job.priority == "high"
+
+
+def _request_with(headers: dict[str, str]) -> Request:
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": raw})
+
+
+async def test_each_option_reaches_its_own_rule(gw: Gateway) -> None:
+    # What was asked is made by place: two options of one type swapped would pass the type check,
+    # so each pair is told apart here by the rule that reads it.
+    gw._served = (FAR, {"sim": 1})
+
+    async def build(body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        opts = ChatRequest.model_validate({"model": "sim", "messages": MSG, **body})
+        dumped = opts.model_dump(exclude_none=True)
+        return await gw.build_job(_request_with(headers or {}), CALLER, Endpoint.CHAT, dumped, opts)
+
+    assert (await build({"max_tokens": 5, "max_completion_tokens": 3})).max_tokens == 3  # the later name
+    assert (await build({"priority": "low"}, {"x-priority": "high"})).priority == "low"  # body first
+    assert (await build({}, {"x-priority": "high"})).priority == "high"
+    assert (await build({"n": 2})).sequences == 2
+    assert (await build({"n": 1, "best_of": 3})).sequences == 3
+    with pytest.raises(APIError) as refused:  # X-Request-Timeout is checked ...
+        await build({}, {"x-request-timeout": "soon"})
+    assert refused.value.param == "X-Request-Timeout"
+    job = await build({}, {"x-stainless-timeout": "soon"})  # ... the SDK's own is ignored when bad
+    assert job.deadline - job.created_at == gw.settings.request_limits().default_timeout_s
+    job = await build({}, {"x-stainless-read-timeout": "7"})
+    assert job.deadline - job.created_at == pytest.approx(7)
+    job = await build({"timeout": 9}, {"x-request-timeout": "8"})  # the body's first
+    assert job.deadline - job.created_at == pytest.approx(9)
