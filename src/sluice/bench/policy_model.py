@@ -98,6 +98,11 @@ class _Job:
     capacity_cost: int = 0  # its cost in the capacity model's unit when admitted (:func:`_cause`)
     busy_at_start: float = 0.0  # the run's running-job-seconds when it was dispatched (time_fill)
 
+    @property
+    def broke(self) -> bool:
+        """Admitted and then not answered in time: a broken promise (given up or dropped at dispatch)."""
+        return self.admitted and self.outcome in ("timeout", "expired")
+
 
 @dataclass
 class Result:
@@ -383,10 +388,8 @@ def run(
         retries_ok=sum(1 for j in retries if j.outcome == "ok"),
         offered=len(first_tries),
         admitted=sum(1 for j in jobs if j.admitted),
-        broken=sum(1 for j in jobs if j.admitted and j.outcome in ("timeout", "expired")),
-        causes=dict(
-            Counter(_cause(j, full_rate) for j in jobs if j.admitted and j.outcome in ("timeout", "expired"))
-        ),
+        broken=sum(1 for j in jobs if j.broke),
+        causes=dict(Counter(_cause(j, full_rate) for j in jobs if j.broke)),
         told_not_to=sum(1 for j in first_tries if j.retry and j.told_not_to),
         preemptions=preemptions,
         served=[(j.prompt, j.answer) for j in sorted(ok, key=lambda j: j.done)],

@@ -273,7 +273,7 @@ def clairvoyant_best(
             )
             if best is None or (result.broken, -result.goodput) < (best.broken, -best.goodput):
                 best = result
-            late = {j.arrived for j in trace if j.admitted and j.outcome in ("timeout", "expired")}
+            late = {j.arrived for j in trace if j.broke}
             if not late:
                 break
             admit -= late  # seen to miss: refused, the jobs behind them start sooner
