@@ -813,6 +813,32 @@ async def test_max_concurrent(broker: Broker, clock: FakeClock) -> None:
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("end", ["finish", "cancel"])
+async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_job_waits_for(
+    broker: Broker, clock: FakeClock, end: str
+) -> None:
+    """A claim waiting (up to 30 s) while the only queued job is held back by its tenant's cap gets
+    that job when the tenant's running job ends, not at the claim's bound (nor, on Redis, at the
+    end of its 10 s BZPOPMIN)."""
+    capped = TenantLimits("capped", max_concurrent=1)
+    running, held = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
+    await broker.admit(running, capped)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
+    await broker.admit(held, capped)
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=30.0))
+    try:
+        await asyncio.sleep(0.05)  # it has looked, found the job held back, and waits
+        assert not waiting.done()
+        if end == "finish":
+            await broker.finish(running.id, W, JobState.SUCCEEDED, result={})
+        else:
+            await broker.cancel(running.id)
+        claimed = await asyncio.wait_for(waiting, 5.0)
+        assert claimed is not None and claimed.id == held.id
+    finally:
+        waiting.cancel()
+
+
 async def test_refused_requests_are_not_charged(broker: Broker, clock: FakeClock) -> None:
     policy = TenantLimits("t", rpm=5, max_queued=1)
     await broker.admit(make_job(clock), policy)

@@ -8,7 +8,8 @@
 -- ARGV[5] events kept per stream   ARGV[6] abort channel   ARGV[7] error JSON of a cancelled job
 -- Returns {1, field, value, ...} the record after the request; {0} when the job is unknown
 -- (decoded by redis_codec.JobReply).
--- Builds the stream, tenant-list, tenant and state keys of the job from the prefix (same slot as KEYS).
+-- Builds the stream, tenant-list, tenant, state and marker keys of the job from the prefix (same slot
+-- as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
@@ -32,6 +33,13 @@ if f.state == 'queued' then
   settle(id, f, 'cancelled', { 'error', cancelled_error })
 elseif f.state == 'running' then
   rcall('PUBLISH', abort_channel, id)
+  -- Its slot freed for the tenant's queued jobs held back by its cap: the model's claimers wake
+  -- (as finish.lua does; MemoryBroker._move).
+  local tenant, model, was_blocked = f.tenant, f.model, rcall('SISMEMBER', blocked_k, f.tenant) == 1
   settle(id, f, 'cancelled', { 'error', cancelled_error })
+  if was_blocked and rcall('SISMEMBER', blocked_k, tenant) == 0
+      and (rcall('HGET', tenant_key(P, tenant), 'q') or 0) * 1 > 0 then
+    rcall('ZADD', marker_key(P, model), '0', 'w')
+  end
 end
 return job_reply(f)

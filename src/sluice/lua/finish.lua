@@ -20,7 +20,7 @@
 --     0 when it is 4 as is (capacity.WEIGHT_PER_SLOT)
 --   8 the weight of the newest job in the fill fit (capacity.FILL_ALPHA)
 -- ARGV[8 ..] field, value pairs to record (result, usage, error, attempts, backend)
--- Returns {1, field, value, ...} the settled record (tenant key built from the prefix)
+-- Returns {1, field, value, ...} the settled record (tenant and marker keys built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 -- (decoded by redis_codec.JobReply)
 
@@ -67,7 +67,15 @@ local started = f.started_at
 -- The model's running jobs, itself included, before settle counts it out (DrainRate.observe's
 -- running: the mean of this and of the count just after it started, the job's 'rb').
 local running_now = (rcall('HGET', running_k, f.model) or 0) * 1
+-- A tenant at its concurrency cap (the blocked set, which claim skips) whose end frees a slot for
+-- its queued jobs wakes the model's claimers, who would wait out their bound otherwise
+-- (MemoryBroker._move; cancel.lua the same). Any other tenant's finish costs one SISMEMBER.
+local tenant, was_blocked = f.tenant, rcall('SISMEMBER', blocked_k, f.tenant) == 1
 settle(id, f, state, changes)
+if was_blocked and rcall('SISMEMBER', blocked_k, tenant) == 0
+    and (rcall('HGET', tenant_key(P, tenant), 'q') or 0) * 1 > 0 then
+  rcall('ZADD', marker_key(P, f.model), '0', 'w')
+end
 tenant_settle(P, f.tenant, f.kb, f.cost * 1, used, now)
 
 if state == 'succeeded' and started then
