@@ -89,7 +89,7 @@ async def test_a_finish_said_to_be_at_once_awaits_nothing(broker: Broker, clock:
     ):
         settle = broker.finish(job_id, worker, state, result={}, error=None)
         with pytest.raises(StopIteration):
-            settle.send(None)  # type: ignore[attr-defined]
+            settle.send(None)
     assert (await broker.get(job.id)).state is JobState.SUCCEEDED  # type: ignore[union-attr]
     assert (await broker.get(other.id)).state is JobState.FAILED  # type: ignore[union-attr]
 
