@@ -275,8 +275,8 @@ class FailoverLoad:
         book = self.ledger
         # Counted, with a generous bound: how soon 100 are accepted is the workers' speed (the
         # window), which a loaded machine divides; when service resumed is asserted below.
+        # (Every call answered meanwhile: accepted, unavailable or refused; wait_accepted checks.)
         await self.wait_accepted(100, since=killed_at, only=resumed, timeout=resume_bound_s + 60)
-        assert self.crashed() == []  # every call was answered: accepted, unavailable or refused
         self.stop_admitting()
         accepted = list(book.accepted)
         assert await self.missing(accepted) == []
@@ -298,9 +298,15 @@ class FailoverLoad:
         timeout: float,
     ) -> None:
         """Until ``count`` admissions sent at ``since`` or later (of the jobs ``only`` selects) are
-        accepted; fails after ``timeout`` seconds with the books."""
+        accepted; fails after ``timeout`` seconds with the books, or at once when an admitter or a
+        worker ended by an error (an error no caller is told how to answer)."""
+
+        def done() -> bool:
+            return self.ledger.accepted_since(since, only) >= count or bool(self.crashed())
+
         try:
-            await wait_until(lambda: self.ledger.accepted_since(since, only) >= count, timeout=timeout)
+            await wait_until(done, timeout=timeout)
+            assert self.crashed() == []
         except AssertionError as exc:
             got = self.ledger.accepted_since(since, only)
             raise AssertionError(
@@ -311,7 +317,8 @@ class FailoverLoad:
     def crashed(self) -> list[str]:
         """The admitters and workers that ended by an error (none should: every call is answered,
         accepted or BrokerUnavailable or refused)."""
-        return [repr(t.exception()) for t in self._tasks if t.done() and not t.cancelled() and t.exception()]
+        errors = [t.exception() for t in self._tasks if t.done() and not t.cancelled()]
+        return [f"{type(e).__name__}: {e}" for e in errors if e is not None]
 
     async def missing(self, ids: list[str]) -> list[str]:
         """The ids among ``ids`` that the broker has no record of."""
