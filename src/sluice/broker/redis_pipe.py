@@ -29,7 +29,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import AskError, ReadOnlyError, RedisError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ExecAbortError, ReadOnlyError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -414,7 +414,8 @@ class Batcher:
         """Run ``commands`` as one MULTI/EXEC in the next pipeline (on its connection, so nothing
         else comes between); EXEC's replies. A command Redis refuses while queuing it (EXECABORT:
         none ran) or one that fails as it runs (the others ran, as Redis does) raises its error, as
-        redis-py's pipeline does; an outage raises :class:`BrokerUnavailable`. Cheaper than
+        redis-py's pipeline does (for the first, the queued command's own error, not EXEC's
+        EXECABORT); an outage raises :class:`BrokerUnavailable`. Cheaper than
         redis-py's transaction pipeline, which costs a connection, a write and a read of its own."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
@@ -525,6 +526,7 @@ class Batcher:
                 await conn.send_packed_command(payload, check_health=False)
                 for entry in batch:
                     reply: Any = None
+                    refused: ResponseError | None = None
                     # A transaction's entry answers with EXEC's reply (MULTI's OK and each QUEUED
                     # come first; a command refused while queued makes EXEC fail too).
                     for _ in range(1 if entry.transaction is None else len(entry.transaction) + 2):
@@ -532,6 +534,12 @@ class Batcher:
                             reply = await conn.read_response()
                         except ResponseError as exc:
                             reply = exc
+                            refused = refused or exc
+                    if refused is not None and refused is not reply and isinstance(reply, ExecAbortError):
+                        # EXEC's EXECABORT says only that a queued command was refused: answer with
+                        # why, so that a refusal of an outage (CLUSTERDOWN mid-failover, OOM) reads
+                        # as one, not as a bug.
+                        reply = refused
                     replies.append(reply)
                 short = None
                 if wait is not None:
