@@ -813,15 +813,16 @@ async def test_max_concurrent(broker: Broker, clock: FakeClock) -> None:
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("end", ["finish", "cancel"])
+@pytest.mark.parametrize("end", ["finish", "cancel", "lost"])
 async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_job_waits_for(
     broker: Broker, clock: FakeClock, end: str
 ) -> None:
     """A claim waiting (up to 30 s) while the only queued job is held back by its tenant's cap gets
-    that job when the tenant's running job ends, not at the claim's bound (nor, on Redis, at the
-    end of its 10 s BZPOPMIN)."""
+    that job when the tenant's running job ends (finished, cancelled, or its lease lost on its last
+    attempt), not at the claim's bound (nor, on Redis, at the end of its 10 s BZPOPMIN)."""
     capped = TenantLimits("capped", max_concurrent=1)
-    running, held = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
+    running = make_job(clock, tenant="capped", max_attempts=1)
+    held = make_job(clock, tenant="capped")
     await broker.admit(running, capped)
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
     await broker.admit(held, capped)
@@ -831,10 +832,37 @@ async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_
         assert not waiting.done()
         if end == "finish":
             await broker.finish(running.id, W, JobState.SUCCEEDED, result={})
-        else:
+        elif end == "cancel":
             await broker.cancel(running.id)
+        else:
+            clock.advance(6)  # past its lease, no heartbeat: its one attempt fails
+            await broker.maintain()
+            assert (await broker.get(running.id)).state is JobState.FAILED  # type: ignore[union-attr]
         claimed = await asyncio.wait_for(waiting, 5.0)
         assert claimed is not None and claimed.id == held.id
+    finally:
+        waiting.cancel()
+
+
+async def test_a_job_admitted_while_the_models_queue_holds_only_held_back_jobs_wakes_the_claim(
+    broker: Broker, clock: FakeClock
+) -> None:
+    """A claim waiting (up to 30 s) while the model's only queued job is held back by its tenant's
+    cap gets another tenant's job admitted then, not at the claim's bound (nor, on Redis, at the end
+    of its 10 s BZPOPMIN): the queue was not empty, but nothing in it could be claimed."""
+    capped = TenantLimits("capped", max_concurrent=1)
+    running, held = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
+    await broker.admit(running, capped)
+    assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
+    await broker.admit(held, capped)
+    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=30.0))
+    try:
+        await asyncio.sleep(0.05)  # it has looked, found the job held back, and waits
+        assert not waiting.done()
+        other = make_job(clock, tenant="other")
+        await broker.admit(other)
+        claimed = await asyncio.wait_for(waiting, 5.0)
+        assert claimed is not None and claimed.id == other.id
     finally:
         waiting.cancel()
 

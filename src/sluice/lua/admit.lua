@@ -327,6 +327,7 @@ end
 local runnable_tokens = model_tokens
 local held_n, kept_k = {}, {} -- of a capped tenant: its jobs of this class held back; the cost of the rest
 local rooms = {} -- { tenant, room }: the capped tenants and how many more of their jobs may start
+local held_jobs = 0 -- the model's queued jobs held back, of every class: none of them can be claimed
 for _, other in ipairs(rcall('SMEMBERS', capped_k)) do
   if other ~= tenant then
     local o = rcall('HMGET', tenant_key(P, other), 'r', 'mc')
@@ -352,6 +353,7 @@ for _, capped in ipairs(rooms) do
         end
       end
       local held = st_num(st, f_work(tq), 0) - kept
+      held_jobs = held_jobs + n - room
       runnable_tokens = runnable_tokens - held
       if other == tenant then -- its own jobs are all ahead of its next one
       elseif c == cls then
@@ -620,6 +622,12 @@ if model_jobs == 0 then
   -- While the model has queued work, every claim that leaves some behind sets the marker again
   -- (claim.lua), so only the first job of an idle queue needs to wake a claimer.
   rcall('SADD', models_k, model)
+  rcall('ZADD', marker_k, '0', 'w')
+elseif held_jobs >= model_jobs - (evict and 1 or 0) and not (mc and running_by_tenant >= mc) then
+  -- Every job queued before (but an evicted one) was held back by its tenant's cap: the claims
+  -- they woke found nothing to take and wait again, and claim.lua set no marker for them; this
+  -- job, which a claim can take, wakes one (the memory broker wakes every claim on every
+  -- admission). Only an admission while a capped tenant holds jobs back gets here.
   rcall('ZADD', marker_k, '0', 'w')
 end
 local out = { 1, ahead_jobs, wait_text }
