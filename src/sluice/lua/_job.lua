@@ -60,7 +60,12 @@ local function settle(id, f, state, changes)
     rcall('HINCRBY', J.running, f.model, '-1')
   end
   if state == 'expired' then rcall('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
-  tenant_move(J.P, J.blocked, f.tenant, f.state, nil)
+  if tenant_move(J.P, J.blocked, f.tenant, f.state, nil) then
+    -- Its end freed a slot of a tenant at its cap with jobs queued, which no claim could take:
+    -- the model's claimers wake, who would wait out their bound otherwise (MemoryBroker._move).
+    -- (A held job of another model still waits for its own model's marker.)
+    rcall('ZADD', marker_key(J.P, f.model), '0', 'w')
+  end
   local seq = f.seq + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }
   for i = 1, #changes do args[#args + 1] = changes[i] end

@@ -53,7 +53,9 @@ local function bucket_refill(level, stamp, cap, now)
 end
 
 -- Moves one job of a tenant between 'queued', 'running' and nothing (nil), keeping the blocked
--- and capped sets.
+-- and capped sets. Returns true when a running job's move took the tenant from its concurrency
+-- cap (the blocked set, which claim skips) to under it with jobs still queued: a slot freed for
+-- jobs that no claim could take before (the caller wakes the model's claimers).
 local function tenant_move(P, blocked, tenant, from, to)
   local tk = tenant_key(P, tenant)
   local t = rcall('HMGET', tk, 'q', 'r', 'mc')
@@ -66,11 +68,12 @@ local function tenant_move(P, blocked, tenant, from, to)
     if rcall('HLEN', tk) <= own then
       rcall('DEL', tk)
       tenant_sets(P, blocked, tenant, 0, 0, nil, mc ~= nil)
-      return
+      return false
     end
   end
   rcall('HSET', tk, 'q', int_text(q), 'r', int_text(r))
   tenant_sets(P, blocked, tenant, q, r, mc, false)
+  return from == 'running' and mc ~= nil and r < mc and r + 1 >= mc and q > 0
 end
 
 -- TenantLimiter.settle: gives back the tokens a job was charged and did not use, and takes those

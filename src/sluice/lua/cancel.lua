@@ -33,13 +33,6 @@ if f.state == 'queued' then
   settle(id, f, 'cancelled', { 'error', cancelled_error })
 elseif f.state == 'running' then
   rcall('PUBLISH', abort_channel, id)
-  -- Its slot freed for the tenant's queued jobs held back by its cap: the model's claimers wake
-  -- (as finish.lua does; MemoryBroker._move).
-  local tenant, model, was_blocked = f.tenant, f.model, rcall('SISMEMBER', blocked_k, f.tenant) == 1
-  settle(id, f, 'cancelled', { 'error', cancelled_error })
-  if was_blocked and rcall('SISMEMBER', blocked_k, tenant) == 0
-      and (rcall('HGET', tenant_key(P, tenant), 'q') or 0) * 1 > 0 then
-    rcall('ZADD', marker_key(P, model), '0', 'w')
-  end
+  settle(id, f, 'cancelled', { 'error', cancelled_error }) -- wakes claimers for a freed capped slot
 end
 return job_reply(f)

@@ -67,15 +67,8 @@ local started = f.started_at
 -- The model's running jobs, itself included, before settle counts it out (DrainRate.observe's
 -- running: the mean of this and of the count just after it started, the job's 'rb').
 local running_now = (rcall('HGET', running_k, f.model) or 0) * 1
--- A tenant at its concurrency cap (the blocked set, which claim skips) whose end frees a slot for
--- its queued jobs wakes the model's claimers, who would wait out their bound otherwise
--- (MemoryBroker._move; cancel.lua the same). Any other tenant's finish costs one SISMEMBER.
-local tenant, was_blocked = f.tenant, rcall('SISMEMBER', blocked_k, f.tenant) == 1
+-- (settle wakes the model's claimers when the end frees a capped tenant's slot: _job.lua)
 settle(id, f, state, changes)
-if was_blocked and rcall('SISMEMBER', blocked_k, tenant) == 0
-    and (rcall('HGET', tenant_key(P, tenant), 'q') or 0) * 1 > 0 then
-  rcall('ZADD', marker_key(P, f.model), '0', 'w')
-end
 tenant_settle(P, f.tenant, f.kb, f.cost * 1, used, now)
 
 if state == 'succeeded' and started then

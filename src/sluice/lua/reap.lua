@@ -44,14 +44,8 @@ for _, f in ipairs(lost) do
     local attempts = f.attempts * 1
     if attempts >= f.max_attempts * 1 then
       rcall('ZADD', dead_k, now, id)
-      -- A tenant at its cap whose lost job frees a slot for its held-back queued jobs wakes the
-      -- model's claimers (as finish.lua does; MemoryBroker._move).
-      local tenant, model, was_blocked = f.tenant, f.model, rcall('SISMEMBER', blocked_k, f.tenant) == 1
+      -- (settle wakes the model's claimers when the lost job frees a capped tenant's slot)
       settle(id, f, 'failed', { 'error', (string.gsub(worker_lost_error, '{attempts}', tostring(attempts))) })
-      if was_blocked and rcall('SISMEMBER', blocked_k, tenant) == 0
-          and (rcall('HGET', tenant_key(P, tenant), 'q') or 0) * 1 > 0 then
-        rcall('ZADD', marker_key(P, model), '0', 'w')
-      end
       dead = dead + 1
     else
       local model, cls, tenant = f.model, f.priority, f.tenant
