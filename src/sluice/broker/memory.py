@@ -65,6 +65,10 @@ class MemoryBroker(Broker):
         self._running: dict[str, int] = {}
         self._leases: dict[str, _Lease] = {}
         self._tenants: dict[str, _Tenant] = {}
+        #: the tenants at their concurrency cap (running >= max_concurrent), whose queued jobs a
+        #: claim passes over: kept where a running count or a cap changes (_move, _key_limiter),
+        #: not walked over every tenant on each claim
+        self._at_cap: set[str] = set()
         #: the jobs queued, over every tenant and model (the sum of the tenants' ``queued``): a
         #: claim with none to find does not walk the queues (the dispatcher's next claim, in the
         #: turn that writes a job's engine request, finds none at light load)
@@ -148,12 +152,16 @@ class MemoryBroker(Broker):
             t = self._tenants[name] = _Tenant()
         return t
 
-    def _key_limiter(self, t: _Tenant, limits: TenantLimits | None) -> TenantLimiter:
+    def _key_limiter(self, name: str, t: _Tenant, limits: TenantLimits | None) -> TenantLimiter:
         """The buckets of the key ``limits`` come from, brought to its limits as they are now; their
         levels stay through any change (a new key's buckets start full). Without limits, none."""
         if limits is None:
             return TenantLimiter(TenantLimits(""))
-        t.max_concurrent = limits.max_concurrent
+        cap = t.max_concurrent = limits.max_concurrent
+        if cap is not None and t.running >= cap:
+            self._at_cap.add(name)
+        else:
+            self._at_cap.discard(name)
         bucket = limits.bucket_id
         limiter = t.limiters.get(bucket)
         if limiter is None:
@@ -169,32 +177,33 @@ class MemoryBroker(Broker):
     def _move(self, job: Job, state: JobState) -> None:
         """Change a job's state, keeping the per-model and per-tenant counts in step."""
         t = self._tenant(job.tenant)
+        cap = t.max_concurrent
         if job.state is JobState.RUNNING:
             self._running[job.model] -= 1
             t.running -= 1
-            # A slot of its cap freed for its held-back jobs: the claims wake (or wait out their
-            # bound). An uncapped tenant's end reads one field more, no call.
-            if t.max_concurrent is not None and t.queued and t.running == t.max_concurrent - 1:
-                self._wake_claimers()
+            # From its cap to under it (a cap lowered below the running count stays at it): out of
+            # the capped set, and a slot freed for its held-back jobs: the claims wake (or wait
+            # out their bound). An uncapped tenant's end reads one field more, no call.
+            if cap is not None and t.running == cap - 1:
+                self._at_cap.discard(job.tenant)
+                if t.queued:
+                    self._wake_claimers()
         elif job.state is JobState.QUEUED:
             t.queued -= 1
             self._queued -= 1
         if state is JobState.RUNNING:
             self._running[job.model] = self._running.get(job.model, 0) + 1
             t.running += 1
+            if cap is not None and t.running >= cap:
+                self._at_cap.add(job.tenant)
         elif state is JobState.QUEUED:
             t.queued += 1
             self._queued += 1
         job.state = state
         if t.idle:
             del self._tenants[job.tenant]
-
-    def _blocked(self) -> set[str]:
-        return {
-            name
-            for name, t in self._tenants.items()
-            if t.max_concurrent is not None and t.running >= t.max_concurrent
-        }
+            if cap is not None:  # a cap of 0 holds even an idle tenant at it
+                self._at_cap.discard(job.tenant)
 
     def _settle(self, rec: JobRecord, state: JobState, error: JobError | None = None) -> None:
         """Put a job in a terminal state and publish its terminal event."""
@@ -230,7 +239,7 @@ class MemoryBroker(Broker):
                 pos = await self.position(first.id)
                 return Admission(first, True, pos or 0, 0.0)
         tenant = self._tenant(job.tenant)
-        limiter = self._key_limiter(tenant, limits)
+        limiter = self._key_limiter(job.tenant, tenant, limits)
         drain = self._drain_rate(job.model, now)
         q = self._queue(job.model)
         try:
@@ -247,6 +256,7 @@ class MemoryBroker(Broker):
         except admission.Refused:
             if tenant.idle:
                 del self._tenants[job.tenant]  # a refused first request leaves nothing behind
+                self._at_cap.discard(job.tenant)
             raise
         if ok.evict:
             assert victim is not None
@@ -469,7 +479,7 @@ class MemoryBroker(Broker):
 
     def _pop(self, models: Sequence[str]) -> Job | None:
         now = self.now()
-        blocked = self._blocked()
+        blocked = self._at_cap  # read, never changed, by the queues (an expiry below may drop one)
         while True:
             best: tuple[int, float, str] | None = None
             for model in models:

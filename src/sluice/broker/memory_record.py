@@ -154,6 +154,8 @@ class _Tenant:
     same in the tenant's hash)."""
 
     #: the tenant's concurrency cap: ``TenantLimits.max_concurrent`` of the key that sent its latest job
+    #: (set only by ``MemoryBroker._key_limiter``, which with ``_move`` keeps the set of the tenants
+    #: at their cap, ``MemoryBroker._at_cap``)
     max_concurrent: int | None = None
     #: its jobs queued and running, over every model
     queued: int = 0
