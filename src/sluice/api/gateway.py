@@ -33,6 +33,10 @@ log = logging.getLogger("sluice.gateway")
 
 # How stale the model registry may be on the admission path (a worker's lease is 30 s by default).
 SERVED_CACHE_S = 1.0
+#: How long the models' info is kept when the workers describe none (Gateway.model_info): shorter,
+#: so that a worker that has just registered is described soon (it describes its models right
+#: after), yet bounded, so that workers that describe nothing cost a read a request no more.
+EMPTY_INFO_CACHE_S = 0.25
 
 # Fields that are Sluice's, not the engine's.
 OWN_FIELDS = ("priority", "timeout", "callback_url")
@@ -167,11 +171,14 @@ class Gateway:
 
     async def model_info(self) -> dict[str, ModelInfo]:
         """What the workers know of the models they serve (context windows, answers' lengths), read
-        at most once per SERVED_CACHE_S, as the registry is."""
+        at most once per SERVED_CACHE_S, as the registry is; an empty answer (workers that describe
+        no model, or one just registered that has not described its models yet) for
+        EMPTY_INFO_CACHE_S. Not kept at all, it was a broker read (on Redis a round trip) on every
+        request of a deployment whose workers describe nothing."""
         now = time.monotonic()
         if now >= self._info[0]:
             info = await self.broker.model_info()
-            self._info = (now + SERVED_CACHE_S if info else 0.0, info)
+            self._info = (now + (SERVED_CACHE_S if info else EMPTY_INFO_CACHE_S), info)
         return self._info[1]
 
     def starting(self) -> APIError | None:
