@@ -188,6 +188,15 @@ class Broker(ABC):
         its tenant's jobs queued; None checks none), the queue's bounds and the deadline prediction
         are decided atomically with the enqueue. The dispatcher never runs more of a tenant's jobs
         at once than ``limits.max_concurrent`` (of the key that sent its latest job).
+
+        The job passed in is changed: queued, it is ``Admission.job`` itself, in state QUEUED,
+        and its ``id`` is the one it is known by from then on, which the broker may have given it
+        here. The Redis broker does so on a spread queue (a cluster): ``job_<random>`` becomes
+        ``job_<shard>.<random>``, so that a lookup by id finds the job's shard
+        (``redis_shards.tag_job_id``); the memory broker and a Redis queue on one shard keep the
+        id. Callers read the id after admission (``admission.job.id``, which the routes answer
+        with), never one taken before it. A duplicate's ``Admission.job`` is the first job's
+        record: the job passed in then, as after a refusal, names no job, whatever its id.
         """
         if job.priority not in self.classes:
             raise ValueError(f"unknown priority class {job.priority!r}")
