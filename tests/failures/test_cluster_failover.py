@@ -2,18 +2,20 @@
 scripts run there as on one Redis, each model's queue is on the master of its own hash tag (so the
 models of one queue spread over the masters), a stale slot map is corrected by MOVED, and kill -9 of
 the master that serves a model lets its replica take over with nothing accepted lost (WAIT, on by
-default with a cluster) while the other masters go on serving their models.
+default with a cluster) while the other masters go on serving their models, to the same worker
+when it serves models of several masters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from sluice.broker.base import EventType
+from sluice.broker.base import BrokerSettings, BrokerUnavailable, EventType
 from sluice.broker.redis import RedisBroker
 from sluice.broker.redis_keys import QueueKeys
 from sluice.broker.redis_shards import shard_of_job, shard_of_model, shard_queue
@@ -254,3 +256,84 @@ async def test_killing_a_models_master_loses_no_accepted_job(cluster: RedisClust
         )
     finally:
         await load.stop()
+
+
+@pytest.fixture
+def patient_cluster() -> Iterator[RedisClusterNodes]:
+    """A cluster whose nodes take two minutes to declare a silent master failed: a killed master is
+    not failed over while a test runs, so its slots stay down and the other masters keep serving
+    theirs (with the default, cluster-require-full-coverage, the whole cluster refuses once a
+    master is declared failed and until its replica is promoted)."""
+    with RedisClusterNodes(masters=3, replicas=1, node_timeout_ms=120_000) as cluster:
+        yield cluster
+
+
+@pytest.mark.timeout(240)
+async def test_a_worker_serves_the_other_masters_models_while_one_master_is_down(
+    patient_cluster: RedisClusterNodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = patient_cluster
+    models = _one_model_per_master(cluster)
+    lost, healthy = models[0], models[1]
+    masters = [cluster.master_of(_prefix(m)) for m in models]
+    down, up = masters[0], masters[1]
+    # Leases and registrations far longer than the test: nothing runs out on a loaded machine.
+    settings = BrokerSettings(lease_s=60.0, result_ttl_s=600.0)
+    async with (
+        RedisBroker(cluster.url, settings) as gateway,
+        RedisBroker(cluster.url, settings) as worker,
+    ):
+        await worker.register("w", dict.fromkeys(models, 4))
+        stranded = make_job(time.time, model=lost)  # running on the master that will die
+        await gateway.admit(stranded)
+        claimed = await worker.claim("w", [lost], timeout=5)
+        assert claimed is not None and claimed.id == stranded.id
+        healthy_keys = QueueKeys(shard_queue("sluice", shard_of_model(healthy)))
+        with up.client() as c:
+            registered_before = c.zscore(healthy_keys.workers, "w")
+        assert registered_before is not None
+
+        # A claim blocked on the three masters when one of them dies goes on waiting on the two
+        # others and takes a job admitted on one of them.
+        waiting = asyncio.create_task(worker.claim("w", models, timeout=60))
+        await wait_until(lambda: all(_blocked_clients(m) >= 1 for m in masters), timeout=10)
+        caplog.set_level(logging.WARNING, logger="sluice.broker.redis")
+        down.kill()
+        first = make_job(time.time, model=healthy)
+        await gateway.admit(first)
+        woken = await asyncio.wait_for(waiting, 20)
+        assert woken is not None and woken.id == first.id
+
+        # Fresh claims over the three take the healthy masters' jobs at once, whichever shard their
+        # round starts from (the shard of the dead master, known down, goes last).
+        jobs = [make_job(time.time, model=m) for m in (healthy, models[2], healthy)]
+        for job in jobs:
+            await gateway.admit(job)
+        got = [await asyncio.wait_for(worker.claim("w", models, timeout=10), 20) for _ in jobs]
+        assert sorted(j.id for j in got if j is not None) == sorted(j.id for j in jobs)
+        # Nothing to take on the healthy masters: the claim waits its time out and answers None.
+        assert await asyncio.wait_for(worker.claim("w", models, timeout=2.5), 20) is None
+        # A claim whose every shard is down says so.
+        with pytest.raises(BrokerUnavailable):
+            await asyncio.wait_for(worker.claim("w", [lost], timeout=5), 20)
+
+        # Registration and heartbeats go on on the masters that answer.
+        await worker.register("w", dict.fromkeys(models, 4))
+        with up.client() as c:
+            registered_after = c.zscore(healthy_keys.workers, "w")
+            lease_before = c.zscore(healthy_keys.active, first.id)
+        assert registered_after is not None and registered_after > registered_before
+        running = [stranded.id, first.id, *(j.id for j in jobs)]
+        assert await worker.heartbeat("w", running) == set()  # the stranded job is not given up
+        with up.client() as c:
+            lease_after = c.zscore(healthy_keys.active, first.id)
+        assert lease_before is not None and lease_after is not None and lease_after > lease_before
+        for job in [first, *jobs]:
+            done = await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
+            assert done is not None and done.state is JobState.SUCCEEDED
+
+        # The dead master's outage was logged once, not at each of the rounds above.
+        said = [r for r in caplog.records if f"shard {_prefix(lost).rstrip(':')} " in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        # All of it happened before any failover: the dead master still holds its slots.
+        assert cluster.master_of(_prefix(lost)) is down

@@ -57,6 +57,9 @@ T = TypeVar("T")
 
 #: Longest single BZPOPMIN of an idle claimer; a longer claim blocks again.
 CLAIM_BLOCK_S = 10.0
+#: While a shard a claim needs is unavailable (its master down, mid-failover), how long the claim
+#: blocks on the others' markers before it tries that shard again.
+SHARD_RETRY_S = 1.0
 #: How often each process offers to run upkeep; a lock lets one process per interval do it.
 MAINTAIN_INTERVAL_S = 0.25
 #: Events kept per job stream (``XADD MAXLEN ~``): room for a long generation, token by token.
@@ -183,6 +186,9 @@ class RedisCore(Broker):
         self._releases: set[asyncio.Task[None]] = set()
         self._plans: dict[tuple[str, ...], list[ClaimPlan]] = {}
         self._claim_turn = 0  # which shard a claim over several tries first
+        # Per shard, the outage of its master as a worker's claims, registrations and heartbeats
+        # see it: logged once when it begins and once when it ends, not at every claim round.
+        self._shard_outages: dict[Shard, OutageLog] = {}
         self._class_names = list(self.classes)
         self._policy_args = self.settings.policy.lua_args()  # fixed for the broker's life
         # admit.lua's settings after the model's and the class's bounds (its header), joined once
@@ -274,6 +280,28 @@ class RedisCore(Broker):
             return
         await self._io(self.home.redis.sadd(self.keys.shards, str(shard.number)))
         shard.announced = True
+
+    def _shard_failed(self, shard: Shard, exc: BrokerUnavailable) -> None:
+        """A worker's call to ``shard`` found its master unavailable and went on with the other
+        shards: said once per outage of that shard (a failover fails every claim round meanwhile)."""
+        outage = self._shard_outages.get(shard)
+        if outage is None:
+            outage = self._shard_outages[shard] = OutageLog(
+                log,
+                f"the worker's calls to the shard {shard.keys.prefix.rstrip(':')} (the other shards go on)",
+            )
+        outage.failed(exc)
+
+    def _shard_down(self, shard: Shard) -> bool:
+        """Whether the last worker's call to ``shard`` found it unavailable."""
+        outage = self._shard_outages.get(shard)
+        return outage is not None and outage.since is not None
+
+    def _shard_answered(self, shard: Shard) -> None:
+        """``shard`` answered a worker's call: ends its outage, if one was logged."""
+        outage = self._shard_outages.get(shard)
+        if outage is not None:
+            outage.ok()
 
     async def _shards_in_use(self) -> list[Shard]:
         """The home shard, then every shard that has held a model's queue."""
@@ -370,7 +398,9 @@ class RedisCore(Broker):
         """Wait up to ``block`` seconds for a member on any of the wake-up markers (``BZPOPMIN``), each
         shard's markers in a command of their own on its blocking client (a command names the keys
         of one slot); the marker that woke the wait, or None. With several shards they are all
-        waited on at once and the other waits are cancelled when one wakes."""
+        waited on at once and the other waits are cancelled when one wakes; a wait that fails for an
+        outage of its master leaves the others waiting, for at most :data:`SHARD_RETRY_S` more (the
+        caller then tries that shard again), and the wait raises only when every one failed."""
         by_shard: dict[Shard, list[str]] = {}
         for shard, markers in waits:
             by_shard.setdefault(shard, []).extend(markers)
@@ -386,14 +416,28 @@ class RedisCore(Broker):
         if len(groups) == 1:
             return await one(*groups[0])
         tasks = [asyncio.ensure_future(one(client, markers)) for client, markers in groups]
+        loop = asyncio.get_running_loop()
         try:
             pending: set[asyncio.Future[str | None]] = set(tasks)
+            give_up: float | None = None  # set once a wait failed: the others wait that long more
+            failed: BrokerUnavailable | None = None
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                left = None if give_up is None else give_up - loop.time()
+                if left is not None and left <= 0:
+                    return None
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    woke = task.result()  # a failed wait raises here, as with one master
+                    exc = task.exception()
+                    if isinstance(exc, BrokerUnavailable):
+                        # One master down (mid-failover) must not end the wait on the others.
+                        failed = exc
+                        give_up = loop.time() + SHARD_RETRY_S if give_up is None else give_up
+                        continue
+                    woke = task.result()  # any other failure raises here: a bug, let it show
                     if woke is not None:
                         return woke
+            if failed is not None and all(t.done() and t.exception() is not None for t in tasks):
+                raise failed
             return None
         finally:
             for task in tasks:

@@ -11,12 +11,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
+from sluice.broker.base import BrokerUnavailable
 from sluice.broker.redis_codec import PurgeExpiredReply, ReapReply, to_json
 from sluice.broker.redis_core import (
     CALLBACK_BATCH,
     CALLBACK_LEASE_S,
     CLAIM_BLOCK_S,
     EXPIRED,
+    SHARD_RETRY_S,
     STREAM_MAXLEN,
     UPKEEP_BATCH,
     WORKER_LOST,
@@ -41,20 +43,37 @@ class UpkeepMixin(WorkMixin, RedisCore):
         give_up = loop.time() + timeout
         while True:
             shards = await self._shards_in_use()
+            # As a claim: a shard whose master is down is tried again at the next round, and the
+            # others are served meanwhile; only a round that reached no shard raises.
+            answered: list[Shard] = []
+            failed: BrokerUnavailable | None = None
             for shard in shards:
                 k = shard.keys
-                ids = await self._call(
-                    "callbacks",
-                    [k.callbacks, k.callbacks_inflight, k.callbacks],
-                    ["take", self._now(), repr(CALLBACK_LEASE_S), CALLBACK_BATCH],
-                    shard,
-                )
+                try:
+                    ids = await self._call(
+                        "callbacks",
+                        [k.callbacks, k.callbacks_inflight, k.callbacks],
+                        ["take", self._now(), repr(CALLBACK_LEASE_S), CALLBACK_BATCH],
+                        shard,
+                    )
+                except BrokerUnavailable as exc:
+                    if len(shards) == 1:
+                        raise
+                    failed = exc
+                    self._shard_failed(shard, exc)
+                    continue
+                if len(shards) > 1:
+                    self._shard_answered(shard)
                 if ids:
                     return [str(i) for i in ids]
+                answered.append(shard)
+            if not answered and failed is not None:
+                raise failed
             remaining = give_up - loop.time()
             if remaining <= 0:
                 return []
-            await self._block([(s, [s.keys.callbacks_marker]) for s in shards], min(remaining, CLAIM_BLOCK_S))
+            block = min(remaining, CLAIM_BLOCK_S if failed is None else SHARD_RETRY_S)
+            await self._block([(s, [s.keys.callbacks_marker]) for s in answered], block)
 
     async def ack_callback(self, job_id: str) -> None:
         shard = self._job_shard(job_id)
@@ -81,8 +100,16 @@ class UpkeepMixin(WorkMixin, RedisCore):
     # --- upkeep ---------------------------------------------------------------------------------
 
     async def maintain(self) -> None:
+        # Shard by shard: one whose master is down (a failover) does not hold up the others' lost
+        # leases and deadlines; its outage is raised once the others are done.
+        failed: BrokerUnavailable | None = None
         for shard in await self._shards_in_use():
-            await self._maintain(shard)
+            try:
+                await self._maintain(shard)
+            except BrokerUnavailable as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     async def _maintain(self, shard: Shard) -> None:
         k = shard.keys

@@ -5,6 +5,11 @@ releasing leases, publishing events and settling the job. Part of
 A claim over models whose queues are in several shards (a spread queue on a cluster) runs the claim
 script once per shard, starting from a different shard at each claim so that none is always served
 first, and blocks on the wake-up markers of all of them at once.
+
+A shard whose master is unavailable (down, mid-failover) does not stop the others: a claim,
+a registration and a heartbeat go on with the shards that answer, try that one again at their next
+round, and raise :class:`BrokerUnavailable` only when none answered (the outage of each shard is
+logged once, ``RedisCore._shard_failed``).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from sluice.broker.base import EventType
+from sluice.broker.base import BrokerUnavailable, EventType
 from sluice.broker.redis_codec import JobReply, capacity_slots, pairs, settings_text, settle_fields, to_json
 from sluice.broker.redis_core import (
     CLAIM_BLOCK_S,
     EXPIRED,
     EXPIRED_PER_CLAIM,
+    SHARD_RETRY_S,
     STREAM_MAXLEN,
     UNFINISHABLE,
     ClaimPlan,
@@ -58,20 +64,44 @@ class WorkMixin(RedisCore):
     async def register(self, worker_id: str, slots: Mapping[str, int]) -> None:
         # The home shard knows every model's slots (served_models); a model's shard knows the slots
         # of its own models, which its admissions predict with and its finishes measure.
-        await self._workers("register", worker_id, slots)
         if not self.spread:
+            await self._workers("register", worker_id, slots)
             return
-        per_shard: dict[Shard, dict[str, int]] = {}
+        per_shard: dict[Shard, dict[str, int]] = {self.home: dict(slots)}
         for model, n in slots.items():
             per_shard.setdefault(self._model_shard(model), {})[model] = n
+        # Shard by shard: one whose master is down (a failover) is registered on at the next
+        # heartbeat, and the others now; only a registration that reached no shard raises.
+        failed: BrokerUnavailable | None = None
+        answered = False
         for shard, own in per_shard.items():
-            await self._announce(shard)
-            await self._workers("register", worker_id, own, shard)
+            try:
+                if not shard.announced and shard is not self.home:
+                    # (in the home shard: if its master is down, announced at a later registration)
+                    with contextlib.suppress(BrokerUnavailable):
+                        await self._announce(shard)
+                await self._workers("register", worker_id, own, shard)
+            except BrokerUnavailable as exc:
+                failed = exc
+                self._shard_failed(shard, exc)
+                continue
+            answered = True
+            self._shard_answered(shard)
+        if not answered and failed is not None:
+            raise failed
 
     async def unregister(self, worker_id: str) -> None:
+        # Every shard that answers, then the outage of one that did not, if any (its master down:
+        # the registration there runs out with its lease).
+        failed: BrokerUnavailable | None = None
         for shard in await self._shards_in_use():
-            await self._workers("unregister", worker_id, shard=shard)
+            try:
+                await self._workers("unregister", worker_id, shard=shard)
+            except BrokerUnavailable as exc:
+                failed = failed or exc
         await self._batch.call(("HDEL", self.keys.model_info, worker_id))
+        if failed is not None:
+            raise failed
 
     async def describe_models(self, worker_id: str, models: Mapping[str, ModelInfo]) -> None:
         described = {model: info.to_dict() for model, info in sorted(models.items())}
@@ -136,24 +166,49 @@ class WorkMixin(RedisCore):
 
     async def _claim(self, worker_id: str, models: Sequence[str], timeout: float) -> Job | None:
         plans = self._plan(models)
+        several = len(plans) > 1
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
         woken: Shard | None = None
         while True:
-            # Across shards, a different one first at each claim: no shard's models always win.
-            turn = self._claim_turn
-            self._claim_turn += 1
-            for i in range(len(plans)):
-                plan = plans[(turn + i) % len(plans)]
-                job = await self._claim_on(plan, worker_id, 1 if plan.shard is woken else 0)
+            answered: list[ClaimPlan] = []
+            failed: BrokerUnavailable | None = None
+            for plan in self._claim_order(plans) if several else plans:
+                try:
+                    job = await self._claim_on(plan, worker_id, 1 if plan.shard is woken else 0)
+                except BrokerUnavailable as exc:
+                    if not several:
+                        raise
+                    # Its master is down (a failover): the models of the other masters go on being
+                    # served; this shard is tried again at the next round.
+                    failed = exc
+                    self._shard_failed(plan.shard, exc)
+                    continue
+                if several:
+                    self._shard_answered(plan.shard)
                 if job is not None:
                     return job
+                answered.append(plan)
+            if not answered and failed is not None:
+                raise failed  # every shard the claim needs is unavailable
             woken = None
             remaining = give_up - loop.time()
             if remaining <= 0:
                 return None
-            marker = await self._block([(p.shard, p.markers) for p in plans], min(remaining, CLAIM_BLOCK_S))
-            woken = next((p.shard for p in plans if marker in p.markers), None)
+            block = min(remaining, CLAIM_BLOCK_S if failed is None else SHARD_RETRY_S)
+            marker = await self._block([(p.shard, p.markers) for p in answered], block)
+            woken = next((p.shard for p in answered if marker in p.markers), None)
+
+    def _claim_order(self, plans: list[ClaimPlan]) -> list[ClaimPlan]:
+        """The order a claim round over several shards tries them in: a different one first at each
+        round, so that no shard's models always win; a shard known to be down last, so that one
+        failing by a timeout (a master that hangs rather than refuses) holds up none of the others."""
+        turn = self._claim_turn
+        self._claim_turn += 1
+        order = [plans[(turn + i) % len(plans)] for i in range(len(plans))]
+        if self._shard_outages:
+            order.sort(key=lambda p: self._shard_down(p.shard))
+        return order
 
     async def _claim_on(self, plan: ClaimPlan, worker_id: str, woken: int) -> Job | None:
         """Run the claim script on one shard until it leases a job or finds none."""
@@ -222,8 +277,29 @@ class WorkMixin(RedisCore):
                 args += [job_id, sent[job_id]]
             return list(await self._call("heartbeat", [k.active, *map(k.job, ids)], args, shard))
 
-        replies = await asyncio.gather(*(beat(s, ids) for s, ids in self._by_shard(job_ids).items()))
-        abort = {str(i) for reply in replies for i in reply}
+        groups = self._by_shard(job_ids)
+        replies = await asyncio.gather(*(beat(s, ids) for s, ids in groups.items()), return_exceptions=True)
+        # A shard whose master is down (a failover) renews nothing now, and its jobs are not told
+        # to abort: their leases are renewed at the next heartbeat if it is back in time, else
+        # they are lost there and that heartbeat says so (the lease token fences this worker).
+        # The other shards' leases are renewed meanwhile; only a heartbeat that reached no shard
+        # raises.
+        abort: set[str] = set()
+        failed: BrokerUnavailable | None = None
+        answered = False
+        for shard, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, BrokerUnavailable) and len(groups) > 1:
+                failed = reply
+                self._shard_failed(shard, reply)
+                continue
+            if isinstance(reply, BaseException):
+                raise reply  # not an outage (a bug, let it show), or the one shard's outage
+            answered = True
+            if len(groups) > 1:
+                self._shard_answered(shard)
+            abort.update(str(i) for i in reply)
+        if not answered and failed is not None:
+            raise failed
         for job_id in abort:
             # Forgotten only if it is still the token this heartbeat sent: a claim of the same job by
             # this worker may have stored a new one meanwhile, which the adopted run needs.
