@@ -59,6 +59,15 @@ def _one_model_per_master(cluster: RedisClusterNodes) -> list[str]:
     raise AssertionError("no model name found for every master")
 
 
+def _model_after(cluster: RedisClusterNodes, shard: int, not_on: RedisServer) -> str:
+    """A model name whose shard's number is above ``shard`` and whose master is not ``not_on``."""
+    for i in range(1000):
+        model = f"late-{i}"
+        if shard_of_model(model) > shard and cluster.master_of(_prefix(model)) is not not_on:
+            return model
+    raise AssertionError(f"no model name found in a shard after {shard}")
+
+
 def _blocked_clients(node: RedisServer) -> int:
     with node.client() as c:
         return int(c.info("clients")["blocked_clients"])
@@ -331,6 +340,28 @@ async def test_a_worker_serves_the_other_masters_models_while_one_master_is_down
         for job in [first, *jobs]:
             done = await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
             assert done is not None and done.state is JobState.SUCCEEDED
+
+        # Upkeep goes on past the dead master's shard: a lease lost on a healthy master, in a shard
+        # that upkeep walks after the dead one (shards go in number order), is reaped, its job queued
+        # again.
+        late = _model_after(cluster, shard_of_model(lost), down)
+        async with RedisBroker(cluster.url, BrokerSettings(lease_s=1.0, result_ttl_s=600.0)) as brief:
+            lapsing = make_job(time.time, model=late)
+            await gateway.admit(lapsing)
+            taken = await brief.claim("b", [late], timeout=5)
+            assert taken is not None and taken.id == lapsing.id  # and never renewed
+
+        async def requeued() -> bool:
+            job = await gateway.get(lapsing.id)
+            return job is not None and job.state is JobState.QUEUED
+
+        await wait_until(requeued, timeout=30)
+        # And so do webhooks: an ended job's in a shard after the dead one is handed out.
+        hooked = make_job(time.time, model=late)
+        hooked.callback_url = "https://example.com/hook"
+        await gateway.admit(hooked)
+        await gateway.cancel(hooked.id)
+        assert await asyncio.wait_for(worker.ended_callbacks("w", timeout=5), 20) == [hooked.id]
 
         # The dead master's outage was logged once, not at each of the rounds above.
         said = [r for r in caplog.records if f"shard {_prefix(lost).rstrip(':')} " in r.getMessage()]
