@@ -4,8 +4,9 @@ jobs were claimed more than once, and when service stopped and resumed.
 
 Admitters play gateways (``admit`` in a loop); workers play dispatchers (claim, heartbeat while the
 job "runs", finish), each a broker of its own as separate processes would have, and each serving one
-model, as a dispatcher in front of that model's engine would: on a Redis Cluster a claim over models
-on several masters fails while one of them is down, and the other models' work must go on.
+model, as a dispatcher in front of that model's engine would, so that each model's books are its own
+(a claim over models on several masters skips one that is down and serves the others: that is
+test_a_worker_serves_the_other_masters_models_while_one_master_is_down's).
 
 The queue policy is deadline admission, and the jobs' deadline is long: what the failover tests
 check is that nothing accepted is lost, not what the policy takes, and under codel a slowed worker
