@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sluice.backends.base import Backend, BackendError
-from sluice.broker.base import BrokerSettings
+from sluice.broker.base import BrokerSettings, BrokerUnavailable
 from sluice.broker.memory import MemoryBroker
 from sluice.core.health import EngineHealth, HealthState
 from sluice.core.job import Job, JobState
@@ -609,3 +609,41 @@ async def test_a_job_that_does_not_stream_is_answered_by_whole_where_the_backend
 
 async def _events(broker: MemoryBroker, job_id: str) -> list[Any]:
     return [e async for e in broker.events(job_id, timeout=1.0)]
+
+
+class _RegistryDown(MemoryBroker):
+    """A broker whose queue-wide registry (model descriptions, draining) is unreachable, as a Redis
+    Cluster's home master is while it is down, and whose leases are not: counts the heartbeats."""
+
+    heartbeats = 0
+    registry_down = False
+
+    async def describe_models(self, worker_id: str, models: Any) -> None:
+        if self.registry_down:
+            raise BrokerUnavailable("the home master is down")
+        await super().describe_models(worker_id, models)
+
+    async def heartbeat(self, worker_id: str, job_ids: list[str]) -> Any:
+        self.heartbeats += 1
+        return await super().heartbeat(worker_id, job_ids)
+
+
+async def test_leases_are_renewed_while_the_registry_is_down() -> None:
+    """A job that runs for several leases finishes on its first attempt although every heartbeat's
+    model description fails: the leases are renewed first, and the registry's outage is its own."""
+    broker = _RegistryDown(BrokerSettings(lease_s=0.3))
+    await broker.start()
+    backend = FakeBackend("a", 1, delay=1.0)
+    dispatcher = Dispatcher(broker, [backend], heartbeat_s=0.05)
+    await dispatcher.start()
+    broker.registry_down = True  # from the first heartbeat on
+    try:
+        job = make_job()
+        await broker.admit(job)
+        done = await broker.wait(job.id, 20)
+        assert done is not None and done.state is JobState.SUCCEEDED, done
+        assert done.attempts == 1
+        await wait_until(lambda: broker.heartbeats >= 3)
+    finally:
+        await dispatcher.stop()
+        await broker.close()

@@ -138,6 +138,7 @@ class Dispatcher:
         self.running: dict[str, asyncio.Task[None]] = {}
         self._claims_outage = OutageLog(log, "claims")
         self._heartbeat_outage = OutageLog(log, "heartbeat")
+        self._registry_outage = OutageLog(log, "model descriptions and draining")
         #: per model: the answers' lengths of finished jobs whose engine decided their length
         self.output_lengths: dict[str, OutputLengths] = {}
         #: per model: when this dispatcher first served it (the creation time of a model whose
@@ -582,10 +583,8 @@ class Dispatcher:
             await self.broker.wait_abort_signal(self.heartbeat_s)
             try:
                 await self.broker.register(self.worker_id, self.capacity())
-                await self.broker.describe_models(self.worker_id, self.model_info())
                 sent = dict(self._claims)
                 abort = await self.broker.heartbeat(self.worker_id, list(self.running))
-                self.apply_draining(await self.broker.draining())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -593,6 +592,17 @@ class Dispatcher:
                 await asyncio.sleep(self.heartbeat_s)
                 continue
             self._heartbeat_outage.ok()
+            # What the models are and which engines drain live on the queue-wide keys (one
+            # cluster master): their outage must not stop the leases above being renewed.
+            try:
+                await self.broker.describe_models(self.worker_id, self.model_info())
+                self.apply_draining(await self.broker.draining())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._registry_outage.failed(exc)
+            else:
+                self._registry_outage.ok()
             for job_id in abort:
                 task = self.running.get(job_id)
                 # A job claimed again while the heartbeat was on its way runs under the new lease:
