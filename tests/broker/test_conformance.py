@@ -14,11 +14,11 @@ from sluice.broker.base import Broker, EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
 from sluice.core.admission import RETRY_SHARE, Refused
-from sluice.core.job import JobError, JobState
+from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
 from tests.broker.brokers import empty_redis, make_settings
-from tests.helpers import FakeClock, make_job
+from tests.helpers import FakeClock, make_job, wait_until
 from tests.redis_server import RedisServer
 
 W = "worker-1"
@@ -813,13 +813,21 @@ async def test_max_concurrent(broker: Broker, clock: FakeClock) -> None:
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("end", ["finish", "cancel", "lost"])
-async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_job_waits_for(
-    broker: Broker, clock: FakeClock, end: str
-) -> None:
-    """A claim waiting (up to 30 s) while the only queued job is held back by its tenant's cap gets
-    that job when the tenant's running job ends (finished, cancelled, or its lease lost on its last
-    attempt), not at the claim's bound (nor, on Redis, at the end of its 10 s BZPOPMIN)."""
+async def _claims_waiting(broker: Broker) -> int:
+    """How many claims wait for work: the memory broker's waiting futures, Redis's blocked clients."""
+    if isinstance(broker, MemoryBroker):
+        return len(broker._claimers)
+    assert isinstance(broker, RedisBroker)
+    info = await broker._batch.call(("INFO", "clients"))
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("blocked_clients:"))
+
+
+async def _a_claim_waits_behind_a_capped_tenant(
+    broker: Broker, clock: FakeClock
+) -> tuple[Job, Job, asyncio.Task[Job | None]]:
+    """A capped tenant (one at a time) with a running job and a held-back queued one, and a claim
+    (up to 30 s) that has looked, found nothing it may take, and waits (waited on, not slept on)."""
     capped = TenantLimits("capped", max_concurrent=1)
     running = make_job(clock, tenant="capped", max_attempts=1)
     held = make_job(clock, tenant="capped")
@@ -827,9 +835,20 @@ async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
     await broker.admit(held, capped)
     waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=30.0))
+    await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
+    assert not waiting.done()
+    return running, held, waiting
+
+
+@pytest.mark.parametrize("end", ["finish", "cancel", "lost"])
+async def test_the_end_of_a_capped_tenants_running_job_wakes_the_claim_its_held_job_waits_for(
+    broker: Broker, clock: FakeClock, end: str
+) -> None:
+    """A claim waiting (up to 30 s) while the only queued job is held back by its tenant's cap gets
+    that job when the tenant's running job ends (finished, cancelled, or its lease lost on its last
+    attempt), not at the claim's bound (nor, on Redis, at the end of its 10 s BZPOPMIN)."""
+    running, held, waiting = await _a_claim_waits_behind_a_capped_tenant(broker, clock)
     try:
-        await asyncio.sleep(0.05)  # it has looked, found the job held back, and waits
-        assert not waiting.done()
         if end == "finish":
             await broker.finish(running.id, W, JobState.SUCCEEDED, result={})
         elif end == "cancel":
@@ -850,15 +869,8 @@ async def test_a_job_admitted_while_the_models_queue_holds_only_held_back_jobs_w
     """A claim waiting (up to 30 s) while the model's only queued job is held back by its tenant's
     cap gets another tenant's job admitted then, not at the claim's bound (nor, on Redis, at the end
     of its 10 s BZPOPMIN): the queue was not empty, but nothing in it could be claimed."""
-    capped = TenantLimits("capped", max_concurrent=1)
-    running, held = make_job(clock, tenant="capped"), make_job(clock, tenant="capped")
-    await broker.admit(running, capped)
-    assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
-    await broker.admit(held, capped)
-    waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=30.0))
+    _, _, waiting = await _a_claim_waits_behind_a_capped_tenant(broker, clock)
     try:
-        await asyncio.sleep(0.05)  # it has looked, found the job held back, and waits
-        assert not waiting.done()
         other = make_job(clock, tenant="other")
         await broker.admit(other)
         claimed = await asyncio.wait_for(waiting, 5.0)
