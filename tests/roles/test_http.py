@@ -62,6 +62,31 @@ async def test_open_requests_are_counted_and_finish_while_new_ones_are_refused()
         assert requests.open == 0
 
 
+async def test_a_request_that_ends_as_the_drain_looks_is_not_missed() -> None:
+    """The last open request ends in the loop turn between the drain's look (one open) and the
+    start of its wait for a change: the drain still sees it end, rather than waiting out its grace
+    (a gateway under SIGTERM sat out its 120 s so on a loaded machine)."""
+    release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release
+
+    shutdown = drain.Drain(grace_s=600)
+    requests = OpenRequests(app, shutdown)
+    request = asyncio.create_task(requests({"type": "http", "path": "/v1/chat/completions"}, None, None))
+    await wait_until(lambda: requests.open == 1, timeout=5)
+    shutdown.signal()
+
+    def idle() -> bool:
+        if not release.done():
+            release.set_result(None)  # the request ends in the next turn, before the wait starts
+        return requests.open == 0
+
+    assert await asyncio.wait_for(shutdown.until(idle, requests.changed), 10)
+    assert requests.open == 0
+    await request
+
+
 async def test_new_requests_are_still_taken_within_the_accept_window() -> None:
     now = [0.0]
     shutdown = drain.Drain(grace_s=30, clock=lambda: now[0])

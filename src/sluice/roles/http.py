@@ -157,9 +157,12 @@ class OpenRequests:
         return not self.drain.draining or self.drain.elapsed() < self.accept_s
 
     async def changed(self) -> None:
-        """Return once a counted request ends."""
-        self._changed.clear()
+        """Return once a counted request has ended since the last return (at once if one did).
+        Cleared after the wait, not before it: a request that ended between the caller's look at
+        ``open`` and this wait's start (one turn of the loop, as the drain's waker task starts)
+        would otherwise be cleared away unseen, and the drain would sit out its grace period."""
         await self._changed.wait()
+        self._changed.clear()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or not _counted(scope):
