@@ -164,10 +164,23 @@ class Gateway:
         on Redis each read is a round trip. An empty registry is not kept: the first worker to come
         up (the local engine once built) is served at once."""
         now = time.monotonic()
-        if now >= self._served[0]:
-            served = await self.broker.served_models()
-            self._served = (now + SERVED_CACHE_S if served else 0.0, served)
-        return self._served[1]
+        kept = self.kept_served(now)
+        if kept is None:
+            kept = await self.broker.served_models()
+            self._served = (now + SERVED_CACHE_S if kept else 0.0, kept)
+        return kept
+
+    def kept_served(self, now: float) -> dict[str, int] | None:
+        """The registry as :meth:`served_models` keeps it, while it is fresh at ``now``
+        (``time.monotonic()``); None once it must be read again."""
+        expires, served = self._served
+        return served if now < expires else None
+
+    def kept_info(self, now: float) -> dict[str, ModelInfo] | None:
+        """The models' info as :meth:`model_info` keeps it, while it is fresh at ``now``; None once
+        it must be read again."""
+        expires, info = self._info
+        return info if now < expires else None
 
     async def model_info(self) -> dict[str, ModelInfo]:
         """What the workers know of the models they serve (context windows, answers' lengths), read
@@ -176,10 +189,11 @@ class Gateway:
         EMPTY_INFO_CACHE_S. Not kept at all, it was a broker read (on Redis a round trip) on every
         request of a deployment whose workers describe nothing."""
         now = time.monotonic()
-        if now >= self._info[0]:
-            info = await self.broker.model_info()
-            self._info = (now + (SERVED_CACHE_S if info else EMPTY_INFO_CACHE_S), info)
-        return self._info[1]
+        kept = self.kept_info(now)
+        if kept is None:
+            kept = await self.broker.model_info()
+            self._info = (now + (SERVED_CACHE_S if kept else EMPTY_INFO_CACHE_S), kept)
+        return kept
 
     def starting(self) -> APIError | None:
         """The answer for requests that need the local engine while it is not serving yet."""
@@ -259,13 +273,13 @@ class Gateway:
                 # and without it no segment is the body's, so the param came back null
                 raise RequestValidationError(errors, body=body) from None
         s = self.settings
-        # The registry and the models' info as kept (served_models, model_info) while they are
+        # The registry and the models' info as kept (kept_served, kept_info) while they are
         # fresh, read here without their two coroutines; a stale one, or a request that names
         # no model or one not served, goes the whole way.
         fresh = time.monotonic()
-        served = self._served
+        served = self.kept_served(fresh)
         requested = opts.model
-        if requested is not None and fresh < served[0] and requested in served[1]:
+        if requested is not None and served is not None and requested in served:
             model = requested
         else:
             model = await self.resolve_model(requested)
@@ -297,8 +311,8 @@ class Gateway:
             body.get("response_format"),  # response_format
         )
         now = time.time()
-        kept = self._info
-        info = (kept[1] if fresh < kept[0] else await self.model_info()).get(model)
+        kept = self.kept_info(fresh)
+        info = (kept if kept is not None else await self.model_info()).get(model)
         try:
             if self._limits is None:
                 self._limits = s.request_limits()
