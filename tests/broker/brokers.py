@@ -1,10 +1,14 @@
-"""How the broker tests build brokers: the settings every suite runs with, and an emptied Redis."""
+"""How the broker tests build brokers: the settings every suite runs with, an emptied Redis, and
+one broker of each implementation by its name."""
 
 from __future__ import annotations
 
+import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.base import BrokerSettings
+from sluice.broker.base import Broker, BrokerSettings
+from sluice.broker.memory import MemoryBroker
+from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Bounds, QueueLimits
 from tests.helpers import FakeClock
 from tests.redis_server import RedisServer
@@ -32,3 +36,13 @@ async def empty_redis(server: RedisServer) -> str:
     finally:
         await client.aclose()
     return server.url
+
+
+async def make_broker(name: str, request: pytest.FixtureRequest, clock: FakeClock) -> Broker:
+    """A broker of implementation ``name`` ("memory", "redis", or "redis-spread": each model's
+    queue on a shard of its own) with ``make_settings(clock)``, not yet started; Redis is started
+    (and emptied) only for the Redis brokers, through the ``redis_server`` fixture."""
+    if name == "memory":
+        return MemoryBroker(make_settings(clock))
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return RedisBroker(await empty_redis(server), make_settings(clock), spread=name == "redis-spread")

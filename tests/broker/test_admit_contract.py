@@ -10,13 +10,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sluice.broker.base import Broker
-from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
 from sluice.broker.redis_shards import shard_of_job, shard_of_model
 from sluice.core.job import JobState
-from tests.broker.brokers import empty_redis, make_settings
+from tests.broker.brokers import make_broker
 from tests.helpers import FakeClock, make_job
-from tests.redis_server import RedisServer
 
 W = "worker-1"
 MODEL = "org/llama:8b"
@@ -29,14 +27,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=["memory", "redis", "redis-spread"])
 async def broker(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Broker]:
-    impl: Broker
-    if request.param == "memory":
-        impl = MemoryBroker(make_settings(clock))
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = await empty_redis(server)
-        impl = RedisBroker(url, make_settings(clock), spread=request.param == "redis-spread")
-    async with impl:
+    async with await make_broker(request.param, request, clock) as impl:
         yield impl
 
 

@@ -17,9 +17,8 @@ from sluice.core.admission import RETRY_SHARE, Refused
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
-from tests.broker.brokers import empty_redis, make_settings
+from tests.broker.brokers import make_broker
 from tests.helpers import FakeClock, make_job, wait_until
-from tests.redis_server import RedisServer
 
 W = "worker-1"
 
@@ -36,13 +35,7 @@ def clock() -> FakeClock:
 async def broker(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Broker]:
     """A started broker of each implementation, built with ``make_settings(clock)``; Redis is
     started (and emptied) only for the Redis broker's runs."""
-    impl: Broker
-    if request.param == "memory":
-        impl = MemoryBroker(make_settings(clock))
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        impl = RedisBroker(await empty_redis(server), make_settings(clock))
-    async with impl:
+    async with await make_broker(request.param, request, clock) as impl:
         yield impl
 
 

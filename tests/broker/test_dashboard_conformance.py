@@ -8,11 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sluice.broker.base import Broker, ClassDepth, TenantDepth
-from sluice.broker.memory import MemoryBroker
-from sluice.broker.redis import RedisBroker
-from tests.broker.brokers import empty_redis, make_settings
+from tests.broker.brokers import make_broker
 from tests.helpers import FakeClock, make_job
-from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -22,13 +19,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=["memory", "redis"])
 async def broker(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Broker]:
-    impl: Broker
-    if request.param == "memory":
-        impl = MemoryBroker(make_settings(clock))
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        impl = RedisBroker(await empty_redis(server), make_settings(clock))
-    async with impl:
+    async with await make_broker(request.param, request, clock) as impl:
         yield impl
 
 
