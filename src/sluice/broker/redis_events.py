@@ -241,4 +241,4 @@ class AbortListener:
                 backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(*_TRANSIENT):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

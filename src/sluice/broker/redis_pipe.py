@@ -162,7 +162,7 @@ class SentinelLocator(Locator):
         super().__init__()
         self._service = topology.service
         kwargs = _lookup_kwargs(timeout_s, topology.sentinel_username, topology.sentinel_password)
-        self._sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=kwargs)  # type: ignore[no-untyped-call]
+        self._sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=kwargs)  # type: ignore[no-untyped-call, unused-ignore]
 
     async def _discover(self) -> Address:
         host, port = await self._sentinel.discover_master(self._service)
