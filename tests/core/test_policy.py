@@ -79,6 +79,18 @@ def test_fifo_is_a_bounded_buffer_whatever_the_deadline() -> None:
     assert e.value.retry_after_s == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("max_queued", [0, -1, 0.5])
+def test_fifo_of_no_buffer_is_refused_when_made_not_a_zero_division_when_it_admits(max_queued: float) -> None:
+    """A fifo of 0 jobs took the empty queue's 0 jobs as the divisor of its Retry-After
+    (ZeroDivisionError on the first admission): now it is refused where it is made, by name and
+    as ``make_policy`` (the config's path) reports bad parameters."""
+    with pytest.raises(ValueError, match="max_queued >= 1"):
+        FifoPolicy(max_queued=max_queued)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_queued >= 1"):
+        make_policy("fifo", max_queued=max_queued)
+    FifoPolicy(max_queued=1).admit(candidate(0, jobs=0), PolicyState())  # the least buffer: taken
+
+
 def test_every_policy_keeps_the_hard_bounds() -> None:
     limits = QueueLimits(Bounds(max_jobs=2))
     for name in POLICIES:

@@ -168,6 +168,15 @@ class FifoPolicy(QueuePolicy):
     name: ClassVar[str] = "fifo"
     kind: ClassVar[int] = 2
 
+    def __post_init__(self) -> None:
+        # A buffer of none would refuse every job, its Retry-After a division by the empty queue's
+        # zero jobs (ZeroDivisionError here, a Lua error in _policy.lua): "cap" is the policy that
+        # keeps no queue. The config's fifo_max_queued is held to >= 1 the same way.
+        if not self.max_queued >= 1:
+            raise ValueError(
+                f"fifo needs max_queued >= 1, not {self.max_queued!r} (a queue of none is policy cap)"
+            )
+
     def admit(self, c: Candidate, state: PolicyState) -> Admitted:
         evict = check_bounds(c.cost, c.priority, c.view, c.limits, c.drain)
         if c.view.model_jobs >= self.max_queued:
