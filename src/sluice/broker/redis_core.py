@@ -310,6 +310,11 @@ class RedisCore(Broker):
         numbers = await self._io(self.home.redis.smembers(self.keys.shards))
         return [self.home, *(self._shard(int(n)) for n in sorted(numbers, key=int) if str(n).isdigit())]
 
+    async def _repair_listing(self, shard: Shard) -> None:
+        """List in their tenants' lists the jobs ``shard`` holds that their admission could not list
+        (``redis_jobs``, where it is defined; upkeep calls it)."""
+        raise NotImplementedError
+
     # --- plumbing -----------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 from collections.abc import AsyncIterator
 
-from sluice.broker.base import TERMINAL_EVENTS, Admission, Event, EventType, JobPage
+from redis.exceptions import RedisError
+
+from sluice.broker.base import TERMINAL_EVENTS, Admission, BrokerUnavailable, Event, EventType, JobPage
 from sluice.broker.redis_codec import (
     AdmitOutcome,
     AdmitReply,
@@ -24,15 +27,27 @@ from sluice.broker.redis_codec import (
     settings_text,
     tenant_limit_args,
 )
-from sluice.broker.redis_core import CANCELLED, RECORD_GRACE_S, STREAM_MAXLEN, RedisCore
+from sluice.broker.redis_core import CANCELLED, RECORD_GRACE_S, STREAM_MAXLEN, UPKEEP_BATCH, RedisCore
 from sluice.broker.redis_events import decode_event
 from sluice.broker.redis_keys import JobField
-from sluice.broker.redis_shards import shard_of_job, tag_job_id
+from sluice.broker.redis_shards import Shard, shard_of_job, tag_job_id
 from sluice.core import admission
 from sluice.core.job import TERMINAL_STATES, Job, JobState
 from sluice.core.policy import Candidate, decide
 from sluice.core.ratelimit import TenantLimits
 from sluice.views import job_view
+
+log = logging.getLogger("sluice.broker.redis")
+
+#: How long after its admission upkeep lists a job that its admission may still be listing: well
+#: past the command timeout (2 s), the longest a listing that succeeds can take.
+LIST_REPAIR_AFTER_S = 10.0
+
+
+def _ignore_failure(done: asyncio.Future[object]) -> None:
+    """Retrieve an unawaited command's error (upkeep repairs what it did not do)."""
+    if not done.cancelled():
+        done.exception()
 
 
 class JobsMixin(RedisCore):
@@ -69,12 +84,15 @@ class JobsMixin(RedisCore):
             k.results,
         ]
         # The tenant's list is in the home shard: there the script adds the job to it (one call
-        # fewer, no MULTI/EXEC); a queue of another shard lists it after, with _list_job.
+        # fewer, no MULTI/EXEC); a queue of another shard lists it after, with _list_job, and the
+        # script notes it in that shard's unlisted jobs, from which upkeep lists it if we cannot.
         listed = shard is self.home
         listing: list[str | int | float] = ["", ""]
         if listed:
             keys.append(self.keys.tenant_jobs_us(job.tenant))
             listing = [created_us(job.created_at), self._list_ttl_ms(job, now)]
+        else:
+            keys.append(k.unlisted)
         args: list[str | int | float] = [
             repr(float(now)),
             job.id,
@@ -101,7 +119,7 @@ class JobsMixin(RedisCore):
         if reply.outcome is AdmitOutcome.QUEUED:
             assert reply.tenant is not None
             if not listed:
-                await self._list_job(job, now)
+                await self._list_admitted(job, now, shard)
             rate = reply.tenant.limiter(job.tenant).status(now)
             return Admission(job, False, reply.position, reply.estimated_start_s, rate)
         if reply.outcome is not AdmitOutcome.REFUSED:
@@ -113,7 +131,7 @@ class JobsMixin(RedisCore):
             if reply.outcome is AdmitOutcome.RETRIED and not listed:
                 # The earlier try may have been cut off before it listed the job (its answer lost
                 # on the way back): list it now (a ZADD of the same member and score changes nothing).
-                await self._list_job(first, now)
+                await self._list_admitted(first, now, shard)
             pos = await self.position(first_id)
             return Admission(first, reply.outcome is AdmitOutcome.DUPLICATE, pos or 0, 0.0)
         # The script decided; the core's checks, replayed on the state it saw, raise the same Refused
@@ -133,6 +151,53 @@ class JobsMixin(RedisCore):
             book=book,
         )
         raise RuntimeError("the admit script refused a job that the queue policy accepts")
+
+    async def _list_admitted(self, job: Job, now: float, shard: Shard) -> None:
+        """List a job just queued in ``shard`` (not the home shard) in its tenant's list, then take
+        it out of the shard's unlisted jobs. The job is queued whatever happens here: a failure
+        (the home shard's master down, a failover) does not fail the admission, whose answer must
+        say what happened to the job (a 503 would have the client send it again, and it would run
+        twice); upkeep lists it instead (:meth:`_repair_listing`), once the home shard answers."""
+        try:
+            await self._list_job(job, now)
+        except (BrokerUnavailable, RedisError) as exc:
+            log.warning(
+                "job %s is queued; listing it for tenant %s failed, upkeep retries: %s",
+                job.id,
+                job.tenant,
+                exc,
+            )
+            return
+        # Not awaited: the admission's answer need not wait for it (the pipeline sends it anyway);
+        # if it is lost, upkeep lists the job again, which changes nothing.
+        done = shard.batch.submit(("ZREM", shard.keys.unlisted, job.id))
+        done.add_done_callback(_ignore_failure)
+
+    async def _repair_listing(self, shard: Shard) -> None:
+        """List the jobs of ``shard`` that their admission could not list (:meth:`_list_admitted`),
+        those noted at least :data:`LIST_REPAIR_AFTER_S` ago (the others' admissions may be listing
+        them now), at most :data:`UPKEEP_BATCH` per round; a job whose record is gone is dropped.
+        A listing that fails leaves them for the next round."""
+        k = shard.keys
+        before = repr(float(self.now() - LIST_REPAIR_AFTER_S))
+        ids: list[str] = await shard.batch.call(
+            ("ZRANGEBYSCORE", k.unlisted, "-inf", before, "LIMIT", 0, UPKEEP_BATCH)
+        )
+        if not ids:
+            return
+        now = self.now()
+        jobs = await asyncio.gather(*(self.get(i) for i in ids))
+        tries = await asyncio.gather(
+            *(self._list_job(job, now) for job in jobs if job is not None), return_exceptions=True
+        )
+        outcomes = iter(tries)
+        failed = [next(outcomes) if job is not None else None for job in jobs]
+        done = [job_id for job_id, exc in zip(ids, failed, strict=True) if exc is None]
+        if done:
+            await shard.batch.call(("ZREM", k.unlisted, *done))
+        error = next((exc for exc in failed if exc is not None), None)
+        if error is not None:
+            raise error
 
     async def _list_job(self, job: Job, now: float) -> None:
         """Add an admitted job to its tenant's list, which then lives at least as long as the job's

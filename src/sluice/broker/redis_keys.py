@@ -217,6 +217,14 @@ class QueueKeys:
         return f"{self.prefix}tjobsu:{part(tenant)}"
 
     @property
+    def unlisted(self) -> str:
+        """Zset: in a shard other than the home shard, the jobs admitted here and not yet known to be
+        in their tenant's list (``tenant_jobs_us``, in the home shard), job id → when admitted. The
+        admit script adds each; the admission removes it once it listed the job, and upkeep lists
+        those it did not (``RedisJobs._repair_listing``)."""
+        return f"{self.prefix}unlisted"
+
+    @property
     def model_info(self) -> str:
         """Hash: worker id → JSON ``{model: ModelInfo}``, what each worker knows of the models it
         serves; read for the live workers only (``workers``)."""

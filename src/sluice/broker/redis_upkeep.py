@@ -100,13 +100,14 @@ class UpkeepMixin(WorkMixin, RedisCore):
     # --- upkeep ---------------------------------------------------------------------------------
 
     async def maintain(self) -> None:
-        # Shard by shard: one whose master is down (a failover) does not hold up the others' lost
-        # leases and deadlines; its outage is raised once the others are done.
-        failed: BrokerUnavailable | None = None
+        # Shard by shard: one whose master is down (a failover), or whose listing repair fails
+        # (the home shard refusing it), does not hold up the others' lost leases and deadlines;
+        # its failure is raised once the others are done.
+        failed: Exception | None = None
         for shard in await self._shards_in_use():
             try:
                 await self._maintain(shard)
-            except BrokerUnavailable as exc:
+            except Exception as exc:
                 failed = failed or exc
         if failed is not None:
             raise failed
@@ -143,6 +144,8 @@ class UpkeepMixin(WorkMixin, RedisCore):
             if not reaped.more:
                 break
         await self._workers("list", shard=shard)
+        if shard is not self.home:  # last: it writes to the home shard too, which may be down
+            await self._repair_listing(shard)
 
     # --- dead letters ---------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@
 -- KEYS[12] marker of the model     KEYS[13] tenant hash          KEYS[14] blocked set
 -- KEYS[15] running hash             KEYS[16] capped set           KEYS[17] results zset
 -- KEYS[18] the tenant's list of jobs (QueueKeys.tenant_jobs_us), when it is in this shard (the
---          home shard's); absent, the caller adds a queued job to it itself (RedisJobs._list_job)
+--          home shard's); else this shard's jobs not yet listed (QueueKeys.unlisted): a queued job
+--          joins it, the caller lists it (RedisJobs._list_job) and takes it out, and upkeep lists
+--          it if that failed (RedisJobs._repair_listing). Absent (an older caller): neither.
 -- ARGV[1]  now                      ARGV[2]  job id             ARGV[3]  tenant
 -- ARGV[4]  cost                     ARGV[5]  deadline
 -- ARGV[6]  idempotency TTL s (0: the job has no key)
@@ -33,7 +35,7 @@
 --   27 capacity.FILL_RIDGE  28 capacity.MAX_FILL_SLOWDOWN (DrainRate.slowdown)
 --   29 .. the class names, highest first
 -- ARGV[14] the job's score in the tenant's list (redis_codec.created_us), ARGV[15] the list's
---          expiry in ms, at least (both '' without KEYS[18])
+--          expiry in ms, at least (both '' when KEYS[18] is not the tenant's list)
 -- ARGV[16 ..] field, value pairs of the job record (sluice.broker.redis_codec)
 -- Returns {1, position, estimated_start_s, T...}     queued; T is the tenant after the charge
 --         {2, first job id}                          the idempotency key names an earlier live job
@@ -610,10 +612,12 @@ do
 end
 st_flush(st)
 rcall('ZADD', deadline_k, ARGV[5], id, 'inf', SKIPLIST_MEMBER) -- the deadline's text: not formatted again
-if KEYS[18] then -- as RedisJobs._list_job: NX sets a first expiry, GT only ever lengthens it
+if KEYS[18] and ARGV[15] ~= '' then -- as RedisJobs._list_job: NX sets a first expiry, GT lengthens
   rcall('ZADD', KEYS[18], ARGV[14], id)
   rcall('PEXPIRE', KEYS[18], ARGV[15], 'NX')
   rcall('PEXPIRE', KEYS[18], ARGV[15], 'GT')
+elseif KEYS[18] then -- listed by the caller, or by upkeep if the caller cannot
+  rcall('ZADD', KEYS[18], now_s, id)
 end
 if idem_ttl > 0 then
   rcall('SET', idem_k, id .. ' ' .. num(now + idem_ttl), 'PX', math.ceil(idem_ttl * 1000))
