@@ -69,34 +69,75 @@ from sluice.core.policy import (
 
 
 @dataclass(eq=False)
-class _Job:
+class JobRecord:
+    """One client's request in a run of the model, from its arrival to its end: what it asked,
+    what admission promised it, and what the engine then did with it. :func:`run` hands every one,
+    retries included, to its ``trace``; compared by identity (a retry is a record of its own)."""
+
     id: int
+    """The arrival's index in the run's schedule; a retry keeps the id of the try it repeats."""
     arrived: float
+    """Seconds into the run it reached the queue (for a retry: when it came back)."""
     deadline: float
+    """When its client gives up: ``arrived`` plus the client's patience (``client_timeout``)."""
     retry: bool
+    """If refused, its client waits the Retry-After it is given and tries once more (drawn with
+    the chance ``retriers``; unless told not to: ``told_not_to``)."""
     prompt: int
+    """Prompt tokens: what the engine prefills when it enters the batch (again, with ``tokens``,
+    after a preemption)."""
     answer: int
+    """Tokens its answer will have (at most the engine's ``max_tokens``): when it is done."""
     tokens: int = 0
+    """Tokens generated so far; kept across a preemption, and also counted as wasted if given up
+    while running."""
     started: float = math.nan
+    """When it was dispatched to the engine (out of the queue, into a slot); nan if it never was."""
     done: float = math.nan
-    outcome: str = ""  # queued, running, ok, refused, timeout (given up), expired (dropped at dispatch)
+    """When its last token was generated; nan unless its outcome is ``ok``."""
+    outcome: str = ""
+    """How it stands or ended: ``queued``, ``running``, ``ok`` (answered), ``refused`` (at
+    admission), ``timeout`` (its client gave up, queued or running) or ``expired`` (dropped at
+    dispatch: its deadline passed, or too near for its service)."""
     retry_after: float | None = None
+    """The Retry-After it was refused with (seconds), None if it was not refused."""
     told_not_to: bool = False
+    """Refused with ``x-should-retry: false``: no time within its patience would have room."""
     admitted: bool = False
+    """Admission let it into the queue: a promise of an answer by ``deadline``."""
     in_batch: bool = False
+    """In the engine's running batch now (dispatched, and neither preempted nor waiting for KV
+    cache)."""
     admitted_step: int = 0
-    retried: bool = False  # this is the retry
-    running_at_start: int = 0  # the jobs running, itself included, when it was dispatched
-    # What admission promised it, for counting broken promises by cause (:func:`_cause`).
-    promised_wait: float = 0.0  # the wait the deadline check allowed for (DrainRate.promised_wait_s)
-    promised_service: float = 0.0  # and its own generation (DrainRate.slow_service_s)
-    promise_rate: float = 0.0  # the rate that wait was promised at (DrainRate.promise_rate_behind)
-    slowest_seen: float = 0.0  # the most seconds per cost unit any job finished before it took
-    preempted: int = 0  # times the engine preempted it (KV cache short)
-    refused_code: str = ""  # why it was refused, if it was
-    finish_estimate: float = math.nan  # when a job given up while running would have finished
-    capacity_cost: int = 0  # its cost in the capacity model's unit when admitted (:func:`_cause`)
-    busy_at_start: float = 0.0  # the run's running-job-seconds when it was dispatched (time_fill)
+    """The engine's step at which it last entered the batch: the newest is the one preempted."""
+    retried: bool = False
+    """This record is the retry of a refused one (that one's ``retry`` was set)."""
+    running_at_start: int = 0
+    """The jobs dispatched to the engine, itself included, when it was dispatched: with the count
+    at its end, the batch fill it is told it ran beside."""
+    promised_wait: float = 0.0
+    """The wait in the queue the deadline check allowed for when it was admitted
+    (``DrainRate.promised_wait_s``; 0 before the drain rate was measured)."""
+    promised_service: float = 0.0
+    """The time of its own generation that admission allowed for (``DrainRate.slow_service_s``)."""
+    promise_rate: float = 0.0
+    """The drain rate, in cost units a second, its wait was promised at
+    (``DrainRate.promise_rate_behind``): above a full batch's rate, the estimate was off."""
+    slowest_seen: float = 0.0
+    """The most seconds per cost unit any job that finished before its admission took: a service
+    slower than that is beyond what was measured."""
+    preempted: int = 0
+    """Times the engine preempted it (KV cache short), each costing a recompute."""
+    refused_code: str = ""
+    """Why it was refused (the refusal's code, e.g. ``queue_full``), empty if it was not."""
+    finish_estimate: float = math.nan
+    """For a job given up while running: when it would have finished at the batch's step then."""
+    capacity_cost: int = 0
+    """Its cost in the capacity model's unit (``prompt_weight`` · prompt + max_tokens) when
+    admitted: a broken promise's service is judged per unit of it (:func:`_cause`)."""
+    busy_at_start: float = 0.0
+    """The run's running-job-seconds so far when it was dispatched (``time_fill``: the time
+    average of the batch over its life)."""
 
     @property
     def broke(self) -> bool:
@@ -146,7 +187,7 @@ def run(
     retriers: float = 0.0,
     share: float = RETRY_SHARE,
     drain_factory: Callable[[int], DrainRate] | None = None,
-    trace: list[_Job] | None = None,
+    trace: list[JobRecord] | None = None,
     full_rate: float | None = None,
     prompt_weight: float = 1.0,
     fit_prompt_weight: bool = False,
@@ -175,11 +216,11 @@ def run(
     state = PolicyState()
     book = Reservations()
     limits = QueueLimits()
-    queue: deque[_Job] = deque()
-    running: list[_Job] = []  # dispatched: in the batch, or preempted and waiting in the engine
-    waiting: deque[_Job] = deque()  # preempted, or dispatched while the KV cache was full
-    jobs: list[_Job] = []
-    events: list[tuple[float, int, str, _Job | None]] = []
+    queue: deque[JobRecord] = deque()
+    running: list[JobRecord] = []  # dispatched: in the batch, or preempted and waiting in the engine
+    waiting: deque[JobRecord] = deque()  # preempted, or dispatched while the KV cache was full
+    jobs: list[JobRecord] = []
+    events: list[tuple[float, int, str, JobRecord | None]] = []
     seq = itertools.count()
     generated = wasted = preemptions = steps = 0
     slowest = 0.0
@@ -191,7 +232,7 @@ def run(
     fit = PromptWeightFit() if fit_prompt_weight else None
     queued_prompt = 0  # the queued jobs' prompt tokens: their cost is read at the weight of the moment
 
-    def cost(job: _Job) -> int:
+    def cost(job: JobRecord) -> int:
         return round(weight * job.prompt) + m
 
     drain_b = (
@@ -200,7 +241,7 @@ def run(
         else None
     )
 
-    def cost_b(job: _Job) -> int:
+    def cost_b(job: JobRecord) -> int:
         return round((check_weight or 0.0) * job.prompt) + m
 
     def view_b() -> QueueView:
@@ -213,11 +254,11 @@ def run(
         busy += len(running) * (now - busy_t)
         busy_t = now
 
-    def push(t: float, kind: str, job: _Job | None = None) -> None:
+    def push(t: float, kind: str, job: JobRecord | None = None) -> None:
         heapq.heappush(events, (t, next(seq), kind, job))
 
     for i, t in enumerate(arrivals(profile, seed)):
-        arrival = _Job(
+        arrival = JobRecord(
             i, t, t + client_timeout, rng.random() < retriers, engine.prompt(sizes), engine.answer(sizes)
         )
         jobs.append(arrival)
@@ -417,7 +458,7 @@ CAUSES = {
 }
 
 
-def _cause(job: _Job, full_rate: float | None) -> str:
+def _cause(job: JobRecord, full_rate: float | None) -> str:
     """The cause of one broken promise (a key of :data:`CAUSES`). It is the wait's when the job
     started too late for its promised service to fit (or never started), else its own service's."""
     started = job.started if not math.isnan(job.started) else job.deadline

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from sluice.bench.engine_family import ARTICLE, ENGINES, Engine, draw_engine, saturated
 from sluice.bench.load import Profile
-from sluice.bench.policy_model import Result, _Job, loads, run
+from sluice.bench.policy_model import JobRecord, Result, loads, run
 from sluice.core.admission import Admitted, Refused
 from sluice.core.policy import Candidate, PolicyState, QueuePolicy, make_policy
 
@@ -138,7 +138,7 @@ class Clairvoyant(QueuePolicy):
 
 
 def _windows(
-    jobs: Sequence[_Job], engine: Engine, end: float, shrink: float = 0.0, answers: str = "known"
+    jobs: Sequence[JobRecord], engine: Engine, end: float, shrink: float = 0.0, answers: str = "known"
 ) -> list[tuple[float, float, float]]:
     """The relaxation's windows, work in tokens at the full batch's rate: a job's answer, and its
     prompt's prefill once (a step that prefills ``P`` tokens takes ``prefill · P`` beyond its
@@ -162,7 +162,7 @@ def _windows(
     ]
 
 
-def _busy(trace: Sequence[_Job]) -> list[tuple[float, float]]:
+def _busy(trace: Sequence[JobRecord]) -> list[tuple[float, float]]:
     """The slot intervals of the jobs that ran: dispatch to done, or to the client giving up."""
     out = []
     for j in trace:
@@ -192,7 +192,7 @@ def _idle_slot_seconds(
     return max(total, 0.0)
 
 
-def losses(trace: Sequence[_Job], engine: Engine, end: float) -> tuple[int, int, float, float]:
+def losses(trace: Sequence[JobRecord], engine: Engine, end: float) -> tuple[int, int, float, float]:
     """codel's run, read: (refused, refused while a slot was free before they would have had to
     start, idle slot-seconds while a refused client could still be served, idle slot-seconds
     from the first refusal to the end). Its broken promises are the run's own
@@ -235,7 +235,7 @@ def spike_profile(engine: Engine) -> tuple[float, Profile, float]:
 
 
 def clairvoyant_best(
-    jobs: Sequence[_Job],
+    jobs: Sequence[JobRecord],
     engine: Engine,
     profile: Profile,
     seed: int,
@@ -261,7 +261,7 @@ def clairvoyant_best(
         admit = {jobs[i].arrived for i in chosen}
         # Repairing needs the answers (which jobs then missed): only where they are known.
         for _ in range((REPAIRS if answers == "known" else 0) + 1):
-            trace: list[_Job] = []
+            trace: list[JobRecord] = []
             result = run(
                 Clairvoyant(admit),
                 profile,
@@ -353,7 +353,7 @@ def ceiling(
     retrying), the clairvoyant admissions and the ceiling. ``missing_only``: None where codel (as
     the model runs it, 10 % retrying) meets the target, before the costlier part."""
     cap, profile, full_rate = spike_profile(engine)
-    trace: list[_Job] = []
+    trace: list[JobRecord] = []
     policy = make_policy("codel")
     codel = run(policy, profile, seed, engine=engine, retriers=0.0, full_rate=full_rate, trace=trace)
     codel_retrying = (
