@@ -24,6 +24,7 @@ from sluice.api.relay import (
     ACCEPT_WAIT_S,
     EventStream,
     EventStreamResponse,
+    KeyCheck,
     answer,
     engine_accepted,
     key_check,
@@ -32,6 +33,7 @@ from sluice.api.relay import (
 )
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
+from sluice.broker.base import Broker
 from sluice.core.job import Endpoint, Job
 from sluice.core.model_info import ModelInfo
 
@@ -84,15 +86,9 @@ async def _answer(
     if stream:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        skipped = await engine_accepted(gw.broker, job, ACCEPT_WAIT_S)
-        # The stream's generator releases the connection when it ends.
-        held = stack.pop_all() if stack is not None else None
         alive = key_check(request, who)
-        return EventStream(
-            openai_stream(gw.broker, job, include_usage, held, alive=alive, after=skipped),
-            headers,
-            ping_s=PING_S,
-            limit_s=gw.settings.max_stream_s,
+        return await stream_answer(
+            gw.broker, job, headers, include_usage, stack, alive, gw.settings.max_stream_s
         )
     finished = await wait_for_client(request, gw.broker, job)
     try:
@@ -100,6 +96,29 @@ async def _answer(
     except APIError as exc:
         exc.job_id = job.id
         raise
+
+
+async def stream_answer(
+    broker: Broker,
+    job: Job,
+    headers: dict[str, str],
+    include_usage: bool,
+    stack: contextlib.AsyncExitStack | None,
+    alive: KeyCheck | None,
+    limit_s: float | None,
+) -> EventStream:
+    """The stream of an admitted job that streams, with the answer's ``headers``; ``stack`` holds
+    the caller's connection slot (None: none), which the stream releases when it ends. Raises the
+    job's failure (:func:`engine_accepted`) where it ends before its first token."""
+    skipped = await engine_accepted(broker, job, ACCEPT_WAIT_S)
+    # The stream's generator releases the connection when it ends.
+    held = stack.pop_all() if stack is not None else None
+    return EventStream(
+        openai_stream(broker, job, include_usage, held, alive=alive, after=skipped),
+        headers,
+        ping_s=PING_S,
+        limit_s=limit_s,
+    )
 
 
 async def _complete(request: Request, who: Caller, endpoint: Endpoint, body: SchedulingOptions) -> Response:

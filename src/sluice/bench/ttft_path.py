@@ -7,18 +7,23 @@ load-independent as the calls: a wake-up of another task, or a task of aiohttp's
 
 The embedded broker, a dispatcher and the engine client (as ``sluice serve`` runs them, on uvloop)
 in this process, the simulator (``article`` preset) in its own; streamed jobs one at a time, each
-waited on from its admission on by the relay's own ``engine_accepted``, as the streaming routes
-wait for a job's first token. Two steps:
+answered from its admission on by the chat route's own stream (:func:`sluice.api.openai.
+stream_answer`, the :class:`~sluice.api.relay.EventStream` it returns) to uvicorn's own ``send``
+over the gateway's coalescing transport (:class:`~sluice.roles.http_limits.OneWrite`), with the
+server's client watch in the scope, as the route answers a client. Three steps:
 
 - *admitted → request written*: from ``broker.admit`` to aiohttp writing the engine request's body
   on the socket: the claim, the engine's choice, the request built and sent, and whatever other
   task the loop runs before that write (the engine waits for it);
-- *chunk in → token read*: from the first chunk's bytes reaching the engine client (aiohttp's
-  ``data_received``) to ``engine_accepted`` returning on its TOKEN event: the parse, the assembler, the
-  publish, the waiting route's wake-up.
+- *chunk in → token published*: from the first chunk's bytes reaching the engine client (aiohttp's
+  ``data_received``) to the dispatcher's ``broker.publish`` of its TOKEN event: the parse, the
+  assembler;
+- *token published → first frame written*: from that publish to the client's connection being
+  handed the bytes of the stream's head and first ``data:`` frame (its transport's ``write``):
+  the route's wait for the first token, the stream's start, the frame's encoding and send.
 
-Not here: the HTTP front (uvicorn, the body's validation, the job built, the SSE frame written),
-which ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
+Not here: the HTTP front (uvicorn's parse, the body's validation, the job built), which
+``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
 
 Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N] [--timeline]
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import sys
@@ -38,20 +44,30 @@ from typing import IO, Any
 import aiohttp.client_proto
 import aiohttp.client_reqrep
 import uvloop
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from sluice.api.relay import engine_accepted
+from sluice.api.openai import stream_answer
+from sluice.api.relay import CLIENT_GONE
 from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
+from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Endpoint, Job, JobState, new_job_id
 from sluice.dispatcher import Dispatcher
+from sluice.roles.http_limits import ClientGone, OneWrite
 
 MODEL = "sim"
-STEPS = (("admitted", "written", "admitted -> request written"), ("chunk", "token", "chunk in -> token read"))
+STEPS = (
+    ("admitted", "written", "admitted -> request written"),
+    ("chunk", "token", "chunk in -> token published"),
+    ("token", "frame", "token published -> frame written"),
+)
+# A point that starts a step and ends another ("token") keeps the turns counting on.
 STARTS = frozenset(start for start, _, _ in STEPS)
-ENDS = frozenset(end for _, end, _ in STEPS)
+ENDS = frozenset(end for _, end, _ in STEPS) - STARTS
 
 
 class Turns:
@@ -118,11 +134,18 @@ class Marks:
 
 
 def hook_engine_client(marks: Marks) -> Callable[[], None]:
-    """Mark the engine request's body write (the first of a job) and each read of the engine's
-    bytes until the token is read (so the last one before it: the first chunk's); returns the
-    undo."""
+    """Mark the engine request's body write (the first of a job), each read of the engine's
+    bytes until the token is published (so the last one before it: the first chunk's) and the
+    first token's publish; returns the undo."""
     write_bytes = aiohttp.client_reqrep.ClientRequest.write_bytes
     data_received = aiohttp.client_proto.ResponseHandler.data_received
+    publish = MemoryBroker.publish
+
+    async def traced_publish(self: MemoryBroker, job_id: str, type: EventType, data: Any) -> None:
+        # Before the publish, which hands the token to whoever follows the job.
+        if type is EventType.TOKEN and "token" not in marks.at:
+            marks.mark("token")
+        await publish(self, job_id, type, data)
 
     async def traced_write(self: Any, *args: Any, **kwargs: Any) -> None:
         # When the writer's task runs (the body goes on the socket), not when its coroutine is made.
@@ -145,10 +168,12 @@ def hook_engine_client(marks: Marks) -> Callable[[], None]:
 
     aiohttp.client_reqrep.ClientRequest.write_bytes = traced_write  # type: ignore[method-assign]
     aiohttp.client_proto.ResponseHandler.data_received = traced_received  # type: ignore[method-assign]
+    MemoryBroker.publish = traced_publish  # type: ignore[method-assign]
 
     def undo() -> None:
         aiohttp.client_reqrep.ClientRequest.write_bytes = write_bytes  # type: ignore[method-assign]
         aiohttp.client_proto.ResponseHandler.data_received = data_received  # type: ignore[method-assign]
+        MemoryBroker.publish = publish  # type: ignore[method-assign]
 
     return undo
 
@@ -211,17 +236,75 @@ def streamed_job() -> Job:
     )
 
 
+_LOG = logging.getLogger("sluice.bench.ttft_path")
+
+
+class Connection:
+    """The client's connection, as the server's transport: marks the first write that carries a
+    ``data:`` frame (the stream's first token, with its head when they go out together)."""
+
+    def __init__(self, marks: Marks) -> None:
+        self.marks = marks
+
+    def write(self, data: bytes) -> None:
+        if b"data:" in data and "frame" not in self.marks.at:
+            self.marks.mark("frame")
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _never() -> dict[str, Any]:
+    await asyncio.Future()
+    raise AssertionError  # never reached
+
+
+async def answered(broker: MemoryBroker, job: Job, marks: Marks) -> None:
+    """The job's stream, as the chat route answers it (``stream_answer``, then the stream called
+    with the server's ``send``), to uvicorn's request cycle over the gateway's coalescing
+    transport, with the server's client watch in the scope."""
+    loop = asyncio.get_running_loop()
+    connection = Connection(marks)
+    scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
+    cycle = RequestResponseCycle(
+        scope,
+        OneWrite(connection, loop),  # type: ignore[arg-type]
+        FlowControl(connection),  # type: ignore[arg-type]
+        _LOG,
+        _LOG,
+        False,
+        [],
+        asyncio.Event(),
+        False,
+        True,
+        lambda: None,
+    )
+    scope["extensions"] = {CLIENT_GONE: ClientGone(cycle, loop)}
+    headers = {"x-sluice-job-id": job.id, "x-request-id": job.id}
+    stream = await stream_answer(broker, job, headers, False, None, None, None)
+    send: Any = cycle.send
+    await stream(scope, _never, send)
+
+
 async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, int]]:
-    """One job's marks, from its admission to its first token read."""
+    """One job's marks, from its admission to its stream's first frame written."""
     job = streamed_job()
     marks.at = {}
     marks.mark("admitted")
     await broker.admit(job)
-    # The relay's own wait for the first token, as the streaming routes call it.
-    await engine_accepted(broker, job, 30)
-    marks.mark("token")
+    await answered(broker, job, marks)
     done = await broker.wait(job.id, 30)
     assert done is not None and done.state is JobState.SUCCEEDED, done
+    assert "frame" in marks.at, marks.at
     return marks.at
 
 
@@ -287,13 +370,13 @@ async def main(jobs: int, by_function: int, timeline: bool, log: IO[bytes]) -> N
         await stop(sim)
     print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
     heads = ("calls p50 [p10-p90]", "loop turns p50 [p10-p90]", "wall µs p50 [p10-p90]")
-    print(f"{'step':<30} {heads[0]:>22} {heads[1]:>26} {heads[2]:>24}")
+    print(f"{'step':<34} {heads[0]:>22} {heads[1]:>26} {heads[2]:>24}")
     if timeline:
         print("(--timeline: the first step's parts follow it; both hooks' own calls are in the figures)")
     for _, _, label in STEPS + TIMELINE if timeline else STEPS:
         figures = out[label]
         shown = [spread(figures[key]) for key in ("calls", "turns", "us")]
-        print(f"{label:<30} {shown[0]:>22} {shown[1]:>26} {shown[2]:>24}")
+        print(f"{label:<34} {shown[0]:>22} {shown[1]:>26} {shown[2]:>24}")
     for _, _, label in STEPS if by_function else ():
         named: dict[str, int] = {}
         for key, calls in marks.each[label].items():
