@@ -287,7 +287,7 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                     lib + "local P, t, m, c = ARGV[1], ARGV[2], ARGV[3], ARGV[4]\n"
                     "return {job_key(P, t), out_key(P, t), tq_key(P, m, c, t), sched_key(P, m, c),"
                     " state_key(P, m), marker_key(P, m), tenant_key(P, t), callbacks_key(P),"
-                    " callbacks_marker_key(P)}",
+                    " callbacks_marker_key(P), models_key(P)}",
                     0,
                     keys.prefix,
                     tenant,
@@ -304,6 +304,7 @@ async def test_lua_key_builders_match_keys_py(redis_url: str) -> None:
                     keys.tenant(tenant),
                     keys.callbacks,
                     keys.callbacks_marker,
+                    keys.models,
                 ]
 
 

@@ -62,9 +62,14 @@ local function settle(id, f, state, changes)
   if state == 'expired' then rcall('HINCRBY', state_key(J.P, f.model), 'bp', '1') end
   if tenant_move(J.P, J.blocked, f.tenant, f.state, nil) then
     -- Its end freed a slot of a tenant at its cap with jobs queued, which no claim could take:
-    -- the model's claimers wake, who would wait out their bound otherwise (MemoryBroker._move).
-    -- (A held job of another model still waits for its own model's marker.)
+    -- the claimers wake, who would wait out their bound otherwise (MemoryBroker._move wakes every
+    -- claim). Those of every model of this shard: the cap spans the tenant's models, and its held
+    -- jobs may be in any of them (which ones, no key says). A claimer of a model with none of
+    -- them finds nothing and waits again; this is only the end of a capped tenant's job.
     rcall('ZADD', marker_key(J.P, f.model), '0', 'w')
+    for _, model in ipairs(rcall('SMEMBERS', models_key(J.P))) do
+      if model ~= f.model then rcall('ZADD', marker_key(J.P, model), '0', 'w') end
+    end
   end
   local seq = f.seq + 1
   local args = { 'state', state, 'finished_at', J.now_s, 'seq', int_text(seq) }

@@ -74,6 +74,7 @@ local function state_key(P, model) return P .. 'qs:' .. part(model) end
 local function marker_key(P, model) return P .. 'marker:' .. part(model) end
 local function tenant_key(P, tenant) return P .. 'tenant:' .. part(tenant) end
 local function capped_key(P) return P .. 'capped' end
+local function models_key(P) return P .. 'models' end
 local function callbacks_key(P) return P .. 'callbacks' end
 local function callbacks_marker_key(P) return P .. 'cbmarker' end
 

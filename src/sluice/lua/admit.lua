@@ -634,6 +634,16 @@ elseif held_jobs >= model_jobs - (evict and 1 or 0) and not (mc and running_by_t
   -- admission). Only an admission while a capped tenant holds jobs back gets here.
   rcall('ZADD', marker_k, '0', 'w')
 end
+local old_mc = tonum(t.mc)
+if old_mc and running_by_tenant >= old_mc and not (mc and running_by_tenant >= mc)
+    and queued_by_tenant > 1 then
+  -- This admission raised (or lifted) the cap of a tenant that was at it with jobs queued: the
+  -- jobs it held back, in any model of this shard (the cap spans them), may run now, and their
+  -- claimers wake (the memory broker wakes every claim on every admission), as settle wakes them.
+  for _, m in ipairs(rcall('SMEMBERS', models_k)) do
+    if m ~= model then rcall('ZADD', marker_key(P, m), '0', 'w') end
+  end
+end
 local out = { 1, ahead_jobs, wait_text }
 for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end
 return out

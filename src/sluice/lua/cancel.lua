@@ -8,8 +8,8 @@
 -- ARGV[5] events kept per stream   ARGV[6] abort channel   ARGV[7] error JSON of a cancelled job
 -- Returns {1, field, value, ...} the record after the request; {0} when the job is unknown
 -- (decoded by redis_codec.JobReply).
--- Builds the stream, tenant-list, tenant, state and marker keys of the job from the prefix (same slot
--- as KEYS).
+-- Builds the stream, tenant-list, tenant, state and marker keys of the job, and the models set, from
+-- the prefix (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua

@@ -20,7 +20,7 @@
 --     0 when it is 4 as is (capacity.WEIGHT_PER_SLOT)
 --   8 the weight of the newest job in the fill fit (capacity.FILL_ALPHA)
 -- ARGV[8 ..] field, value pairs to record (result, usage, error, attempts, backend)
--- Returns {1, field, value, ...} the settled record (tenant and marker keys built from the prefix)
+-- Returns {1, field, value, ...} the settled record (tenant, marker and models keys built from the prefix)
 --         {0}  the lease is not the caller's (lost, re-delivered) or the job is no longer running
 -- (decoded by redis_codec.JobReply)
 

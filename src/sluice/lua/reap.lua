@@ -10,7 +10,8 @@
 -- (sluice.core.errors.WORKER_LOST_ATTEMPTS) standing for the count
 -- Returns {re-queued, dead-lettered, 1 when the bound was reached (call again) else 0}
 -- (decoded by redis_codec.ReapReply).
--- Builds job, stream, tenant-list, tenant, state and marker keys from the prefix (same slot as KEYS).
+-- Builds job, stream, tenant-list, tenant, state and marker keys and the models set from the prefix
+-- (same slot as KEYS).
 
 -- @include _keys.lua
 -- @include _state.lua
