@@ -189,6 +189,8 @@ class RedisCore(Broker):
         # Per shard, the outage of its master as a worker's claims, registrations and heartbeats
         # see it: logged once when it begins and once when it ends, not at every claim round.
         self._shard_outages: dict[Shard, OutageLog] = {}
+        # Per shard known down, the call that asks whether it answers again (_probe), one at a time.
+        self._probes: dict[Shard, asyncio.Task[None]] = {}
         self._class_names = list(self.classes)
         self._policy_args = self.settings.policy.lua_args()  # fixed for the broker's life
         # admit.lua's settings after the model's and the class's bounds (its header), joined once
@@ -303,6 +305,41 @@ class RedisCore(Broker):
         if outage is not None:
             outage.ok()
 
+    def _skip_down(self, shards: Sequence[Shard]) -> set[Shard]:
+        """The shards of ``shards`` that a round of a worker's calls over them (a claim, a webhook
+        fetch) passes over: those known down, while another one is not. Each is probed meanwhile
+        (:meth:`_probe`), and is in the round again once it answers. A master that hangs rather than
+        refuses fails a call only by its timeout (the command timeout, 2 s): a round that tried it
+        again would hold the other shards' next jobs back by as much, every round of the outage.
+        With every shard down, none is passed over: the round tries them, and raises."""
+        if not self._shard_outages:
+            return set()
+        down = {shard for shard in shards if self._shard_down(shard)}
+        if len(down) == len(set(shards)):
+            return set()
+        for shard in down:
+            self._probe(shard)
+        return down
+
+    def _probe(self, shard: Shard) -> None:
+        """Ask ``shard``, known down, whether it answers again, unless a probe of it is in flight: a
+        read of a key of its slot (a replica of it, or a node that no longer serves it, answers
+        MOVED: only its master's answer counts), whose answer ends the shard's outage."""
+        if shard in self._probes:
+            return
+
+        async def probe() -> None:
+            try:
+                await shard.batch.call(("EXISTS", shard.keys.active))
+            except BrokerUnavailable as exc:
+                self._shard_failed(shard, exc)
+                return
+            self._shard_answered(shard)
+
+        task = asyncio.create_task(probe(), name="redis-shard-probe")
+        self._probes[shard] = task
+        task.add_done_callback(lambda _t: self._probes.pop(shard, None))
+
     async def _shards_in_use(self) -> list[Shard]:
         """The home shard, then every shard that has held a model's queue."""
         if not self.spread:
@@ -361,6 +398,8 @@ class RedisCore(Broker):
     async def close(self) -> None:
         await stop_task(self._task)
         self._task = None
+        for probe in list(self._probes.values()):
+            await stop_task(probe)
         await self._aborts.close()
         if self._releases:
             await asyncio.wait(self._releases, timeout=2.0)
@@ -403,9 +442,10 @@ class RedisCore(Broker):
         """Wait up to ``block`` seconds for a member on any of the wake-up markers (``BZPOPMIN``), each
         shard's markers in a command of their own on its blocking client (a command names the keys
         of one slot); the marker that woke the wait, or None. With several shards they are all
-        waited on at once and the other waits are cancelled when one wakes; a wait that fails for an
-        outage of its master leaves the others waiting, for at most :data:`SHARD_RETRY_S` more (the
-        caller then tries that shard again), and the wait raises only when every one failed."""
+        waited on at once and the other waits are cancelled when one wakes or runs out (a hung
+        master's may not run out in time); a wait that fails for an outage of its master leaves the
+        others waiting, for at most :data:`SHARD_RETRY_S` more (the caller then tries that shard
+        again), and the wait raises only when every one failed."""
         by_shard: dict[Shard, list[str]] = {}
         for shard, markers in waits:
             by_shard.setdefault(shard, []).extend(markers)
@@ -438,9 +478,9 @@ class RedisCore(Broker):
                         failed = exc
                         give_up = loop.time() + SHARD_RETRY_S if give_up is None else give_up
                         continue
-                    woke = task.result()  # any other failure raises here: a bug, let it show
-                    if woke is not None:
-                        return woke
+                    # Any other failure raises here: a bug, let it show. A wait that ran out ends
+                    # the whole wait (all began together): none waits on for a hung master's.
+                    return task.result()
             if failed is not None and all(t.done() and t.exception() is not None for t in tasks):
                 raise failed
             return None

@@ -47,7 +47,10 @@ class UpkeepMixin(WorkMixin, RedisCore):
             # others are served meanwhile; only a round that reached no shard raises.
             answered: list[Shard] = []
             failed: BrokerUnavailable | None = None
+            skipped = self._skip_down(shards) if len(shards) > 1 else set()
             for shard in shards:
+                if shard in skipped:
+                    continue  # known down (a hung master costs a timeout a call): probed meanwhile
                 k = shard.keys
                 try:
                     ids = await self._call(
@@ -72,7 +75,8 @@ class UpkeepMixin(WorkMixin, RedisCore):
             remaining = give_up - loop.time()
             if remaining <= 0:
                 return []
-            block = min(remaining, CLAIM_BLOCK_S if failed is None else SHARD_RETRY_S)
+            retry = failed is not None or bool(skipped)
+            block = min(remaining, SHARD_RETRY_S if retry else CLAIM_BLOCK_S)
             await self._block([(s, [s.keys.callbacks_marker]) for s in answered], block)
 
     async def ack_callback(self, job_id: str) -> None:

@@ -9,7 +9,9 @@ first, and blocks on the wake-up markers of all of them at once.
 A shard whose master is unavailable (down, mid-failover) does not stop the others: a claim,
 a registration and a heartbeat go on with the shards that answer, try that one again at their next
 round, and raise :class:`BrokerUnavailable` only when none answered (the outage of each shard is
-logged once, ``RedisCore._shard_failed``).
+logged once, ``RedisCore._shard_failed``). A claim's rounds pass over a shard known down while it is
+probed (``RedisCore._skip_down``): a master that hangs, failing each call only by its timeout, holds
+up only the round that found it down.
 """
 
 from __future__ import annotations
@@ -173,7 +175,14 @@ class WorkMixin(RedisCore):
         while True:
             answered: list[ClaimPlan] = []
             failed: BrokerUnavailable | None = None
-            for plan in self._claim_order(plans) if several else plans:
+            order = plans
+            skipped: set[Shard] = set()
+            if several:
+                order = self._claim_order(plans)
+                skipped = self._skip_down([p.shard for p in order])
+            for plan in order:
+                if plan.shard in skipped:
+                    continue  # known down: probed meanwhile, in the round again once it answers
                 try:
                     job = await self._claim_on(plan, worker_id, 1 if plan.shard is woken else 0)
                 except BrokerUnavailable as exc:
@@ -195,7 +204,8 @@ class WorkMixin(RedisCore):
             remaining = give_up - loop.time()
             if remaining <= 0:
                 return None
-            block = min(remaining, CLAIM_BLOCK_S if failed is None else SHARD_RETRY_S)
+            retry = failed is not None or bool(skipped)
+            block = min(remaining, SHARD_RETRY_S if retry else CLAIM_BLOCK_S)
             marker = await self._block([(p.shard, p.markers) for p in answered], block)
             woken = next((p.shard for p in answered if marker in p.markers), None)
 
