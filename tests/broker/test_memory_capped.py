@@ -1,6 +1,8 @@
-"""The memory broker's kept set of the tenants at their concurrency cap (``MemoryBroker._at_cap``,
-which a claim passes over) is what a fresh walk of every tenant gives, through admissions with
-caps raised, lowered and dropped, claims, finishes, cancels, releases, lost leases and expiries."""
+"""The memory broker's kept sets of the tenants at their concurrency cap (``MemoryBroker._at_cap``,
+which a claim passes over) and of those holding jobs back by it (``MemoryBroker._held``, whose
+rooms admission reads), and each fair queue's backlogged tenants (``FairQueue._backlogged``), are
+what a fresh walk of every tenant gives, through admissions with caps raised, lowered and dropped,
+claims, finishes, cancels, releases, lost leases and expiries."""
 
 from __future__ import annotations
 
@@ -15,6 +17,21 @@ from tests.helpers import FakeClock, make_job
 
 W = "worker-1"
 MODELS = ["m", "m2"]
+
+
+def fresh_held(broker: MemoryBroker) -> set[str]:
+    """The tenants holding jobs back by their cap, walked afresh (what each admission computed
+    before the set was kept)."""
+    return {name for name, t in broker._tenants.items() if t.held_back}
+
+
+def fresh_backlogged(broker: MemoryBroker) -> dict[tuple[str, str], set[str]]:
+    """Per (model, class): the fair queue's tenants with jobs queued, walked afresh."""
+    return {
+        (model, cls): {name for name, t in fq._tenants.items() if t.jobs}
+        for model, q in broker._queues.items()
+        for cls, fq in q.queues.items()
+    }
 
 
 def fresh(broker: MemoryBroker) -> set[str]:
@@ -32,7 +49,7 @@ async def test_the_kept_capped_set_is_a_fresh_walk_at_every_step() -> None:
     rng = random.Random(11)
     tenants = [f"t{i}" for i in range(12)]
     done: dict[str, int] = {}
-    largest = 0
+    largest = most_held = 0
     for _ in range(4_000):
         step = rng.random()
         running = [j for j, rec in broker._records.items() if rec.job.state is JobState.RUNNING]
@@ -69,8 +86,13 @@ async def test_the_kept_capped_set_is_a_fresh_walk_at_every_step() -> None:
             await broker.maintain()
             done["maintain"] = done.get("maintain", 0) + 1
         assert broker._at_cap == fresh(broker)
+        assert broker._held == fresh_held(broker)
+        kept = {(m, c): set(fq._backlogged) for m, q in broker._queues.items() for c, fq in q.queues.items()}
+        assert kept == fresh_backlogged(broker)
         largest = max(largest, len(broker._at_cap))
+        most_held = max(most_held, len(broker._held))
     assert largest >= 3  # several tenants were held at their caps at once
+    assert most_held >= 2  # and several held jobs back at once
     assert min(done.get(k, 0) for k in ("admit", "claim", "finish", "cancel", "release", "maintain")) > 50
 
 

@@ -1,13 +1,16 @@
-"""The memory broker's claim with many tenants kept: Python calls and bytecode instructions per
-claim, counts that the machine's other load does not move.
+"""The memory broker's claim and admission with many tenants kept: Python calls and bytecode
+instructions per claim and per admission, counts that the machine's other load does not move.
 
 The broker keeps ``--tenants`` idle tenants (each sent a job with a key of its own requests per
 minute, run and finished: the tenant stays for its bucket's level, with no job); then, ``--ops``
 times, one job of another tenant is admitted and claimed, and only the claim (which finds the job
-at once) is counted: its calls by a profile hook (``call`` and ``c_call`` events) and its bytecode
-instructions by a trace hook (``opcode`` events), each in a pass of its own.
+at once), or only the admission, is counted: its calls by a profile hook (``call`` and ``c_call``
+events) and its bytecode instructions by a trace hook (``opcode`` events), each in a pass of its
+own. ``--backlogged``: the tenants kept each have a job queued instead (a client that made up that
+many tenant ids and queued one job under each); the admission's fair view reads every backlog of
+its class (``ClassScheduler.fair_view``, as admit.lua does), so its count grows with them.
 
-Usage: python -m sluice.bench.claim_tenants [--tenants 0,1000] [--ops 200]
+Usage: python -m sluice.bench.claim_tenants [--tenants 0,1000] [--ops 200] [--backlogged]
 """
 
 from __future__ import annotations
@@ -44,44 +47,90 @@ class Counter:
         return self.trace
 
 
-async def per_claim(tenants: int, ops: int, kind: str) -> float:
-    """Calls (``kind`` 'calls') or instructions ('opcodes') per claim with ``tenants`` idle tenants."""
+def _hook(counter: Counter, kind: str) -> None:
+    if kind == "calls":
+        sys.setprofile(counter.profile)
+    else:
+        sys.settrace(counter.trace)
+
+
+def _unhook() -> None:
+    sys.setprofile(None)
+    sys.settrace(None)
+
+
+async def _kept(tenants: int, *, backlogged: bool = False) -> MemoryBroker:
+    """A broker keeping ``tenants`` tenants of their own: idle (a job run and finished, its key's
+    bucket kept), or ``backlogged`` (a job queued each)."""
     broker = MemoryBroker(settings())
     for i in range(tenants):
         job = make_job(i)
         job.tenant = f"idle-{i}"
         await broker.admit(job, TenantLimits(job.tenant, rpm=1_000_000))
+        if backlogged:
+            continue
         claimed = await broker.claim(W, [MODEL], timeout=1.0)
         assert claimed is not None
         await broker.finish(claimed.id, W, JobState.SUCCEEDED)
-    assert len(broker._tenants) == tenants  # kept for their buckets, with no job
+    assert len(broker._tenants) == tenants  # kept for their buckets (and jobs, if backlogged)
+    return broker
+
+
+async def per_claim(tenants: int, ops: int, kind: str) -> float:
+    """Calls (``kind`` 'calls') or instructions ('opcodes') per claim with ``tenants`` idle tenants."""
+    broker = await _kept(tenants)
     counter = Counter()
     for i in range(ops):
         await broker.admit(make_job(i))
-        if kind == "calls":
-            sys.setprofile(counter.profile)
-        else:
-            sys.settrace(counter.trace)
+        _hook(counter, kind)
         try:
             claimed = await broker.claim(W, [MODEL], timeout=1.0)  # finds its job: no wait
         finally:
-            sys.setprofile(None)
-            sys.settrace(None)
+            _unhook()
         assert claimed is not None
         await broker.finish(claimed.id, W, JobState.SUCCEEDED)
     return counter.n / ops
 
 
+async def per_admit(tenants: int, ops: int, kind: str, *, backlogged: bool = False) -> float:
+    """Calls or instructions per admission (of one of 8 tenants, no key) with ``tenants`` tenants
+    kept, idle or ``backlogged``; each admitted job is claimed and finished, uncounted, so that the
+    queue stays as it was."""
+    broker = await _kept(tenants, backlogged=backlogged)
+    counter = Counter()
+    for i in range(ops):
+        job = make_job(i)
+        _hook(counter, kind)
+        try:
+            await broker.admit(job)
+        finally:
+            _unhook()
+        if not backlogged:  # the kept tenants' jobs would be claimed first: this one stays queued
+            claimed = await broker.claim(W, [MODEL], timeout=1.0)
+            assert claimed is not None and claimed.id == job.id
+            await broker.finish(claimed.id, W, JobState.SUCCEEDED)
+    return counter.n / ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sluice.bench.claim_tenants", description=__doc__)
-    parser.add_argument("--tenants", default="0,1000", help="idle tenants kept, comma-separated")
+    parser.add_argument("--tenants", default="0,1000", help="tenants kept, comma-separated")
     parser.add_argument("--ops", type=int, default=200)
+    parser.add_argument("--backlogged", action="store_true", help="each kept tenant has a job queued")
     args = parser.parse_args()
-    print(f"{'idle tenants':>12}  {'calls/claim':>11}  {'opcodes/claim':>13}")
+    kept = "backlogged" if args.backlogged else "idle tenants"
+    print(
+        f"{kept:>12}  {'calls/claim':>11}  {'opcodes/claim':>13}  {'calls/admit':>11}  {'opcodes/admit':>13}"
+    )
     for tenants in (int(t) for t in args.tenants.split(",")):
-        calls = asyncio.run(per_claim(tenants, args.ops, "calls"))
-        opcodes = asyncio.run(per_claim(tenants, args.ops, "opcodes"))
-        print(f"{tenants:>12}  {calls:>11.1f}  {opcodes:>13.1f}")
+        claim = ["-", "-"]
+        if not args.backlogged:
+            claim = [f"{asyncio.run(per_claim(tenants, args.ops, k)):.1f}" for k in ("calls", "opcodes")]
+        admit = [
+            f"{asyncio.run(per_admit(tenants, args.ops, k, backlogged=args.backlogged)):.1f}"
+            for k in ("calls", "opcodes")
+        ]
+        print(f"{tenants:>12}  {claim[0]:>11}  {claim[1]:>13}  {admit[0]:>11}  {admit[1]:>13}")
 
 
 if __name__ == "__main__":

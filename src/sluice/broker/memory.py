@@ -69,6 +69,11 @@ class MemoryBroker(Broker):
         #: claim passes over: kept where a running count or a cap changes (_move, _key_limiter),
         #: not walked over every tenant on each claim
         self._at_cap: set[str] = set()
+        #: the tenants holding queued jobs back by their cap (more queued and running than it:
+        #: ``_Tenant.held_back``), whose rooms admission reads (``_view``): kept where a count or a
+        #: cap changes (``_move``, ``_key_limiter``, ``_admit``), as ``_at_cap`` is, not walked over
+        #: every tenant on each admission (bench/claim_tenants: O(tenants kept) calls before)
+        self._held: set[str] = set()
         #: the jobs queued, over every tenant and model (the sum of the tenants' ``queued``): a
         #: claim with none to find does not walk the queues (the dispatcher's next claim, in the
         #: turn that writes a job's engine request, finds none at light load)
@@ -162,6 +167,10 @@ class MemoryBroker(Broker):
             self._at_cap.add(name)
         else:
             self._at_cap.discard(name)
+        if cap is not None and t.queued + t.running > cap:
+            self._held.add(name)
+        else:
+            self._held.discard(name)
         bucket = limits.bucket_id
         limiter = t.limiters.get(bucket)
         if limiter is None:
@@ -199,6 +208,11 @@ class MemoryBroker(Broker):
         elif state is JobState.QUEUED:
             t.queued += 1
             self._queued += 1
+        if cap is not None:  # _Tenant.held_back, kept (an uncapped tenant's move reads no more)
+            if t.queued + t.running > cap:
+                self._held.add(job.tenant)
+            else:
+                self._held.discard(job.tenant)
         job.state = state
         if t.idle:
             del self._tenants[job.tenant]
@@ -264,6 +278,9 @@ class MemoryBroker(Broker):
         limiter.take(job.cost, now)
         tenant.queued += 1
         self._queued += 1
+        cap = tenant.max_concurrent
+        if cap is not None and tenant.queued + tenant.running > cap:
+            self._held.add(job.tenant)
         job.state = JobState.QUEUED
         rec = self._records[job.id] = JobRecord(job, bucket=None if limits is None else limits.bucket_id)
         self._tenant_jobs.setdefault(job.tenant, {})[job.id] = job.created_at
@@ -290,10 +307,11 @@ class MemoryBroker(Broker):
         fair order puts there, less the jobs other tenants hold back by their concurrency caps
         (``ClassScheduler.fair_view``; admit.lua computes the same)."""
         rooms = {}
-        for name, t in self._tenants.items():
-            if t.held_back:
-                assert t.max_concurrent is not None
-                rooms[name] = max(t.max_concurrent - t.running, 0)
+        tenants = self._tenants
+        for name in self._held:  # the order is no matter: fair_view sums, and keys by name
+            t = tenants[name]
+            assert t.max_concurrent is not None
+            rooms[name] = max(t.max_concurrent - t.running, 0)
         fair = q.fair_view(job.priority, job.tenant, rooms)
         cls_q = q.queues[job.priority]
         view = admission.QueueView(

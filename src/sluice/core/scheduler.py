@@ -104,6 +104,11 @@ class FairQueue:
 
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
+        #: the tenants of ``_tenants`` with jobs queued: those that have none stay there for their
+        #: finish tag (a tenant's next start is no earlier), and every admission's look at the
+        #: backlogs (:meth:`backlogs`, the claims' :meth:`has_eligible`) walks only these, not
+        #: every tenant the queue has seen (bench/claim_tenants)
+        self._backlogged: dict[str, _Tenant] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self.vtime = 0.0
@@ -121,6 +126,8 @@ class FairQueue:
         if t is None:
             t = self._tenants[entry.tenant] = _Tenant(finish=self.vtime)
         was_idle = not t.jobs
+        if was_idle:
+            self._backlogged[entry.tenant] = t
         if front:
             t.jobs.appendleft(entry)
             # A job handed back (lease lost, retry) has waited already: it goes next for its tenant,
@@ -164,7 +171,7 @@ class FairQueue:
     def has_eligible(self, blocked: Collection[str] = ()) -> bool:
         if not blocked:
             return self.jobs > 0
-        return any(t.jobs for name, t in self._tenants.items() if name not in blocked)
+        return any(name not in blocked for name in self._backlogged)
 
     def pop(self, blocked: Collection[str] = ()) -> Entry | None:
         """The next job in fair order, passing over the tenants in ``blocked``."""
@@ -179,8 +186,10 @@ class FairQueue:
         if t.jobs:
             t.tag = t.finish
             self._schedule(name, t)
-        elif t.finish <= self.vtime:
-            del self._tenants[name]  # nothing to remember: max(vtime, finish) is vtime anyway
+        else:
+            del self._backlogged[name]
+            if t.finish <= self.vtime:
+                del self._tenants[name]  # nothing to remember: max(vtime, finish) is vtime anyway
         self.jobs -= 1
         self.tokens -= entry.cost
         return entry
@@ -192,6 +201,8 @@ class FairQueue:
         for entry in t.jobs:
             if entry.job_id == job_id:
                 t.jobs.remove(entry)
+                if not t.jobs:
+                    del self._backlogged[tenant]
                 t.tokens -= entry.cost
                 self.jobs -= 1
                 self.tokens -= entry.cost
@@ -209,14 +220,13 @@ class FairQueue:
     def backlogs(self) -> list[Backlog]:
         """Every tenant with jobs queued here."""
         out = []
-        for name, t in self._tenants.items():
-            if t.jobs:
-                head, newest = t.jobs[0], t.jobs[-1]
-                out.append(
-                    Backlog(
-                        name, len(t.jobs), t.tokens, t.tag, head.cost, head.weight, newest.job_id, newest.cost
-                    )
+        for name, t in self._backlogged.items():
+            head, newest = t.jobs[0], t.jobs[-1]
+            out.append(
+                Backlog(
+                    name, len(t.jobs), t.tokens, t.tag, head.cost, head.weight, newest.job_id, newest.cost
                 )
+            )
         return out
 
     def start_tag(self, tenant: str) -> float:
@@ -249,8 +259,8 @@ class FairQueue:
             if entry.job_id == job_id:
                 own_tag = t.tag + sum(e.cost / e.weight for e in itertools.islice(t.jobs, i))
                 ahead = i
-                for name, other in self._tenants.items():
-                    if name == tenant or not other.jobs:
+                for name, other in self._backlogged.items():
+                    if name == tenant:
                         continue
                     tag = other.tag
                     for e in other.jobs:
