@@ -130,3 +130,47 @@ async def test_a_hung_master_holds_up_no_healthy_masters_jobs(patient_cluster: R
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
         assert len(done) == len(set(done))  # none ran twice
+
+
+#: the lease of the test below, and its heartbeat (a third of it, as the dispatcher's)
+SHORT_LEASE_S = 4.0
+
+
+@pytest.mark.timeout(240)
+async def test_a_hung_master_loses_no_lease_on_the_healthy_masters(
+    patient_cluster: RedisClusterNodes,
+) -> None:
+    """A worker running a job on each master renews its leases (register, then heartbeat, as the
+    dispatcher's heartbeat loop does) while one master hangs: the healthy masters' leases hold, and
+    their jobs finish on their first attempt. Waiting on the hung master at each registration and
+    each heartbeat (its timeout, 2 s, twice) put the renewals 4 s and a heartbeat apart: past the
+    lease, and upkeep handed the jobs to another worker."""
+    cluster = patient_cluster
+    hung, healthy = _models(cluster)
+    stopped = cluster.master_of(_prefix(hung))
+    models = [hung, *healthy]
+    settings = BrokerSettings(lease_s=SHORT_LEASE_S, result_ttl_s=600.0)
+    async with (
+        RedisBroker(cluster.url, settings, min_replicas=0) as gateway,
+        RedisBroker(cluster.url, settings, min_replicas=0) as worker,
+    ):
+        jobs = [make_job(time.time, model=m) for m in models]
+        for job in jobs:
+            await gateway.admit(job)
+        await worker.register("w", dict.fromkeys(models, 1))
+        running = [await worker.claim("w", [m], timeout=5) for m in models]
+        assert [j.id if j else None for j in running] == [j.id for j in jobs]
+        with _stopped(stopped):
+            await worker.register("w", dict.fromkeys(models, 1))  # finds it down (its timeout, once)
+            beats = 0
+            until = time.monotonic() + 3 * SHORT_LEASE_S
+            while time.monotonic() < until:  # the dispatcher's heartbeat loop, for three leases
+                await asyncio.sleep(SHORT_LEASE_S / 3)
+                await worker.register("w", dict.fromkeys(models, 1))
+                assert await worker.heartbeat("w", [j.id for j in jobs]) == set()
+                beats += 1
+            assert beats >= 2
+            for job in jobs[1:]:
+                ended = await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
+                assert ended is not None and ended.state is JobState.SUCCEEDED, job.model
+                assert ended.attempts == 1

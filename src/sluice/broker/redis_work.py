@@ -76,7 +76,12 @@ class WorkMixin(RedisCore):
         # heartbeat, and the others now; only a registration that reached no shard raises.
         failed: BrokerUnavailable | None = None
         answered = False
+        # A shard known down is not waited on (a hung master costs the timeout, and the heartbeat
+        # that follows a registration would renew the leases that much later): probed meanwhile.
+        skipped = self._skip_down(list(per_shard))
         for shard, own in per_shard.items():
+            if shard in skipped:
+                continue
             try:
                 if not shard.announced and shard is not self.home:
                     # (in the home shard: if its master is down, announced at a later registration)
@@ -288,6 +293,10 @@ class WorkMixin(RedisCore):
             return list(await self._call("heartbeat", [k.active, *map(k.job, ids)], args, shard))
 
         groups = self._by_shard(job_ids)
+        # A shard known down is passed over (probed meanwhile), not waited on: a hung master would
+        # hold this heartbeat, and so the next one's renewals on the others, for its timeout.
+        for shard in self._skip_down(list(groups)) if len(groups) > 1 else ():
+            del groups[shard]
         replies = await asyncio.gather(*(beat(s, ids) for s, ids in groups.items()), return_exceptions=True)
         # A shard whose master is down (a failover) renews nothing now, and its jobs are not told
         # to abort: their leases are renewed at the next heartbeat if it is back in time, else
