@@ -165,8 +165,13 @@ class MemoryBroker(Broker):
         cap = t.max_concurrent = limits.max_concurrent
         if cap is not None and t.running >= cap:
             self._at_cap.add(name)
-        else:
-            self._at_cap.discard(name)
+        elif name in self._at_cap:
+            # Raised or dropped, the cap it was at frees its held jobs: the claims wake, on an
+            # admission then refused too (the limits stand; an admitted job wakes them anyway).
+            # admit.lua sets the markers of the shard's models then.
+            self._at_cap.remove(name)
+            if t.queued:
+                self._wake_claimers()
         if cap is not None and t.queued + t.running > cap:
             self._held.add(name)
         else:
