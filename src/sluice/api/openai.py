@@ -3,8 +3,8 @@
 A streamed answer's headers wait until the engine has taken the job (its first token, or its end)
 for up to ACCEPT_WAIT_S: a request the engine refuses before any token is then an error with its
 proper status (the engine's 400 and the parameter it names; see
-:func:`sluice.api.relay.engine_accepted`), which an SDK raises as such, rather
-than an HTTP 200 whose stream holds an error. A job still queued after that wait streams as
+:func:`sluice.api.relay.engine_accepted`, and the stream's ``accept_within``), which an SDK raises
+as such, rather than an HTTP 200 whose stream holds an error. A job still queued after that wait streams as
 before, and an error after the first token is an error event in the stream.
 """
 
@@ -26,7 +26,6 @@ from sluice.api.relay import (
     EventStreamResponse,
     KeyCheck,
     answer,
-    engine_accepted,
     key_check,
     openai_stream,
     wait_for_client,
@@ -87,9 +86,7 @@ async def _answer(
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         alive = key_check(request, who)
-        return await stream_answer(
-            gw.broker, job, headers, include_usage, stack, alive, gw.settings.max_stream_s
-        )
+        return stream_answer(gw.broker, job, headers, include_usage, stack, alive, gw.settings.max_stream_s)
     finished = await wait_for_client(request, gw.broker, job)
     try:
         return answer(finished, headers)
@@ -98,7 +95,7 @@ async def _answer(
         raise
 
 
-async def stream_answer(
+def stream_answer(
     broker: Broker,
     job: Job,
     headers: dict[str, str],
@@ -108,13 +105,16 @@ async def stream_answer(
     limit_s: float | None,
 ) -> EventStream:
     """The stream of an admitted job that streams, with the answer's ``headers``; ``stack`` holds
-    the caller's connection slot (None: none), which the stream releases when it ends. Raises the
-    job's failure (:func:`engine_accepted`) where it ends before its first token."""
-    skipped = await engine_accepted(broker, job, ACCEPT_WAIT_S)
-    # The stream's generator releases the connection when it ends.
+    the caller's connection slot (None: none), which the stream releases when it ends.
+
+    The stream's head waits for the engine to take the job (up to ACCEPT_WAIT_S), and the
+    stream raises the job's failure as an APIError, before anything is sent, where the job ends
+    without an answer first (``openai_stream``'s ``accept_within``); on the memory broker the head
+    goes out with the first token's frame in the broker's call, no turn of the loop between."""
+    # The stream releases the connection when it ends.
     held = stack.pop_all() if stack is not None else None
     return EventStream(
-        openai_stream(broker, job, include_usage, held, alive=alive, after=skipped),
+        openai_stream(broker, job, include_usage, held, alive=alive, accept_within=ACCEPT_WAIT_S),
         headers,
         ping_s=PING_S,
         limit_s=limit_s,

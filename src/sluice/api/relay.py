@@ -374,6 +374,7 @@ def openai_stream(
     held: contextlib.AsyncExitStack | None = None,
     alive: KeyCheck | None = None,
     after: int = 0,
+    accept_within: float | None = None,
 ) -> OpenAIStream:
     """SSE payloads (each one event's ``data``) of an OpenAI stream, fed by the job's events, for
     :class:`EventStream`, which bounds the stream's time. Cancels the job if the stream ends before
@@ -383,8 +384,14 @@ def openai_stream(
     ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
     ``after``: the events up to this id are not read (what :func:`engine_accepted` read and this
     stream would skip).
+
+    ``accept_within``: the stream itself waits, for up to this many seconds, until the engine
+    has taken the job, as :func:`engine_accepted` waits, before its head goes out: the
+    :class:`EventStream` then raises the job's failure as an :class:`APIError`, before any byte
+    is sent, where it ends without an answer first (:meth:`OpenAIStream.relay_tokens`). None: the
+    caller waited already.
     """
-    return OpenAIStream(broker, job, include_usage, held, alive, after)
+    return OpenAIStream(broker, job, include_usage, held, alive, after, accept_within)
 
 
 #: A stream's error when its engine failed after some of its tokens were sent.
@@ -417,6 +424,7 @@ class OpenAIStream:
         held: contextlib.AsyncExitStack | None,
         alive: KeyCheck | None,
         after: int,
+        accept_within: float | None = None,
     ) -> None:
         self.broker = broker
         self.job = job
@@ -425,6 +433,9 @@ class OpenAIStream:
         self.alive = alive
         #: the id of the last event read (or skipped)
         self.after = after
+        #: how long the stream's head waits for the engine to take the job (:func:`openai_stream`);
+        #: None: it does not wait (the caller did)
+        self.accept_within = accept_within
         self.tokens = TokenChunks(job)
         self.sent_tokens = False
         self.finished = False
@@ -496,7 +507,9 @@ class OpenAIStream:
         finally:
             await self._end()
 
-    async def relay_tokens(self, send: Send) -> None:
+    async def relay_tokens(
+        self, send: Send, start: Message | None = None, began: Callable[[], None] | None = None
+    ) -> None:
         """Write the stream's tokens to ``send`` as the broker calls back with each, until
         anything but a token comes (which the iterator then reads, and what follows it). Returns at
         once where the broker does not call back (no ``follow``), where the key is to be checked
@@ -505,54 +518,117 @@ class OpenAIStream:
         Each token's frame is written in the broker's call, by running ``send`` at once: the
         server's ``send`` (uvicorn's) returns without waiting unless the connection's buffer is
         full. When one waits, the frames after it are kept in order, and this task finishes the
-        waiting ``send`` and writes them, then takes the callbacks again."""
+        waiting ``send`` and writes them, then takes the callbacks again.
+
+        ``start``: the stream's head, not sent yet, which waits for the engine to take the job
+        (``accept_within``): it is sent with the first token's frame, in the broker's call (no
+        turn of the loop for this task between the token and its bytes), or as the wait runs out,
+        ``began`` called as it is handed to ``send``. A job that ends without an answer before
+        raises its failure (an :class:`APIError`), the head unsent; one that ends with its answer
+        and no token returns with the head unsent, for the caller to send and read on. On a broker
+        without ``follow`` the wait is :func:`engine_accepted`'s. With ``alive``, the first token
+        is written so and the rest read by the iterator (its key checks)."""
         follow = getattr(self.broker, "follow", None)
+        if start is not None and self.accept_within is not None:
+            followable = follow is not None and self._payloads is None and not self._closed
+            if followable and await self._relay(follow, send, start, began, self.accept_within):
+                return
+            # No calls back for this job: the wait reads its events, as engine_accepted does.
+            self.after = max(self.after, await engine_accepted(self.broker, self.job, self.accept_within))
+            return
         if follow is None or self.alive is not None or self._payloads is not None or self._closed:
             return
+        await self._relay(follow, send, None, None, None)
+
+    async def _relay(
+        self,
+        follow: Any,
+        send: Send,
+        start: Message | None,
+        began: Callable[[], None] | None,
+        accept_within: float | None,
+    ) -> bool:
+        """:meth:`relay_tokens` through ``follow``; False where the broker will not call back for
+        this job (it has a follower already, or is not known): nothing was done."""
         loop = asyncio.get_running_loop()
         wake: asyncio.Future[None] = loop.create_future()
-        #: frames that came while a send waited, in order; None: none waits
-        queued: list[bytes] | None = None
+        #: the head while it waits for the engine (None: sent, or not this stream's to send)
+        opening = start
+        #: messages that came while a send waited, in order; None: none waits
+        queued: list[Message] | None = None
         #: the rest of a send that waits
         waiting: Awaitable[None] | None = None
         failed: BaseException | None = None
-        handed = False
+        #: the event handed to the iterator (None: none yet)
+        handed: EventType | None = None
         encode = self.tokens.encode
+        first_only = self.alive is not None  # the key's checks: the iterator reads on
+
+        def write(message: Message) -> None:
+            # send run at once, by hand, up to its first wait (if it waits at all)
+            nonlocal queued, waiting, failed
+            if failed is not None:
+                return
+            if queued is not None:
+                queued.append(message)
+                return
+            writing = send(message)
+            if isinstance(writing, types.CoroutineType):
+                try:
+                    pending = writing.send(None)
+                except StopIteration:
+                    return
+                except BaseException as exc:  # the send's own error: the stream's task raises it
+                    failed = exc
+                else:
+                    waiting, queued = _resumed(writing, pending), []
+            else:  # an awaitable that is not a coroutine: the stream's task awaits it
+                waiting, queued = writing, []
+
+        def open_stream(head: Message) -> None:
+            nonlocal opening
+            opening = None
+            if began is not None:
+                began()
+            write(head)
 
         def follower(event_id: int, type: EventType, data: Any) -> bool:
-            nonlocal queued, waiting, failed, handed
+            nonlocal handed
             if type is EventType.TOKEN:
                 self.after = event_id
                 self.sent_tokens = True
+                if opening is not None:
+                    open_stream(opening)
                 # sse_frame's, without its look for line breaks: json.dumps escapes every one
                 frame = b"data: " + encode(data).encode() + b"\n\n"
-                if queued is not None:
-                    queued.append(frame)
+                write({"type": "http.response.body", "body": frame, "more_body": True})
+                if first_only:
+                    handed = type
+                elif waiting is None and failed is None:
                     return True
-                writing = send({"type": "http.response.body", "body": frame, "more_body": True})
-                if isinstance(writing, types.CoroutineType):
-                    try:
-                        pending = writing.send(None)
-                    except StopIteration:
-                        return True
-                    except BaseException as exc:  # the send's own error: the stream's task raises it
-                        failed = exc
-                    else:
-                        waiting, queued = _resumed(writing, pending), []
-                else:  # an awaitable that is not a coroutine: the stream's task awaits it
-                    waiting, queued = writing, []
-            elif type in _PASSED_OVER:
+            elif type in _PASSED_OVER or (type is EventType.RETRY and not self.sent_tokens):
+                # a retry before any token is waited through, as engine_accepted does
                 self.after = event_id
                 return True
             else:
-                handed = True
+                handed = type
             if not wake.done():
                 wake.set_result(None)
-            return failed is None and not handed
+            return failed is None and handed is None
+
+        def ran_out() -> None:
+            # the engine has not taken the job in time: the stream starts without it
+            if opening is not None:
+                open_stream(opening)
+                if (waiting is not None or failed is not None) and not wake.done():
+                    wake.set_result(None)
 
         stop = follow(self.job.id, self.after, follower)
         if stop is None:
-            return
+            return False
+        timer = None
+        if opening is not None and handed is None and accept_within is not None:
+            timer = loop.call_later(accept_within, ran_out)
         try:
             while True:
                 await wake
@@ -562,15 +638,24 @@ class OpenAIStream:
                     rest, waiting = waiting, None
                     await rest
                     while queued:
-                        frames, queued = queued, []
-                        for frame in frames:
-                            await send({"type": "http.response.body", "body": frame, "more_body": True})
+                        messages, queued = queued, []
+                        for message in messages:
+                            await send(message)
                     queued = None
-                if handed:
-                    return
+                if handed is not None:
+                    break
                 wake = loop.create_future()
         finally:
             stop()
+            if timer is not None:
+                timer.cancel()
+        if handed is EventType.ERROR and opening is not None:
+            # Ended before its first token, nothing sent: answered with its status, not a stream.
+            self.finished = True
+            error = failure(await self.broker.get(self.job.id) or self.job)
+            error.job_id = self.job.id
+            raise error
+        return True
 
 
 @types.coroutine
@@ -671,12 +756,19 @@ class EventStream:
             head.extend(h for h in SSE_HEADERS if h[0] not in named)
         else:
             head = list(SSE_HEADERS)
-        self.started = True
-        await send({"type": "http.response.start", "status": 200, "headers": head})
-        if scope.get("method") == "HEAD":
-            await self.payloads.aclose()  # type: ignore[attr-defined]
-            await send(_END)
-            return
+        start: Message = {"type": "http.response.start", "status": 200, "headers": head}
+        relay_tokens = getattr(self.payloads, "relay_tokens", None)
+        # Payloads whose head waits for the engine to take the job (OpenAIStream's accept_within)
+        # send it themselves, with the first token's frame, in the broker's call back.
+        opens = relay_tokens is not None and getattr(self.payloads, "accept_within", None) is not None
+        if not opens or scope.get("method") == "HEAD":
+            opens = False
+            self.started = True
+            await send(start)
+            if scope.get("method") == "HEAD":
+                await self.payloads.aclose()  # type: ignore[attr-defined]
+                await send(_END)
+                return
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -695,14 +787,26 @@ class EventStream:
             stop = watch.watch(gone)
         else:
             reader = asyncio.create_task(_call_when_gone(receive, gone))
-        pings = _Pings(loop, send, self.ping_s)
-        relay_tokens = getattr(self.payloads, "relay_tokens", None)
+        pings = _Pings(loop, send, self.ping_s, begun=not opens)
+
+        def began() -> None:
+            self.started = True
+            pings.begin()
+
         try:
             async with asyncio.timeout(self.limit_s):
                 if relay_tokens is not None:
                     # The payloads write their first tokens themselves, as the broker hands them
                     # (OpenAIStream), then the rest comes through here.
-                    await relay_tokens(send)
+                    if opens:
+                        await relay_tokens(send, start, began)
+                    else:
+                        await relay_tokens(send)
+                if not self.started:
+                    # The head still unsent: the job ended with its answer and no token, or the
+                    # broker did not call back and the wait read the job's events.
+                    began()
+                    await send(start)
                 async for data in self.payloads:
                     frame = data if isinstance(data, bytes) else sse_frame(data)
                     await send({"type": "http.response.body", "body": frame, "more_body": True})
@@ -719,6 +823,9 @@ class EventStream:
             await pings.stop()
             await self.payloads.aclose()  # type: ignore[attr-defined]
         if not left:
+            if not self.started:  # the stream's time ran out while its head waited
+                self.started = True
+                await send(start)
             await send(_END)
 
 
@@ -749,12 +856,22 @@ class _Pings:
     """A keep-alive comment every ``every`` seconds, sent by a short task when it is due (none
     runs in between)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, send: Send, every: float) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, send: Send, every: float, *, begun: bool = True
+    ) -> None:
         self._loop = loop
         self._send = send
         self._every = every
         self._sending: asyncio.Task[None] | None = None
-        self._timer = loop.call_later(every, self._due) if every > 0 else None
+        self._timer: asyncio.TimerHandle | None = None
+        if begun:
+            self.begin()
+
+    def begin(self) -> None:
+        """The first ping due ``every`` seconds from now (once the stream's head is sent: none may
+        come before it)."""
+        if self._every > 0 and self._timer is None and self._sending is None:
+            self._timer = self._loop.call_later(self._every, self._due)
 
     def _due(self) -> None:
         self._sending = self._loop.create_task(self._ping())

@@ -290,7 +290,7 @@ async def answered(broker: MemoryBroker, job: Job, marks: Marks) -> None:
     )
     scope["extensions"] = {CLIENT_GONE: ClientGone(cycle, loop)}
     headers = {"x-sluice-job-id": job.id, "x-request-id": job.id}
-    stream = await stream_answer(broker, job, headers, False, None, None, None)
+    stream = stream_answer(broker, job, headers, False, None, None, None)
     send: Any = cycle.send
     await stream(scope, _never, send)
 
