@@ -283,7 +283,7 @@ class RedisCore(Broker):
         await self._io(self.home.redis.sadd(self.keys.shards, str(shard.number)))
         shard.announced = True
 
-    def _shard_failed(self, shard: Shard, exc: BrokerUnavailable) -> None:
+    def _shard_failed(self, shard: Shard, exc: Exception) -> None:
         """A worker's call to ``shard`` found its master unavailable and went on with the other
         shards: said once per outage of that shard (a failover fails every claim round meanwhile)."""
         outage = self._shard_outages.get(shard)
@@ -307,10 +307,11 @@ class RedisCore(Broker):
 
     def _skip_down(self, shards: Sequence[Shard]) -> set[Shard]:
         """The shards of ``shards`` that a round of a worker's calls over them (a claim, a webhook
-        fetch) passes over: those known down, while another one is not. Each is probed meanwhile
-        (:meth:`_probe`), and is in the round again once it answers. A master that hangs rather than
-        refuses fails a call only by its timeout (the command timeout, 2 s): a round that tried it
-        again would hold the other shards' next jobs back by as much, every round of the outage.
+        fetch, a registration, a heartbeat) passes over: those known down, while another one is
+        not. Each is probed meanwhile (:meth:`_probe`), and is in the round again once it answers.
+        A master that hangs rather than refuses fails a call only by its timeout (the command
+        timeout, 2 s): a round that tried it again would hold the other shards' next jobs (or
+        leases) back by as much, every round of the outage.
         With every shard down, none is passed over: the round tries them, and raises."""
         if not self._shard_outages:
             return set()
@@ -331,7 +332,7 @@ class RedisCore(Broker):
         async def probe() -> None:
             try:
                 await shard.batch.call(("EXISTS", shard.keys.active))
-            except BrokerUnavailable as exc:
+            except Exception as exc:  # an outage is logged once; anything else is a bug, logged
                 self._shard_failed(shard, exc)
                 return
             self._shard_answered(shard)
