@@ -61,8 +61,10 @@ class Mirror:
     def __init__(self, brokers: dict[str, Broker], clock: FakeClock) -> None:
         self.brokers = brokers
         self.clock = clock
-        self.jobs: dict[str, Job] = {}  # by the name the scenario gives it
-        self.names: dict[str, str] = {}  # job id -> that name
+        #: per broker, its admitted jobs by the name the scenario gives each (a spread queue
+        #: names a job anew: Admission.job), and the names by job id
+        self.jobs: dict[str, dict[str, Job]] = {impl: {} for impl in brokers}
+        self.names: dict[str, dict[str, str]] = {impl: {} for impl in brokers}
         self.waiting: dict[str, asyncio.Task[Job | None]] = {}
         self.models: list[str] = []
         self.seen: dict[str, list[tuple[str, str]]] = {name: [] for name in brokers}
@@ -79,10 +81,10 @@ class Mirror:
         refused: bool = False,
     ) -> None:
         job = make_job(self.clock, model=model, tenant=tenant, timeout=timeout, max_attempts=max_attempts)
-        self.jobs[name], self.names[job.id] = job, name
         for impl, b in self.brokers.items():
             try:
-                await b.admit(copy.deepcopy(job), limits)
+                admitted = (await b.admit(copy.deepcopy(job), limits)).job
+                self.jobs[impl][name], self.names[impl][admitted.id] = admitted, name
                 got = False
             except Refused:
                 got = True
@@ -90,14 +92,14 @@ class Mirror:
 
     async def claim(self, name: str) -> None:
         """A claim that does not wait takes job ``name`` on each broker (the scenario's setup)."""
-        job = self.jobs[name]
         for impl, b in self.brokers.items():
+            job = self.jobs[impl][name]
             got = await b.claim(W, [job.model], timeout=0.0)
             assert got is not None and got.id == job.id, (impl, name)
 
     async def each(self, op: Callable[[Broker, Job], Awaitable[object]], name: str) -> None:
-        for b in self.brokers.values():
-            await op(b, self.jobs[name])
+        for impl, b in self.brokers.items():
+            await op(b, self.jobs[impl][name])
 
     async def lapse(self, seconds: float) -> None:
         """The clock moves on and each broker's upkeep runs (leases lapse, deadlines pass)."""
@@ -126,19 +128,19 @@ class Mirror:
             task = self.waiting[impl]
             if takes is None:
                 probe = await b.claim(W, self.models, timeout=0.0)  # nothing can be claimed
-                outcome = WAITS if probe is None else f"claimable {self.names[probe.id]}"
+                outcome = WAITS if probe is None else f"claimable {self.names[impl][probe.id]}"
                 assert not task.done(), (impl, event)
             else:
                 try:
                     got = await asyncio.wait_for(asyncio.shield(task), WOKEN_S)
-                    outcome = WAITS if got is None else self.names[got.id]
+                    outcome = WAITS if got is None else self.names[impl][got.id]
                 except TimeoutError:  # not woken: it would wait out its bound
                     outcome = WAITS
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
                     late = await b.claim(W, self.models, timeout=0.0)
-                    assert late is not None and late.id == self.jobs[takes].id, (impl, event)
+                    assert late is not None and late.id == self.jobs[impl][takes].id, (impl, event)
             self.seen[impl].append((event, outcome))
         if takes is None:
             await self._all_wait()
@@ -153,10 +155,13 @@ class Mirror:
                 await task
 
 
-@pytest.fixture
+@pytest.fixture(params=["redis", "redis-spread"])
 async def mirror(request: pytest.FixtureRequest) -> AsyncIterator[Mirror]:
+    """The memory broker beside a Redis broker: one queue, or each model's queue on a shard of its
+    own (``redis-spread``: a job is named anew). One Redis at a time: its blocked clients are the
+    waiting claim's."""
     clock = FakeClock()
-    brokers = {name: await make_broker(name, request, clock) for name in ("memory", "redis")}
+    brokers = {name: await make_broker(name, request, clock) for name in ("memory", request.param)}
     m = Mirror(brokers, clock)
     try:
         yield m
@@ -184,9 +189,10 @@ def assert_mirrored(m: Mirror, script: list[tuple[str, str | None]], *, redis_ga
     still held to the script."""
     want = m.expected(script)
     assert m.seen["memory"] == want, "memory"
-    if redis_gap is not None and m.seen["redis"] != want:
-        pytest.xfail(f"{redis_gap}: redis saw {m.seen['redis']}")
-    assert m.seen["redis"] == want, "redis"
+    (redis,) = (impl for impl in m.seen if impl != "memory")
+    if redis_gap is not None and m.seen[redis] != want:
+        pytest.xfail(f"{redis_gap}: {redis} saw {m.seen[redis]}")
+    assert m.seen[redis] == want, redis
 
 
 CAP1 = TenantLimits("c", max_concurrent=1)
@@ -318,8 +324,11 @@ async def test_the_end_of_a_capped_tenants_job_wakes_a_claim_on_its_held_jobs_ot
     mirror: Mirror,
 ) -> None:
     """The cap is the tenant's over every model: its job running on model a holds back its job on
-    model b, and that job's claim (on b) is woken when the job on a ends."""
+    model b, and that job's claim (on b) is woken when the job on a ends. (Not on a spread queue:
+    there a and b are on shards of their own, and the cap counts per shard, docs/redis.md.)"""
     m = mirror
+    if "redis-spread" in m.brokers:
+        pytest.skip("a spread queue's caps count per shard: b's job is not held back there")
     await m.admit("r", "c", CAP1, model="a")
     await m.claim("r")
     await m.admit("h", "c", CAP1, model="b")
