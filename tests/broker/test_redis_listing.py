@@ -57,9 +57,10 @@ async def test_a_job_queued_but_not_listed_is_accepted_and_listed_later(
 
             # The home shard takes writes again: upkeep lists the job, only once its admission's
             # own listing has had its time.
+            await raw.zadd(pending, {job.id: clock()})  # as if admitted just now (before the list
+            # takes writes: the broker's own upkeep loop runs meanwhile too)
             await raw.delete(list_key)
             await raw.zadd(list_key, {m.decode(): float(listed_before.created_at * 1e6) for m in members})
-            await raw.zadd(pending, {job.id: clock()})  # as if admitted just now
             await broker.maintain()
             assert [j.id for j in (await broker.list_jobs("a", limit=10)).jobs] == [listed_before.id]
             clock.advance(LIST_REPAIR_AFTER_S + 1.0)
