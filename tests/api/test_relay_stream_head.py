@@ -27,7 +27,9 @@ from sluice.sim.model import preset
 from sluice.sim.server import serve_in_background
 from tests.api.test_openai_gaps import MSG, fake_gateway
 from tests.api.test_relay_direct import Unfollowed, token
+from tests.broker.brokers import empty_redis
 from tests.helpers import wait_until
+from tests.redis_server import RedisServer
 from tests.servers import run_gateway
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
@@ -298,3 +300,24 @@ async def test_a_client_that_leaves_before_the_first_token_cancels_its_job_at_on
         # Within the accept wait (5 s): the stream's head no longer holds the job until it ends.
         await wait_until(lambda: _cancelled(g.broker, job.id), 3.0)
         assert not engine.gate.is_set()
+
+
+async def test_on_redis_a_stream_streams_and_a_refusal_before_its_first_token_is_its_status(
+    http: httpx.AsyncClient,
+) -> None:
+    # No calls back on Redis: the stream's head waits through engine_accepted's read of the events.
+    with RedisServer() as server:
+        url = await empty_redis(server)
+        async with (
+            serve_in_background(preset("fast", model="sim")) as sim,
+            run_gateway([sim], broker=url) as g,
+        ):
+            body = {"model": "sim", "messages": MSG, "max_tokens": 3, "stream": True}
+            async with http.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+                payloads = [line[5:].strip() async for line in r.aiter_lines() if line.startswith("data:")]
+            assert payloads[-1] == "[DONE]" and len(payloads) >= 2
+            refused = await http.post(g.url + "/v1/chat/completions", json={**body, "n": 2})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+            assert refused.headers["x-request-id"] == refused.headers["x-sluice-job-id"]
