@@ -366,3 +366,48 @@ async def test_the_promises_slowdown_is_the_same_in_lua_at_the_edges(redis_url: 
         assert {"one fill", "even answers", "fill 0"} <= set(by_gap), by_gap
     finally:
         await client.aclose()
+
+
+async def test_a_tenant_never_dispatched_starts_at_the_virtual_time_it_is_pushed_at_on_both(
+    redis_url: str,
+) -> None:
+    """The fair queue's virtual time goes back when a tenant passed over for its cap is popped
+    later. A tenant whose first job was cancelled unstarted before that has no finish tag on
+    either broker: its next job starts at the virtual time then, and the same work is ahead of it.
+    The memory broker had kept the virtual time of its first push as its finish, and put it
+    behind two jobs more than Redis did (position 3 against 1)."""
+    clock = FakeClock()
+    settings = BrokerSettings(
+        default_limits=QueueLimits(model=Bounds(max_jobs=100)), lease_s=60.0, clock=clock
+    )
+    brokers: tuple[Broker, Broker] = (MemoryBroker(settings), RedisBroker(redis_url, settings))
+    capped = TenantLimits("a", max_concurrent=1)
+
+    async def admit(tenant: str, limits: TenantLimits | None = None, cost: int = 30) -> tuple[str, list[Any]]:
+        job = make_job(clock, model="m", tenant=tenant, prompt_tokens=cost // 2, max_tokens=cost - cost // 2)
+        return job.id, [_outcome(await b.admit(copy.deepcopy(job), limits)) for b in brokers]
+
+    async def claim() -> str:
+        got = [await b.claim("w", ["m"], timeout=0.0) for b in brokers]
+        assert got[0] is not None and got[1] is not None and got[0].id == got[1].id
+        return got[0].tenant
+
+    try:
+        first, _ = await admit("a", capped)
+        assert await claim() == "a"
+        await admit("a", capped)  # held: a is at its cap, its tag (30) waits
+        for _ in range(4):
+            await admit("b")  # tags 0, 30, 60, 90
+        assert [await claim() for _ in range(3)] == ["b", "b", "b"]  # past a's tag: vtime 60
+        cancelled, _ = await admit("x")  # x first seen at vtime 60
+        for b in brokers:
+            await b.cancel(cancelled)
+            await b.finish(first, "w", JobState.SUCCEEDED, result={})
+        assert await claim() == "a"  # a's held job, at tag 30: the virtual time goes back to 30
+        for _ in range(3):
+            await admit("d", cost=10)  # tags 30, 40, 50
+        _, outcomes = await admit("x")
+        assert outcomes[0] == outcomes[1]
+        assert outcomes[0][0] == 1  # from 30: d's head job only (the tie) is ahead
+    finally:
+        await brokers[1].close()

@@ -95,7 +95,12 @@ def work_before(b: Backlog, start: float) -> tuple[int, int]:
 class _Tenant:
     jobs: deque[Entry] = field(default_factory=deque)
     tag: float = 0.0  # start tag of the head job while backlogged
-    finish: float = 0.0  # finish tag of the job dispatched last
+    #: finish tag of the job dispatched last; -inf for none yet, so that a tenant never dispatched
+    #: starts at the virtual time of its push, whenever that is, as in _fairqueue.lua (no f: field:
+    #: vtime). Not the virtual time when it was first seen: that goes back when a tenant passed
+    #: over for its cap is popped later, and a tenant whose first jobs were all removed unstarted
+    #: then started (and counted the work ahead of it) from the later time, Redis from the earlier.
+    finish: float = -math.inf
     tokens: int = 0  # the cost of ``jobs``
 
 
@@ -124,7 +129,7 @@ class FairQueue:
     def push(self, entry: Entry, *, front: bool = False) -> None:
         t = self._tenants.get(entry.tenant)
         if t is None:
-            t = self._tenants[entry.tenant] = _Tenant(finish=self.vtime)
+            t = self._tenants[entry.tenant] = _Tenant()
         was_idle = not t.jobs
         if was_idle:
             self._backlogged[entry.tenant] = t
