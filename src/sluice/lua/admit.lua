@@ -181,6 +181,17 @@ if limits_given then
 end
 local queued_by_tenant = (t.q or 0) * 1
 local running_by_tenant = (t.r or 0) * 1
+-- The admission raised (or lifted) the cap of a tenant that was at it, with `held` jobs queued
+-- before this one, accepted or refused (the key's limits are stored either way): the jobs it held
+-- back, in any model of this shard (the cap spans them) and this one, may run now, and their
+-- claimers wake, as settle wakes them when a running job's end frees the slot
+-- (MemoryBroker._key_limiter wakes every claim then).
+local function wake_if_cap_freed(held)
+  local old_mc = tonum(t.mc)
+  if held > 0 and old_mc and running_by_tenant >= old_mc and not (mc and running_by_tenant >= mc) then
+    for _, m in ipairs(rcall('SMEMBERS', models_k)) do rcall('ZADD', marker_key(P, m), '0', 'w') end
+  end
+end
 local function tenant_state(rl, rs, tl, ts)
   local vals, out = { rpm, tpm, mq, mc, queued_by_tenant, rl, rs, tl, ts }, {}
   for i = 1, 9 do -- not ipairs: absent values are holes
@@ -561,6 +572,7 @@ if retry_after then
 end
 if refused then
   tenant_store(rl, rs, tl, ts) -- the refills stand
+  wake_if_cap_freed(queued_by_tenant) -- the key's cap stands too
   st_flush(st) -- the policy's state and the reservations moved on
   local out = { 0, model_jobs, model_tokens, class_jobs, class_tokens, ahead_jobs, ahead_tokens, runnable_tokens,
     num(per_slot), samples, slots }
@@ -634,16 +646,7 @@ elseif held_jobs >= model_jobs - (evict and 1 or 0) and not (mc and running_by_t
   -- admission). Only an admission while a capped tenant holds jobs back gets here.
   rcall('ZADD', marker_k, '0', 'w')
 end
-local old_mc = tonum(t.mc)
-if old_mc and running_by_tenant >= old_mc and not (mc and running_by_tenant >= mc)
-    and queued_by_tenant > 1 then
-  -- This admission raised (or lifted) the cap of a tenant that was at it with jobs queued: the
-  -- jobs it held back, in any model of this shard (the cap spans them), may run now, and their
-  -- claimers wake (the memory broker wakes every claim on every admission), as settle wakes them.
-  for _, m in ipairs(rcall('SMEMBERS', models_k)) do
-    if m ~= model then rcall('ZADD', marker_key(P, m), '0', 'w') end
-  end
-end
+wake_if_cap_freed(queued_by_tenant - 1)
 local out = { 1, ahead_jobs, wait_text }
 for _, v in ipairs(tenant_state(rl, rs, tl, ts)) do out[#out + 1] = v end
 return out
