@@ -24,7 +24,7 @@ from sluice.broker.base import (
     QueueBreakdown,
     TenantDepth,
 )
-from sluice.broker.memory_record import Follower, JobRecord, _Lease, _Tenant
+from sluice.broker.memory_record import Follower, JobRecord, _Lease, _Tenant, kept
 from sluice.broker.memory_workers import Workers
 from sluice.broker.signal import Signal
 from sluice.core import admission
@@ -135,7 +135,7 @@ class MemoryBroker(Broker):
         return d
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
-        rec.events.append((type, data))
+        rec.events.append(kept(type, data))  # a token as bytes: out of the collector's walks
         terminal = type in TERMINAL_EVENTS
         if terminal:
             rec.ended_stream = True
@@ -770,6 +770,8 @@ class MemoryBroker(Broker):
             heapq.heappush(self._deadlines, (job.deadline, job.id))
             self._emit(rec, EventType.RETRY, {"attempt": job.attempts, "reason": "lease expired"})
             self._wake_claimers()
+        for q in self._queues.values():  # the tenants drained out of the fair order's memory
+            q.forget_drained()
         mono = time.monotonic()
         while self._to_pack and self._to_pack[0][0] <= mono:
             _, job_id = self._to_pack.popleft()
