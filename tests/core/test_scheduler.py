@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from sluice.core.scheduler import Backlog, ClassScheduler, ClassSpec, Entry, FairQueue, work_before
@@ -223,3 +224,57 @@ def test_a_capped_tenant_is_ahead_only_as_far_as_its_cap_lets_it_run() -> None:
     own = s.fair_view("normal", "c", {"c": 1})
     assert (own.ahead_jobs, own.ahead_tokens) == (1 + 4, 1000 + 400)
     assert own.runnable_tokens == 1400 - 300
+
+
+# --- what the fair queue remembers of tenants that drained --------------------------------------
+
+
+def test_forgetting_drained_tenants_changes_no_order_view_or_position() -> None:
+    """A queue that forgets its drained tenants (``forget_drained``) at random moments decides
+    exactly as its twin that forgets none, through pushes (front ones too), pops with tenants
+    blocked, and removals of 60 tenants' jobs: every pop, backlog, start tag, fair view and position
+    the same; and it remembers only tenants with jobs, or whose finish tag is ahead of it."""
+    rng = random.Random(5)
+    forgets, keeps = ClassScheduler(), ClassScheduler()
+    tenants = [f"t{i}" for i in range(60)]
+    queued: list[tuple[str, str, str]] = []  # (class, job id, tenant)
+    forgotten = 0
+    for step in range(6_000):
+        r = rng.random()
+        if r < 0.45:
+            cls, tenant = rng.choice(["high", "normal", "low"]), rng.choice(tenants)
+            entry = Entry(f"j{step}", tenant, rng.choice([5, 20, 80]), rng.choice([1.0, 2.0]))
+            front = rng.random() < 0.1
+            for s in (forgets, keeps):
+                s.push(cls, Entry(entry.job_id, entry.tenant, entry.cost, entry.weight), front=front)
+            queued.append((cls, entry.job_id, tenant))
+        elif r < 0.85:
+            blocked = set(rng.sample(tenants, rng.choice([0, 0, 3, 20])))
+            got = [s.pop(blocked) for s in (forgets, keeps)]
+            assert [g and (g[0], g[1].job_id) for g in got] == [g and (g[0], g[1].job_id) for g in got[::-1]]
+            if got[0] is not None:
+                queued.remove((got[0][0], got[0][1].job_id, got[0][1].tenant))
+        elif r < 0.92 and queued:
+            cls, job_id, tenant = queued.pop(rng.randrange(len(queued)))
+            for s in (forgets, keeps):
+                assert s.remove(cls, job_id, tenant) is not None
+        else:
+            forgotten += forgets.forget_drained()
+        cls, tenant = rng.choice(["high", "normal", "low"]), rng.choice(tenants)
+        rooms = {t: rng.randrange(3) for t in rng.sample(tenants, 2)}
+        assert forgets.fair_view(cls, tenant, rooms) == keeps.fair_view(cls, tenant, rooms), step
+        for c in ("high", "normal", "low"):
+            a, b = forgets.queues[c], keeps.queues[c]
+            assert sorted(a.backlogs(), key=repr) == sorted(b.backlogs(), key=repr), step
+            assert a.start_tag(tenant) == b.start_tag(tenant), step
+            assert a.vtime == b.vtime
+        if queued:
+            cls, job_id, tenant = rng.choice(queued)
+            assert forgets.position(cls, job_id, tenant) == keeps.position(cls, job_id, tenant)
+    assert forgotten > 500  # the forgetting happened, often
+    forgets.forget_drained()
+    for q in forgets.queues.values():
+        assert all(t.jobs or t.finish > q.vtime for t in q._tenants.values())
+    assert sum(len(q._tenants) for q in forgets.queues.values()) < sum(
+        len(q._tenants) for q in keeps.queues.values()
+    )

@@ -114,6 +114,10 @@ class FairQueue:
         #: backlogs (:meth:`backlogs`, the claims' :meth:`has_eligible`) walks only these, not
         #: every tenant the queue has seen (bench/claim_tenants)
         self._backlogged: dict[str, _Tenant] = {}
+        #: (finish tag, name) of the tenants that drained with their finish tag ahead of the virtual
+        #: time, the earliest first: :meth:`forget_drained` forgets each once the virtual time has
+        #: reached it. Otherwise every tenant id a queue ever saw stayed in ``_tenants`` for good.
+        self._drained: list[tuple[float, str]] = []
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self.vtime = 0.0
@@ -195,6 +199,10 @@ class FairQueue:
             del self._backlogged[name]
             if t.finish <= self.vtime:
                 del self._tenants[name]  # nothing to remember: max(vtime, finish) is vtime anyway
+            else:
+                # Kept for its finish tag, ahead of the virtual time: forgotten later, off the
+                # claim's path (forget_drained, from the broker's upkeep).
+                heapq.heappush(self._drained, (t.finish, name))
         self.jobs -= 1
         self.tokens -= entry.cost
         return entry
@@ -208,11 +216,32 @@ class FairQueue:
                 t.jobs.remove(entry)
                 if not t.jobs:
                     del self._backlogged[tenant]
+                    heapq.heappush(self._drained, (t.finish, tenant))
                 t.tokens -= entry.cost
                 self.jobs -= 1
                 self.tokens -= entry.cost
                 return entry
         return None
+
+    def forget_drained(self) -> int:
+        """Forget the tenants with no jobs whose finish tag the virtual time has reached for good:
+        nothing to remember, max(vtime, finish) is vtime then (a job of theirs pushed starts as a
+        new tenant's would). How many went. For good: the virtual time goes back when a tenant
+        passed over for its cap is popped later, to its head's tag, so only a finish at or below
+        every queued tag (the heap's least, stale items too: a bound) and the virtual time is
+        reached for good. An entry of ``_drained`` is checked when it comes up: the tenant may
+        have jobs again, or a later finish tag (pushed again then)."""
+        floor = self.vtime
+        if self._heap and self._heap[0][0] < floor:
+            floor = self._heap[0][0]
+        drained, gone = self._drained, 0
+        while drained and drained[0][0] <= floor:
+            name = heapq.heappop(drained)[1]
+            t = self._tenants.get(name)
+            if t is not None and not t.jobs and t.finish <= floor:
+                del self._tenants[name]
+                gone += 1
+        return gone
 
     def held_back(self, tenant: str, room: int) -> tuple[int, int]:
         """Jobs and tokens of ``tenant`` queued here beyond its first ``room`` jobs (in its order)."""
@@ -375,6 +404,13 @@ class ClassScheduler:
 
     def remove(self, cls: str, job_id: str, tenant: str) -> Entry | None:
         return self.queues[cls].remove(job_id, tenant)
+
+    def forget_drained(self) -> int:
+        """:meth:`FairQueue.forget_drained` of every class: how many tenants went."""
+        gone = 0
+        for q in self.queues.values():
+            gone += q.forget_drained()
+        return gone
 
     def ahead(self, cls: str) -> tuple[int, int]:
         """Jobs and tokens queued in ``cls`` and every class above it."""
