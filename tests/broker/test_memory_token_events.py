@@ -4,6 +4,7 @@ reader, before the pack, after it and across it, reads the events as they were p
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import gc
 from typing import Any
@@ -15,6 +16,7 @@ from sluice.broker import memory
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Job, JobState
+from tests.helpers import wait_until
 
 
 class _Kind(enum.StrEnum):
@@ -93,3 +95,22 @@ async def test_events_read_across_the_pack_are_those_published(
         # a second pack (the terminal event kept out of the first) reads back the same
         rec.pack()
         assert await _read(broker, job.id) == after
+
+
+async def test_a_token_a_reader_waits_for_is_kept_as_the_object_it_reads() -> None:
+    # a stream read through events (its key checked as it goes) would otherwise decode every token
+    async with MemoryBroker(settings()) as broker:
+        job = await _running(broker)
+        events = broker.events(job.id, 2)
+        waiting = asyncio.ensure_future(anext(events))
+        await wait_until(lambda: bool(broker._records[job.id].readers))  # the reader waits
+        data = token("a")
+        await broker.publish(job.id, EventType.TOKEN, data)
+        event = await asyncio.wait_for(waiting, 5)
+        assert event.type is EventType.TOKEN and event.data is data  # not decoded
+        assert broker._records[job.id].events[-1] == (EventType.TOKEN, data)
+        # with nobody waiting, the next token is bytes, read back equal
+        await broker.publish(job.id, EventType.TOKEN, token("b"))
+        assert isinstance(broker._records[job.id].events[-1], bytes)
+        assert (await anext(events)).data == token("b")
+        await events.aclose()  # type: ignore[attr-defined]

@@ -135,7 +135,8 @@ class MemoryBroker(Broker):
         return d
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
-        rec.events.append(kept(type, data))  # a token as bytes: out of the collector's walks
+        # a token as bytes: out of the collector's walks (as it is where a reader waits for it)
+        rec.events.append(kept(type, data, rec.readers))
         terminal = type in TERMINAL_EVENTS
         if terminal:
             rec.ended_stream = True
