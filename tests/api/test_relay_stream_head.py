@@ -18,7 +18,7 @@ import pytest
 
 from sluice.api import openai as openai_api
 from sluice.api.errors import APIError
-from sluice.api.relay import CLIENT_GONE, EventStream
+from sluice.api.relay import CLIENT_GONE
 from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
@@ -243,19 +243,37 @@ async def test_a_stream_whose_engine_takes_its_time_starts_when_the_wait_runs_ou
     assert client.bodies()[-1] == b"data: [DONE]\n\n"
 
 
-async def test_a_stream_whose_time_runs_out_before_its_head_still_starts_and_ends() -> None:
+async def test_the_streams_time_limit_counts_from_its_head_not_from_the_wait_for_the_engine() -> None:
+    # max_stream_s bounds the stream from its head, as when the route waited for the engine before
+    # the stream began (engine_accepted, then the EventStream): a first token that comes after
+    # limit_s but within the accept wait still streams. a5ca2b5 counted the wait in the limit, and
+    # the client got an empty 200 (head, end) with its job cancelled.
+    for follow in (True, False):
+        await _a_first_token_after_the_limit_streams(follow)
+
+
+async def _a_first_token_after_the_limit_streams(follow: bool) -> None:
+    limit_s = 0.05
     broker = MemoryBroker(settings())
     async with broker:
         job = make_job(0)
         job.stream_tokens = True
         await broker.admit(job)
+        assert await broker.claim("w", [MODEL], timeout=1.0) is not None
         client = Client()
-        stream = openai_api.stream_answer(broker, job, {}, False, None, None, 0.05)
-        assert isinstance(stream, EventStream)
-        await asyncio.wait_for(stream(client.scope, client.receive, client.send), 5)
-        assert [m["type"] for m in client.messages] == ["http.response.start", "http.response.body"]
-        assert client.messages[-1]["more_body"] is False
-        assert await _cancelled(broker, job.id)
+        reads: Any = broker if follow else Unfollowed(broker)
+        stream = openai_api.stream_answer(reads, job, {}, False, None, None, limit_s)
+        writer = asyncio.create_task(stream(client.scope, client.receive, client.send))
+        await asyncio.sleep(limit_s * 4)  # past the limit, well within ACCEPT_WAIT_S
+        assert not client.messages and not writer.done(), follow  # the head waits on
+        await broker.publish(job.id, EventType.TOKEN, token("late"))
+        await wait_until(lambda: client.bodies(), 2.0)
+        assert b'"late"' in client.bodies()[0], follow
+        # No end from the engine: the limit, counted from the head, ends the stream.
+        await asyncio.wait_for(writer, 5)
+        assert client.messages[0]["type"] == "http.response.start"
+        assert client.messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        assert await _cancelled(broker, job.id), follow
 
 
 async def _cancelled(broker: Any, job_id: str) -> bool:

@@ -731,7 +731,9 @@ class EventStream:
         headers: the answer's own headers (before the SSE ones; one of them that names an SSE
             header, ``Cache-Control`` say, stands instead of it).
         ping_s: seconds between keep-alive comments; 0: none.
-        limit_s: the longest the stream may last; None: unbounded.
+        limit_s: the longest the stream may last from its head; None: unbounded. Payloads whose
+            head waits for the engine (:class:`OpenAIStream`'s ``accept_within``) wait that out
+            first, as the route once did before the stream began.
     """
 
     def __init__(
@@ -788,13 +790,23 @@ class EventStream:
         else:
             reader = asyncio.create_task(_call_when_gone(receive, gone))
         pings = _Pings(loop, send, self.ping_s, begun=not opens)
+        limit_s = self.limit_s
+        # The stream's time counts from its head, as when the route waited for the engine before
+        # the stream (engine_accepted): a head that waits for the engine (up to its accept_within)
+        # is bounded by that wait, and the stream's limit_s then starts. The deadline while it
+        # waits is the most the two could last together, in case the wait's own bound fails.
+        wait_s = getattr(self.payloads, "accept_within", None) if opens else None
+        first_s = limit_s + wait_s if limit_s is not None and wait_s is not None else limit_s
+        deadline: asyncio.Timeout | None = None
 
         def began() -> None:
             self.started = True
             pings.begin()
+            if opens and deadline is not None and limit_s is not None:
+                deadline.reschedule(loop.time() + limit_s)
 
         try:
-            async with asyncio.timeout(self.limit_s):
+            async with asyncio.timeout(first_s) as deadline:
                 if relay_tokens is not None:
                     # The payloads write their first tokens themselves, as the broker hands them
                     # (OpenAIStream), then the rest comes through here.
@@ -823,7 +835,7 @@ class EventStream:
             await pings.stop()
             await self.payloads.aclose()  # type: ignore[attr-defined]
         if not left:
-            if not self.started:  # the stream's time ran out while its head waited
+            if not self.started:  # the most time the head's wait and the stream had ran out
                 self.started = True
                 await send(start)
             await send(_END)
