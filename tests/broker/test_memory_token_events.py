@@ -114,3 +114,23 @@ async def test_a_token_a_reader_waits_for_is_kept_as_the_object_it_reads() -> No
         assert isinstance(broker._records[job.id].events[-1], bytes)
         assert (await anext(events)).data == token("b")
         await events.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        token("a"),  # choices alone: kept as the list
+        {"system_fingerprint": "fp", **token("b")},  # fields beside: kept whole
+        {"choices": []},
+        {"choices": {"not": "a list"}},  # kept whole, read back a dict as it was
+        {"usage": None, "choices": [{"index": 0}]},
+        {},
+    ],
+)
+async def test_a_token_reads_back_as_published_whatever_its_shape(data: dict[str, Any]) -> None:
+    async with MemoryBroker(settings()) as broker:
+        job = await _running(broker)
+        await broker.publish(job.id, EventType.TOKEN, data)
+        assert isinstance(broker._records[job.id].events[-1], bytes)
+        (read,) = [d for _, t, d in await _read(broker, job.id) if t is EventType.TOKEN]
+        assert read == data and list(read) == list(data)  # the same keys in the same order

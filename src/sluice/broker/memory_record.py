@@ -34,8 +34,8 @@ class JobRecord:
     marshal's bytes from its publish (:func:`kept`; its follower, the relay, is handed the dict
     itself), since a stream's tokens otherwise sit in the young generation as four containers
     each (the entry's tuple, the event, its choices list, the choice), about half of what each
-    young collection walked in a saturated gateway streaming 64-token answers, which spent 6-13 %
-    of its CPU in the collector (0.4 % with the tokens kept as bytes); readers other than the
+    young collection walked in a saturated gateway streaming 64-token answers, which spent 5-13 %
+    of its CPU in the collector (0.4-0.6 % with the tokens kept as bytes); readers other than the
     follower get each token decoded afresh. A second after the end they are packed into one
     ``marshal`` string of bytes (:meth:`pack`), all but the terminal event: bytes are invisible to
     the garbage collector, and a busy gateway holds hundreds of thousands of token events for the
