@@ -4,22 +4,27 @@
 ``/v1/chat/completions``: the same admission, priorities, deadlines and rate limits, and a client
 that disconnects cancels it, unless it asked for ``background``. A stream's headers wait, as chat's
 do, until the engine has taken the job, so that a rejection before the first token is an error
-with its status rather than a ``response.failed`` event. ``GET /v1/responses/{id}`` reads
-the job back as a Response (``?stream=true&starting_after=N`` replays its events from the job's
-event log), ``POST /v1/responses/{id}/cancel`` cancels it, ``DELETE`` cancels it if it is still
-running. Only the key that created a response sees it. What is and is not translated:
-docs/responses.md.
+with its status rather than a ``response.failed`` event; the stream waits itself
+(:class:`ResponseStream`), so a client that leaves meanwhile cancels the job at once, and on the
+memory broker the head goes out with the first token's events in the broker's call.
+``GET /v1/responses/{id}`` reads the job back as a Response (``?stream=true&starting_after=N``
+replays its events from the job's event log), ``POST /v1/responses/{id}/cancel`` cancels it,
+``DELETE`` cancels it if it is still running. Only the key that created a response sees it.
+What is and is not translated: docs/responses.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
+from starlette.types import Message, Send
 
 from sluice.api import relay
 from sluice.api.auth import Caller, Who
@@ -31,6 +36,7 @@ from sluice.api.relay import (
     EventStreamResponse,
     KeyCheck,
     KeyRevoked,
+    _resumed,
     bounded,
     cancel_quietly,
     engine_accepted,
@@ -41,7 +47,7 @@ from sluice.api.relay import (
     wait_for_client,
 )
 from sluice.api.schemas import PositiveTimeout
-from sluice.broker.base import EventType
+from sluice.broker.base import Broker, EventType
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.core.request import RequestRejected
 from sluice.core.response_request import RECORD_KEY, chat_plan, follow_up, job_id_of
@@ -155,52 +161,262 @@ def _sse(event: dict[str, Any]) -> bytes:
     return sse_event(plain_json(event), event=event["type"], id=str(event["sequence_number"]))
 
 
-async def _stream(
-    gw: Gateway,
-    job: Job,
-    after: int,
-    cancel_on_exit: bool,
-    held: contextlib.AsyncExitStack,
-    alive: KeyCheck | None = None,
-) -> AsyncIterator[bytes]:
-    """The response's events with ``sequence_number`` > ``after``, made from the job's event log
-    from its start (so that a replay numbers them as the first stream did). ``cancel_on_exit``:
-    the client waits on this response, and leaving before its end cancels it. ``held`` (the
-    caller's connection slot) is released when the stream ends, however it ends. ``alive``: the
-    stream ends when the caller's key is revoked (:func:`sluice.api.relay.revocable`)."""
-    events = ResponseEvents(job)
-    try:
-        for event in events.opening():
-            if event["sequence_number"] > after:
-                yield _sse(event)
-        async for entry in bounded(revocable(gw.broker.events(job.id), alive), gw.settings.max_stream_s):
-            if entry.type is EventType.STARTED:
-                out = events.started()
-            elif entry.type is EventType.TOKEN:
-                out = events.chunk(entry.data.get("choices") or [], entry.data)
-            elif entry.type is EventType.RETRY:
-                out = events.retried()
-            elif entry.type is EventType.DONE:
-                finished = (entry.data.get("timings") or {}).get("finished_at")
-                out = events.done(entry.data.get("usage"), entry.data.get("result"), finished)
-            elif entry.type is EventType.ERROR:
-                out = events.failed(JobState(entry.data.get("status", "failed")), entry.data.get("error"))
-            else:
-                out = []
-            for event in out:
-                if event["sequence_number"] > after:
-                    yield _sse(event)
-            if events.ended:
-                if entry.type is EventType.RETRY and cancel_on_exit:
-                    # The client saw the failure; nobody waits for the retry's answer.
-                    await cancel_quietly(gw.broker, job.id)
+class ResponseStream:
+    """The response's events with ``sequence_number`` > ``after``, as SSE events (bytes) for
+    :class:`~sluice.api.relay.EventStream`, made from the job's event log from its start (so that
+    a replay numbers them as the first stream did): one :class:`ResponseEvents` fed every event
+    of the job in order, first by the broker's calls back (:meth:`relay_tokens`), then by the
+    iterator, which reads on after the last event fed.
+
+    ``cancel_on_exit``: the client waits on this response, and leaving before its end cancels it.
+    ``held`` (the caller's connection slot) is released when the stream ends, however it ends.
+    ``alive``: the stream ends when the caller's key is revoked (:func:`sluice.api.relay.revocable`).
+    ``limit_s``: the longest the events are read, from the stream's head.
+
+    ``accept_within``: the stream's head waits, for up to this many seconds, until the engine has
+    taken the job (its first token, or its end), as chat's does (:class:`~sluice.api.relay.
+    OpenAIStream`'s ``accept_within``): a job that fails before is an :class:`APIError` with its
+    status, in the request's words, nothing sent. On a broker that calls its readers back (the
+    memory broker) the head and the first token's events are written in the broker's call, no turn
+    of the loop for this stream's task between; the tokens after it are read by the iterator. None:
+    the head does not wait (a replay)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        job: Job,
+        after: int,
+        cancel_on_exit: bool,
+        held: contextlib.AsyncExitStack | None,
+        alive: KeyCheck | None,
+        limit_s: float,
+        accept_within: float | None = None,
+    ) -> None:
+        self.broker = broker
+        self.job = job
+        self.after = after
+        self.cancel_on_exit = cancel_on_exit
+        self.held = held
+        self.alive = alive
+        self.limit_s = limit_s
+        self.accept_within = accept_within
+        self.events = ResponseEvents(job)
+        #: the id of the job's last event fed to :attr:`events`
+        self.fed = 0
+        #: the events made and not sent yet (the opening's, then those of events before a token)
+        self.pending = self.events.opening()
+        #: the job ended before its first token: the route answers its failure, no cancel due
+        self.refused = False
+        self._closed = False
+        self._payloads: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._payloads is None:
+            self._payloads = self._read()
+        return self._payloads
+
+    async def __anext__(self) -> bytes:
+        return await anext(self.__aiter__())
+
+    def _feed(self, type: EventType, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """The response's events that one of the job's events makes."""
+        events = self.events
+        if type is EventType.STARTED:
+            return events.started()
+        if type is EventType.TOKEN:
+            return events.chunk(data.get("choices") or [], data)
+        if type is EventType.RETRY:
+            return events.retried()
+        if type is EventType.DONE:
+            finished = (data.get("timings") or {}).get("finished_at")
+            return events.done(data.get("usage"), data.get("result"), finished)
+        if type is EventType.ERROR:
+            return events.failed(JobState(data.get("status", "failed")), data.get("error"))
+        return []
+
+    def _framed(self, out: list[dict[str, Any]]) -> list[bytes]:
+        after = self.after
+        return [_sse(event) for event in out if event["sequence_number"] > after]
+
+    async def _read(self) -> AsyncIterator[bytes]:
+        try:
+            pending, self.pending = self.pending, []
+            for frame in self._framed(pending):
+                yield frame
+            events = revocable(self.broker.events(self.job.id, self.fed), self.alive)
+            async for entry in bounded(events, self.limit_s):
+                self.fed = entry.id
+                for frame in self._framed(self._feed(entry.type, entry.data)):
+                    yield frame
+                if self.events.ended:
+                    if entry.type is EventType.RETRY and self.cancel_on_exit:
+                        # The client saw the failure; nobody waits for the retry's answer.
+                        await cancel_quietly(self.broker, self.job.id)
+                    return
+        except KeyRevoked:
+            return  # the client's reconnect gets the 401; a response it waited on is cancelled
+        finally:
+            await self._end()
+
+    async def _end(self) -> None:
+        """The end, however it came (once): the job cancelled if the client waited on it and it
+        has not ended, the slot released."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.cancel_on_exit and not self.events.ended and not self.refused:
+                await cancel_quietly(self.broker, self.job.id)
+        finally:
+            if self.held is not None:
+                await self.held.aclose()
+
+    async def aclose(self) -> None:
+        """Close the payloads; the end's work is done whether they were read or not."""
+        try:
+            if self._payloads is not None:
+                await self._payloads.aclose()  # type: ignore[attr-defined]
+        finally:
+            await self._end()
+
+    async def relay_tokens(
+        self, send: Send, start: Message | None = None, began: Callable[[], None] | None = None
+    ) -> None:
+        """The wait of the stream's head (``start``, not sent yet) for the engine to take the job,
+        for :class:`~sluice.api.relay.EventStream`: on a broker with ``follow``, the head and the
+        first token's events are handed to ``send`` in the broker's call, ``began`` called first;
+        elsewhere :func:`~sluice.api.relay.engine_accepted` reads the events (the iterator reads
+        them again from the start: their numbering). Returns with the head unsent where the job
+        ended with its answer and no token, or the wait ran out; raises the job's failure before
+        its first token, in the request's words. Without ``start`` (a replay) it does nothing."""
+        if start is None or self.accept_within is None:
+            return
+        try:
+            follow = getattr(self.broker, "follow", None)
+            followable = follow is not None and self._payloads is None and not self._closed
+            if followable and await self._relay(follow, send, start, began, self.accept_within):
                 return
-    except KeyRevoked:
-        return  # the client's reconnect gets the 401; a response it waited on is cancelled
-    finally:
-        if not events.ended and cancel_on_exit:
-            await cancel_quietly(gw.broker, job.id)
-        await held.aclose()
+            # No calls back for this job: the wait reads its events, as engine_accepted does.
+            await engine_accepted(self.broker, self.job, self.accept_within)
+        except APIError as refused:
+            self.refused = True
+            raise _as_sent(refused) from None
+
+    async def _relay(
+        self,
+        follow: Any,
+        send: Send,
+        start: Message,
+        began: Callable[[], None] | None,
+        within_s: float,
+    ) -> bool:
+        """:meth:`relay_tokens` through ``follow``; False where the broker will not call back for
+        this job (nothing was done)."""
+        loop = asyncio.get_running_loop()
+        #: settled by the event that ends the wait, or by the wait running out
+        wake: asyncio.Future[None] = loop.create_future()
+        #: that event (None: the wait ran out)
+        ended_by: EventType | None = None
+        #: the rest of a send that waits; a send's own error, for this task to raise
+        waiting: Awaitable[None] | None = None
+        failed: BaseException | None = None
+
+        def follower(event_id: int, type: EventType, data: Any) -> bool:
+            nonlocal ended_by, waiting, failed
+            if wake.done():  # the wait ran out, or the stream's task was cancelled, meanwhile
+                return False
+            if type is EventType.DONE or type is EventType.ERROR:
+                ended_by = type  # the iterator reads the answer; a failure is the route's error
+            elif type is EventType.TOKEN:
+                ended_by = type
+                self.fed = event_id
+                try:  # a follower must not raise: a failure here is the stream's task's
+                    out, self.pending = self.pending + self._feed(type, data), []
+                    body = b"".join(self._framed(out))
+                    if began is not None:
+                        began()
+                    messages = [start, {"type": "http.response.body", "body": body, "more_body": True}]
+                    waiting = _write_now(send, messages)
+                except BaseException as exc:
+                    failed = exc
+            else:
+                # Its start, a retry before any token, ...: fed in order, sent with the first token.
+                self.fed = event_id
+                self.pending += self._feed(type, data)
+                return True
+            wake.set_result(None)
+            return False
+
+        stop = follow(self.job.id, self.fed, follower)
+        if stop is None:
+            return False
+        timer = None if wake.done() else loop.call_later(within_s, _ran_out, wake)
+        try:
+            await wake
+        except BaseException:
+            if isinstance(waiting, types.CoroutineType):
+                waiting.close()  # the client left: the rest of the head's send is not awaited
+            raise
+        finally:
+            stop()
+            if timer is not None:
+                timer.cancel()
+        if failed is not None:
+            raise failed
+        if waiting is not None:
+            await waiting
+        if ended_by is EventType.ERROR:
+            # Ended before its first token, nothing sent: answered with its status, not a stream.
+            self.refused = True
+            error = failure(await self.broker.get(self.job.id) or self.job)
+            error.job_id = self.job.id
+            raise error
+        return True
+
+
+def _ran_out(wake: asyncio.Future[None]) -> None:
+    if not wake.done():
+        wake.set_result(None)
+
+
+def _write_now(send: Send, messages: list[Message]) -> Awaitable[None] | None:
+    """Each message handed to ``send`` at once, by hand (uvicorn's returns without waiting unless
+    the connection's buffer is full); where one waits, the rest of it and the messages after it as
+    an awaitable, for the stream's task (None: all written). A send's own error is raised."""
+    for i, message in enumerate(messages):
+        writing = send(message)
+        if not isinstance(writing, types.CoroutineType):
+            return _then(writing, send, messages[i + 1 :])
+        try:
+            pending = writing.send(None)
+        except StopIteration:
+            continue
+        return _then(_resumed(writing, pending), send, messages[i + 1 :])
+    return None
+
+
+async def _then(waiting: Awaitable[None], send: Send, rest: list[Message]) -> None:
+    await waiting
+    for message in rest:
+        await send(message)
+
+
+def stream_response(
+    broker: Broker,
+    job: Job,
+    headers: dict[str, str],
+    held: contextlib.AsyncExitStack | None,
+    alive: KeyCheck | None,
+    limit_s: float,
+    *,
+    background: bool = False,
+) -> EventStream:
+    """The stream of a response just created, with the answer's ``headers``: its head waits for
+    the engine to take the job (:class:`ResponseStream`'s ``accept_within``, up to
+    :data:`sluice.api.relay.ACCEPT_WAIT_S`); a client that leaves cancels it unless it is a
+    ``background`` one."""
+    events = ResponseStream(broker, job, -1, not background, held, alive, limit_s, relay.ACCEPT_WAIT_S)
+    return EventStream(events, headers, ping_s=PING_S)
 
 
 def _headers(job: Job) -> dict[str, str]:
@@ -242,19 +458,14 @@ async def create_response(request: Request, body: ResponseRequest, who: Who) -> 
         job = admission.job
         headers = {**_headers(job), **rate_headers(admission)}
         if body.stream:
-            # As for chat completions: a rejection before the first token is its status code.
-            try:
-                await engine_accepted(gw.broker, job, relay.ACCEPT_WAIT_S)
-            except APIError as refused:
-                raise _as_sent(refused) from None
+            # As for chat completions: a rejection before the first token is its status code,
+            # raised by the stream before its head (ResponseStream.relay_tokens).
+            alive = key_check(request, who)
             held = stack.pop_all()
-            return EventStreamResponse(
-                EventStream(
-                    _stream(gw, job, -1, not background, held, key_check(request, who)),
-                    headers,
-                    ping_s=PING_S,
-                )
+            stream = stream_response(
+                gw.broker, job, headers, held, alive, gw.settings.max_stream_s, background=background
             )
+            return EventStreamResponse(stream)
         if background:
             return JSONResponse(response_object(job), headers=headers)
         finished = await wait_for_client(request, gw.broker, job)
@@ -290,11 +501,10 @@ async def get_response(
         return JSONResponse(response_object(job), headers=_headers(job))
     after = max(starting_after, _last_event_id(request))
     held = await gw.hold(who)
-    return EventStreamResponse(
-        EventStream(
-            _stream(gw, job, after, False, held, key_check(request, who)), _headers(job), ping_s=PING_S
-        )
+    events = ResponseStream(
+        gw.broker, job, after, False, held, key_check(request, who), gw.settings.max_stream_s
     )
+    return EventStreamResponse(EventStream(events, _headers(job), ping_s=PING_S))
 
 
 def _last_event_id(request: Request) -> int:

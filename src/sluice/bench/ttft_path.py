@@ -25,7 +25,10 @@ server's client watch in the scope, as the route answers a client. Three steps:
 Not here: the HTTP front (uvicorn's parse, the body's validation, the job built), which
 ``python -m sluice.bench.ttft_overhead`` measures whole, with the engine's own time.
 
-Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N] [--timeline]
+``--route responses``: answered by the Responses route's stream (``responses.stream_response``)
+instead, the first frame its first text delta (after the opening events, or with them).
+
+Usage: python -m sluice.bench.ttft_path [--jobs 300] [--by-function N] [--timeline] [--route responses]
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from sluice.api.openai import stream_answer
 from sluice.api.relay import CLIENT_GONE
+from sluice.api.responses import stream_response
 from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.overhead_profile import function_name
@@ -240,14 +244,16 @@ _LOG = logging.getLogger("sluice.bench.ttft_path")
 
 
 class Connection:
-    """The client's connection, as the server's transport: marks the first write that carries a
-    ``data:`` frame (the stream's first token, with its head when they go out together)."""
+    """The client's connection, as the server's transport: marks the first write that carries the
+    first token's frame (``first``: chat's ``data:``, a Responses stream's first text delta, which
+    come after its opening events), with the stream's head when they go out together."""
 
-    def __init__(self, marks: Marks) -> None:
-        self.marks = marks
+    def __init__(self, marks: Marks, first: bytes = b"data:") -> None:
+        self.marks, self.first = marks, first
 
     def write(self, data: bytes) -> None:
-        if b"data:" in data and "frame" not in self.marks.at:
+        # After the token: not the last writes of the job before, flushed a turn after its stream
+        if self.first in data and "token" in self.marks.at and "frame" not in self.marks.at:
             self.marks.mark("frame")
 
     def is_closing(self) -> bool:
@@ -268,12 +274,12 @@ async def _never() -> dict[str, Any]:
     raise AssertionError  # never reached
 
 
-async def answered(broker: MemoryBroker, job: Job, marks: Marks) -> None:
+async def answered(broker: MemoryBroker, job: Job, marks: Marks, route: str = "chat") -> None:
     """The job's stream, as the chat route answers it (``stream_answer``, then the stream called
     with the server's ``send``), to uvicorn's request cycle over the gateway's coalescing
     transport, with the server's client watch in the scope."""
     loop = asyncio.get_running_loop()
-    connection = Connection(marks)
+    connection = Connection(marks, b"output_text.delta" if route == "responses" else b"data:")
     scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
     cycle = RequestResponseCycle(
         scope,
@@ -290,18 +296,21 @@ async def answered(broker: MemoryBroker, job: Job, marks: Marks) -> None:
     )
     scope["extensions"] = {CLIENT_GONE: ClientGone(cycle, loop)}
     headers = {"x-sluice-job-id": job.id, "x-request-id": job.id}
-    stream = stream_answer(broker, job, headers, False, None, None, None)
+    if route == "responses":
+        stream = stream_response(broker, job, headers, None, None, 600.0)
+    else:
+        stream = stream_answer(broker, job, headers, False, None, None, None)
     send: Any = cycle.send
     await stream(scope, _never, send)
 
 
-async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, int]]:
+async def one(broker: MemoryBroker, marks: Marks, route: str = "chat") -> dict[str, tuple[int, int, int]]:
     """One job's marks, from its admission to its stream's first frame written."""
     job = streamed_job()
     marks.at = {}
     marks.mark("admitted")
     await broker.admit(job)
-    await answered(broker, job, marks)
+    await answered(broker, job, marks, route)
     done = await broker.wait(job.id, 30)
     assert done is not None and done.state is JobState.SUCCEEDED, done
     assert "frame" in marks.at, marks.at
@@ -309,7 +318,7 @@ async def one(broker: MemoryBroker, marks: Marks) -> dict[str, tuple[int, int, i
 
 
 async def run(
-    jobs: int, sim_url: str, marks: Marks | None = None, *, timeline: bool = False
+    jobs: int, sim_url: str, marks: Marks | None = None, *, timeline: bool = False, route: str = "chat"
 ) -> dict[str, dict[str, list[float]]]:
     """Per step: its calls in the counted pass, its µs in the plain one, its turns of the loop in
     a third (``marks``: where they are kept, with each function's calls when it was made
@@ -328,17 +337,17 @@ async def run(
     }
     try:
         for _ in range(10):  # the connection opened, the drain rate measured
-            await one(broker, marks)
+            await one(broker, marks, route)
         sys.setprofile(marks.count)
         try:
-            counted = [await one(broker, marks) for _ in range(jobs)]
+            counted = [await one(broker, marks, route) for _ in range(jobs)]
         finally:
             sys.setprofile(None)
             marks.by_function, marks.step = False, None
-        timed = [await one(broker, marks) for _ in range(jobs)]
+        timed = [await one(broker, marks, route) for _ in range(jobs)]
         marks.loop_turns.enabled = True
         try:
-            turned = [await one(broker, marks) for _ in range(jobs)]
+            turned = [await one(broker, marks, route) for _ in range(jobs)]
         finally:
             marks.loop_turns.enabled = False
             marks.loop_turns.stop()
@@ -361,11 +370,11 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} [{deciles[0]:,.0f}-{deciles[-1]:,.0f}]"
 
 
-async def main(jobs: int, by_function: int, timeline: bool, log: IO[bytes]) -> None:
+async def main(jobs: int, by_function: int, timeline: bool, log: IO[bytes], route: str = "chat") -> None:
     sim, url = await spawn_sim("article", log, extra=["--model", MODEL])
     marks = Marks(by_function=by_function > 0)
     try:
-        out = await run(jobs, url, marks, timeline=timeline)
+        out = await run(jobs, url, marks, timeline=timeline, route=route)
     finally:
         await stop(sim)
     print(f"{jobs} streamed jobs one at a time; memory broker, dispatcher and engine client in one process")
@@ -405,6 +414,7 @@ if __name__ == "__main__":
         action="store_true",
         help="also cut the first step where the claim returns and where the engine client posts",
     )
+    parser.add_argument("--route", choices=("chat", "responses"), default="chat", help="whose stream answers")
     args = parser.parse_args()
     with open(os.devnull, "wb") as log:
-        uvloop.run(main(args.jobs, args.by_function, args.timeline, log))
+        uvloop.run(main(args.jobs, args.by_function, args.timeline, log, args.route))
