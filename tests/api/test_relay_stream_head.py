@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -241,6 +242,27 @@ async def test_a_stream_whose_engine_takes_its_time_starts_when_the_wait_runs_ou
     client, job, raised, _ = await streamed(slow)
     assert raised is None and job.state is JobState.SUCCEEDED
     assert client.bodies()[-1] == b"data: [DONE]\n\n"
+
+
+async def test_a_refusal_in_the_turn_the_wait_runs_out_is_still_its_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine's refusal and the end of the accept wait fall in one turn of the loop, the refusal
+    # first: the wait's timer, run after it in that turn, must not send the head (a 200 whose
+    # stream holds the error), as engine_accepted's timer does not once the wait has its answer.
+    monkeypatch.setattr(openai_api, "ACCEPT_WAIT_S", 0.05)
+
+    async def refused_as_the_wait_runs_out(broker: MemoryBroker, job: Job, client: Client) -> None:
+        # The loop held on purpose (no await): the wait's timer is due at the next turn's start.
+        time.sleep(0.1)  # noqa: ASYNC251
+        await asyncio.sleep(0)  # this task runs first in that turn, the timer after it
+        await broker.finish(job.id, "w", JobState.FAILED, error=REFUSED)
+
+    for follow in (True, False):
+        client, job, raised, slot = await streamed(refused_as_the_wait_runs_out, follow=follow)
+        assert isinstance(raised, APIError) and raised.status == 400, (follow, client.messages)
+        assert not client.messages and slot.released, follow
+        assert job.state is JobState.FAILED, follow
 
 
 async def test_the_streams_time_limit_counts_from_its_head_not_from_the_wait_for_the_engine() -> None:

@@ -165,20 +165,36 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
             return followed
     events = broker.events(job.id)
     skipped = 0
-    try:
-        async with asyncio.timeout(within_s):
+    #: the event that ended the wait (the token, the end); None: none yet
+    ended: EventType | None = None
+
+    async def read() -> None:
+        nonlocal skipped, ended
+        try:
             async for event in events:
-                if event.type in (EventType.TOKEN, EventType.DONE):
-                    return skipped
-                if event.type is EventType.ERROR:
-                    error = failure(await broker.get(job.id) or job)
-                    error.job_id = job.id
-                    raise error
+                if event.type in _ACCEPTING:
+                    ended = event.type
+                    if event.type is EventType.ERROR:
+                        error = failure(await broker.get(job.id) or job)
+                        error.job_id = job.id
+                        raise error
+                    return
                 skipped = event.id
-    except TimeoutError:
-        pass
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    # The events read in a task of their own that the wait's end does not cancel once one has ended
+    # it: an error read in the very turn the wait runs out is still raised (asyncio.timeout's
+    # cancellation would throw it away, and the refusal would go out as a 200 whose stream holds it).
+    reading = asyncio.ensure_future(read())
+    try:
+        await asyncio.wait({reading}, timeout=within_s)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        if ended is None:
+            reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+    if ended is not None:
+        reading.result()  # the job's failure, raised
     return skipped
 
 
@@ -617,8 +633,9 @@ class OpenAIStream:
             return failed is None and handed is None
 
         def ran_out() -> None:
-            # the engine has not taken the job in time: the stream starts without it
-            if opening is not None:
+            # the engine has not taken the job in time: the stream starts without it. Not if an
+            # event came first in this turn (an error before the head must stay unsent: its status)
+            if opening is not None and handed is None:
                 open_stream(opening)
                 if (waiting is not None or failed is not None) and not wake.done():
                     wake.set_result(None)
@@ -802,7 +819,9 @@ class EventStream:
         def began() -> None:
             self.started = True
             pings.begin()
-            if opens and deadline is not None and limit_s is not None:
+            # (not once expired: its cancellation is on the way, and reschedule would raise in the
+            # broker's call back)
+            if opens and deadline is not None and limit_s is not None and not deadline.expired():
                 deadline.reschedule(loop.time() + limit_s)
 
         try:
