@@ -293,9 +293,12 @@ class WorkMixin(RedisCore):
             return list(await self._call("heartbeat", [k.active, *map(k.job, ids)], args, shard))
 
         groups = self._by_shard(job_ids)
+        # Counted before the skip: a shard left alone by it is still one of several, whose outage is
+        # known and logged (and passed over at the next rounds), not raised as the only shard's.
+        several = len(groups) > 1
         # A shard known down is passed over (probed meanwhile), not waited on: a hung master would
         # hold this heartbeat, and so the next one's renewals on the others, for its timeout.
-        for shard in self._skip_down(list(groups)) if len(groups) > 1 else ():
+        for shard in self._skip_down(list(groups)):
             del groups[shard]
         replies = await asyncio.gather(*(beat(s, ids) for s, ids in groups.items()), return_exceptions=True)
         # A shard whose master is down (a failover) renews nothing now, and its jobs are not told
@@ -307,14 +310,14 @@ class WorkMixin(RedisCore):
         failed: BrokerUnavailable | None = None
         answered = False
         for shard, reply in zip(groups, replies, strict=True):
-            if isinstance(reply, BrokerUnavailable) and len(groups) > 1:
+            if isinstance(reply, BrokerUnavailable) and several:
                 failed = reply
                 self._shard_failed(shard, reply)
                 continue
             if isinstance(reply, BaseException):
                 raise reply  # not an outage (a bug, let it show), or the one shard's outage
             answered = True
-            if len(groups) > 1:
+            if several:
                 self._shard_answered(shard)
             abort.update(str(i) for i in reply)
         if not answered and failed is not None:
