@@ -278,3 +278,31 @@ def test_forgetting_drained_tenants_changes_no_order_view_or_position() -> None:
     assert sum(len(q._tenants) for q in forgets.queues.values()) < sum(
         len(q._tenants) for q in keeps.queues.values()
     )
+
+
+def test_a_tenant_draining_again_and_again_behind_a_capped_one_is_kept_in_mind_once() -> None:
+    """A capped tenant's queued head holds the floor of forgetting back (the virtual time goes back
+    to its tag when it is popped), so a tenant that drains after each of its jobs stays remembered
+    meanwhile: as one entry of the drained list, not one per drain (which grew with every job the
+    queue served for as long as a capped tenant kept a backlog)."""
+    q = FairQueue()
+    q.push(Entry("a1", "capped", 10, 1.0))
+    q.push(Entry("a2", "capped", 10, 1.0))
+    popped = q.pop()
+    assert popped is not None and popped.job_id == "a1"  # a2 waits for the cap, its tag 10
+    for i in range(1_000):
+        q.push(Entry(f"b{i}", "b", 5, 1.0))
+        got = q.pop({"capped"})
+        assert got is not None and got.job_id == f"b{i}"
+        if i % 50 == 0:
+            q.forget_drained()
+    q.forget_drained()
+    assert set(q._tenants) == {"capped", "b"}  # b's finish tag is ahead of the floor: kept
+    assert len(q._drained) <= len(q._tenants)  # 998 entries before
+    # and it is forgotten once the capped tenant's head has gone and the floor passed b's finish
+    assert q.pop() is not None and q.jobs == 0
+    q.push(Entry("c1", "c", 10_000, 1.0))
+    q.push(Entry("c2", "c", 10_000, 1.0))
+    assert q.pop() is not None and q.pop() is not None  # the virtual time past b's finish tag
+    q.forget_drained()
+    assert set(q._tenants) == {"c"} and len(q._drained) == 1

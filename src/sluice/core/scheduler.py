@@ -102,6 +102,10 @@ class _Tenant:
     #: then started (and counted the work ahead of it) from the later time, Redis from the earlier.
     finish: float = -math.inf
     tokens: int = 0  # the cost of ``jobs``
+    #: the key of its entry in ``FairQueue._drained`` (None: it has none): one entry a tenant, however
+    #: often it drains while the virtual time stays behind its finish tag (a new one where its finish
+    #: tag went back, a job handed back at the virtual time: the entry of the earlier key is stale)
+    drained_key: float | None = None
 
 
 class FairQueue:
@@ -202,7 +206,9 @@ class FairQueue:
             else:
                 # Kept for its finish tag, ahead of the virtual time: forgotten later, off the
                 # claim's path (forget_drained, from the broker's upkeep).
-                heapq.heappush(self._drained, (t.finish, name))
+                if t.drained_key is None or t.finish < t.drained_key:
+                    t.drained_key = t.finish
+                    heapq.heappush(self._drained, (t.finish, name))
         self.jobs -= 1
         self.tokens -= entry.cost
         return entry
@@ -216,7 +222,9 @@ class FairQueue:
                 t.jobs.remove(entry)
                 if not t.jobs:
                     del self._backlogged[tenant]
-                    heapq.heappush(self._drained, (t.finish, tenant))
+                    if t.drained_key is None or t.finish < t.drained_key:
+                        t.drained_key = t.finish
+                        heapq.heappush(self._drained, (t.finish, tenant))
                 t.tokens -= entry.cost
                 self.jobs -= 1
                 self.tokens -= entry.cost
@@ -230,17 +238,27 @@ class FairQueue:
         passed over for its cap is popped later, to its head's tag, so only a finish at or below
         every queued tag (the heap's least, stale items too: a bound) and the virtual time is
         reached for good. An entry of ``_drained`` is checked when it comes up: the tenant may
-        have jobs again, or a later finish tag (pushed again then)."""
+        have jobs again (listed anew when it drains), or a later finish tag (pushed again with it).
+        A tenant has one entry at most (``_Tenant.drained_key``): a floor held back by a capped
+        tenant's queued head would otherwise keep one entry per drain of every other tenant."""
         floor = self.vtime
         if self._heap and self._heap[0][0] < floor:
             floor = self._heap[0][0]
-        drained, gone = self._drained, 0
+        drained, tenants, gone = self._drained, self._tenants, 0
         while drained and drained[0][0] <= floor:
-            name = heapq.heappop(drained)[1]
-            t = self._tenants.get(name)
-            if t is not None and not t.jobs and t.finish <= floor:
-                del self._tenants[name]
+            key, name = heapq.heappop(drained)
+            t = tenants.get(name)
+            if t is None or t.drained_key != key:
+                continue  # not this tenant's entry: it was forgotten since (a new record)
+            t.drained_key = None
+            if t.jobs:
+                continue
+            if t.finish <= floor:
+                del tenants[name]
                 gone += 1
+            else:
+                t.drained_key = t.finish
+                heapq.heappush(drained, (t.finish, name))
         return gone
 
     def held_back(self, tenant: str, room: int) -> tuple[int, int]:
