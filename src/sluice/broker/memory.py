@@ -135,7 +135,8 @@ class MemoryBroker(Broker):
         return d
 
     def _emit(self, rec: JobRecord, type: EventType, data: dict[str, Any]) -> None:
-        # a token as bytes: out of the collector's walks (as it is where a reader waits for it)
+        # a token as marshal's bytes, out of the collector's walks; the object itself where a
+        # reader waits for it (memory_record.kept)
         rec.events.append(kept(type, data, rec.readers))
         terminal = type in TERMINAL_EVENTS
         if terminal:

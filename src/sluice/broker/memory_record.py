@@ -35,8 +35,9 @@ class JobRecord:
     itself), since a stream's tokens otherwise sit in the young generation as four containers
     each (the entry's tuple, the event, its choices list, the choice), about half of what each
     young collection walked in a saturated gateway streaming 64-token answers, which spent 5-13 %
-    of its CPU in the collector (0.4-0.6 % with the tokens kept as bytes); readers other than the
-    follower get each token decoded afresh. A second after the end they are packed into one
+    of its CPU in the collector (0.4-0.6 % with the tokens kept as bytes); a token a reader of
+    :meth:`since` waits for as it is published stays the object (:func:`kept`), and any other
+    reader but the follower gets each token decoded afresh. A second after the end they are packed into one
     ``marshal`` string of bytes (:meth:`pack`), all but the terminal event: bytes are invisible to
     the garbage collector, and a busy gateway holds hundreds of thousands of token events for the
     result TTL (as dicts they made GC pauses of 0.2 s). marshal rather than JSON: it packs a
