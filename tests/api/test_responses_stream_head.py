@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import time
 from typing import Any
 
 import httpx
@@ -32,7 +34,7 @@ from tests.api.test_relay_direct import Unfollowed, token
 from tests.api.test_relay_stream_head import Client, Script, Slot
 from tests.api.test_responses import ScriptedEngine
 from tests.broker.brokers import empty_redis
-from tests.helpers import wait_until
+from tests.helpers import FakeClock, wait_until
 from tests.redis_server import RedisServer
 from tests.servers import run_app, run_gateway
 
@@ -45,7 +47,9 @@ async def streamed(
 ) -> tuple[Client, Job, BaseException | None, Slot]:
     """What the client got of a response's stream, made as the route makes it, while ``script``
     runs its job; the job at the end, the error the stream raised (if any), the slot."""
-    broker = MemoryBroker(settings())
+    # The broker's clock stands still: the two runs a comparison reads (called back or not) end at
+    # the same completed_at, not a second apart where a second's boundary falls between them.
+    broker = MemoryBroker(dataclasses.replace(settings(), clock=FakeClock(time.time())))
     async with broker:
         job = make_job(0)
         job.stream_tokens = True
