@@ -8,8 +8,8 @@ back by as much; the claim skips a master known to be down and has it probed mea
 (``RedisCore._probe``), so only the round that found it down pays the timeout.
 
 The invariant each test asserts is a count, not a time: while the master hangs, the worker sends
-it one command at most (the one that found it down), its probes apart. The wall-clock bounds are
-waits with room (a loaded machine), which the count does not need.
+it one command at most from each of its loops (the one that found it down), its probes apart. The
+wall-clock bounds are waits with room (a loaded machine), which the count does not need.
 """
 
 from __future__ import annotations
@@ -68,9 +68,8 @@ def _models(cluster: RedisClusterNodes) -> tuple[str, list[str]]:
 
 
 def _sent_to(worker: RedisBroker, model: str) -> list[tuple[Any, ...]]:
-    """The commands ``worker``'s own calls send to ``model``'s shard from now on (a claim, a
-    registration, a heartbeat): not its probes of a shard known down (``RedisCore._probe``), nor
-    its upkeep's, which is not a round of its work (upkeep goes shard by shard, the hung one too)."""
+    """The commands ``worker`` sends to ``model``'s shard from now on (its claims, registrations,
+    heartbeats, and its upkeep's rounds), but its probes of a shard known down (``RedisCore._probe``)."""
     shard = worker._shard(shard_of_model(model))
     sent: list[tuple[Any, ...]] = []
     add = shard.batch._add
@@ -86,7 +85,7 @@ def _sent_to(worker: RedisBroker, model: str) -> list[tuple[Any, ...]]:
 
 
 #: the names of the broker's own tasks whose calls :func:`_sent_to` leaves out
-_NOT_COUNTED = frozenset({"redis-shard-probe", "redis-broker-maintain"})
+_NOT_COUNTED = frozenset({"redis-shard-probe"})
 
 
 @contextlib.contextmanager
@@ -147,8 +146,9 @@ async def test_a_hung_master_holds_up_no_healthy_masters_jobs(patient_cluster: R
                     f"{finished} of {ONE_BY_ONE} healthy masters' jobs finished within {ALL_DONE_BOUND_S} s"
                 )
                 assert waiting_out.id not in done  # its master has not answered
-                # Only the first round waited on it (its timeout): every later one passed it over.
-                assert len(sent) <= 1, [c[:2] for c in sent]
+                # Only the first round of the claims, and of upkeep (if this broker held its lock),
+                # waited on it (its timeout): every later one passed it over.
+                assert len(sent) <= 2, [c[:2] for c in sent]
             except BaseException:
                 loop.cancel()
                 raise
@@ -177,7 +177,7 @@ async def test_a_hung_master_loses_no_lease_on_the_healthy_masters(
     their jobs finish on their first attempt. Waiting on the hung master at each registration and
     each heartbeat (its timeout, 2 s, twice) put the renewals 4 s and a heartbeat apart: past the
     lease, and upkeep handed the jobs to another worker. The count: none of them but the first
-    registration's sends the hung master a command."""
+    registration's (and upkeep's first round) sends the hung master a command."""
     cluster = patient_cluster
     hung, healthy = _models(cluster)
     stopped = cluster.master_of(_prefix(hung))
@@ -204,7 +204,9 @@ async def test_a_hung_master_loses_no_lease_on_the_healthy_masters(
                 assert await worker.heartbeat("w", [j.id for j in jobs]) == set()
                 beats += 1
             assert beats >= 2
-            assert len(sent) == 1, [c[:2] for c in sent]  # the first registration's, which found it down
+            # The first registration's, which found it down, and upkeep's first round's, if this broker
+            # held its lock then (upkeep waited on it at every round before).
+            assert 1 <= len(sent) <= 2, [c[:2] for c in sent]
             for job in jobs[1:]:
                 ended = await worker.finish(job.id, "w", JobState.SUCCEEDED, result={"ok": True})
                 assert ended is not None and ended.state is JobState.SUCCEEDED, job.model

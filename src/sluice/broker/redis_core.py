@@ -306,10 +306,10 @@ class RedisCore(Broker):
             outage.ok()
 
     def _skip_down(self, shards: Sequence[Shard]) -> set[Shard]:
-        """The shards of ``shards`` that a round of a worker's calls over them (a claim, a webhook
-        fetch, a registration, a heartbeat) passes over: those known down, while another one is
-        not. Each is probed meanwhile (:meth:`_probe`), and is in the round again once it answers.
-        A master that hangs rather than refuses fails a call only by its timeout (the command
+        """The shards of ``shards`` that a round of calls over them (a worker's claim, webhook
+        fetch, registration or heartbeat; an upkeep round) passes over: those known down, while
+        another one is not. Each is probed meanwhile (:meth:`_probe`), and is in the round again
+        once it answers. A master that hangs rather than refuses fails a call only by its timeout (the command
         timeout, 2 s): a round that tried it again would hold the other shards' next jobs (or
         leases) back by as much, every round of the outage.
         With every shard down, none is passed over: the round tries them, and raises."""

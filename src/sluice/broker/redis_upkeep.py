@@ -106,9 +106,18 @@ class UpkeepMixin(WorkMixin, RedisCore):
     async def maintain(self) -> None:
         # Shard by shard: one whose master is down (a failover), or whose listing repair fails
         # (the home shard refusing it), does not hold up the others' lost leases and deadlines;
-        # its failure is raised once the others are done.
+        # its failure is raised once the others are done. A shard that this process's worker
+        # calls know down is passed over while it is probed, as their rounds pass over it
+        # (_skip_down): a hung master fails each call only by its timeout, and held the later
+        # shards' upkeep back that long every round. (Upkeep's own failures are not recorded
+        # there: a gateway would log each shard's outage too, and skip it from then on.)
+        shards = await self._shards_in_use()
+        skipped = self._skip_down(shards)
         failed: Exception | None = None
-        for shard in await self._shards_in_use():
+        for shard in shards:
+            if shard in skipped:
+                failed = failed or BrokerUnavailable(f"{shard.keys.prefix.rstrip(':')} known down, probed")
+                continue
             try:
                 await self._maintain(shard)
             except Exception as exc:
