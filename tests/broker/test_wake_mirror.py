@@ -5,9 +5,10 @@ queued) is mirrored in Lua (the model's marker: ``admit.lua``, ``release.lua``, 
 ``_job.lua``'s ``settle`` with ``_tenant.lua``'s ``tenant_move``).
 
 The same sequence of operations runs on a memory broker and on a Redis broker side by side, on one
-clock, each with a claim waiting (up to 30 s) on the model. After each event that makes a job
-claimable the waiting claim must return that job on both within :data:`WOKEN_S`, well under the
-claim's own bound and Redis's 10 s ``BZPOPMIN`` (``CLAIM_BLOCK_S``): a claim that was not woken
+clock, each with a claim waiting (up to :data:`CLAIM_WAIT_S`) on the model. After each event that
+makes a job claimable the waiting claim must return that job on both within :data:`WOKEN_S`, well
+under the claim's own bound and Redis's ``BZPOPMIN`` (``CLAIM_BLOCK_S``, made :data:`BLOCK_S`
+here, so that the bound is no race a loaded machine could lose): a claim that was not woken
 waits that out. After each event that makes nothing claimable, a claim that does not wait finds
 nothing on both and the waiting claim still waits. No sleeps: every wait is on a condition, bounded.
 """
@@ -22,9 +23,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from sluice.broker import redis_work
 from sluice.broker.base import Broker
 from sluice.broker.memory import MemoryBroker
-from sluice.broker.redis import CLAIM_BLOCK_S, RedisBroker
+from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Refused
 from sluice.core.job import Job, JobState
 from sluice.core.ratelimit import TenantLimits
@@ -32,10 +34,14 @@ from tests.broker.brokers import make_broker
 from tests.helpers import FakeClock, make_job, wait_until
 
 W = "worker-1"
-#: how long a woken claim may take to return its job: a claim not woken waits out its bound (30 s),
+#: Redis's BZPOPMIN in these tests (CLAIM_BLOCK_S, 10 s, patched): what a claim not woken waits out
+BLOCK_S = 120.0
+#: how long the waiting claim waits at most: past every bound below
+CLAIM_WAIT_S = 300.0
+#: how long a woken claim may take to return its job: a claim not woken waits out its bound,
 #: on Redis its BZPOPMIN first
-WOKEN_S = 5.0
-assert WOKEN_S < CLAIM_BLOCK_S
+WOKEN_S = 30.0
+assert WOKEN_S < BLOCK_S < CLAIM_WAIT_S
 #: what a claim that is still waiting is recorded as
 WAITS = "waits"
 
@@ -108,10 +114,10 @@ class Mirror:
             await b.maintain()
 
     async def wait(self, models: list[str]) -> None:
-        """A claim (up to 30 s) on ``models`` on each broker, once it has looked and waits."""
+        """A claim (up to CLAIM_WAIT_S) on ``models`` on each broker, once it has looked and waits."""
         self.models = models
         for impl, b in self.brokers.items():
-            self.waiting[impl] = asyncio.create_task(b.claim(W, models, timeout=30.0))
+            self.waiting[impl] = asyncio.create_task(b.claim(W, models, timeout=CLAIM_WAIT_S))
         await self._all_wait()
 
     async def _all_wait(self) -> None:
@@ -156,10 +162,11 @@ class Mirror:
 
 
 @pytest.fixture(params=["redis", "redis-spread"])
-async def mirror(request: pytest.FixtureRequest) -> AsyncIterator[Mirror]:
+async def mirror(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Mirror]:
     """The memory broker beside a Redis broker: one queue, or each model's queue on a shard of its
     own (``redis-spread``: a job is named anew). One Redis at a time: its blocked clients are the
     waiting claim's."""
+    monkeypatch.setattr(redis_work, "CLAIM_BLOCK_S", BLOCK_S)
     clock = FakeClock()
     brokers = {name: await make_broker(name, request, clock) for name in ("memory", request.param)}
     m = Mirror(brokers, clock)
