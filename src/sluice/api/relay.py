@@ -138,6 +138,15 @@ def failure(job: Job) -> APIError:
     return APIError(502, message, code or "engine_error", should_retry=False if retried else None)
 
 
+async def failure_of(broker: Broker, job: Job) -> APIError:
+    """The error of ``job``, just ended without an answer (its ERROR event read): :func:`failure`
+    of the job as the broker has it now (its error and state), named by its id. A stream whose job
+    ends so before its first token is answered with it, its status rather than a stream."""
+    error = failure(await broker.get(job.id) or job)
+    error.job_id = job.id
+    return error
+
+
 #: How long a stream's headers wait for the engine to take the job (its first token, or its end):
 #: the route's default (``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``).
 ACCEPT_WAIT_S = 5.0
@@ -175,9 +184,7 @@ async def engine_accepted(broker: Broker, job: Job, within_s: float = ACCEPT_WAI
                 if event.type in _ACCEPTING:
                     ended = event.type
                     if event.type is EventType.ERROR:
-                        error = failure(await broker.get(job.id) or job)
-                        error.job_id = job.id
-                        raise error
+                        raise await failure_of(broker, job)
                     return
                 skipped = event.id
         finally:
@@ -230,9 +237,7 @@ async def _accepted_followed(follow: Any, broker: Broker, job: Job, within_s: fl
         if timer is not None:
             timer.cancel()
     if outcome is EventType.ERROR:
-        error = failure(await broker.get(job.id) or job)
-        error.job_id = job.id
-        raise error
+        raise await failure_of(broker, job)
     return skipped
 
 
@@ -597,7 +602,7 @@ class OpenAIStream:
                 except BaseException as exc:  # the send's own error: the stream's task raises it
                     failed = exc
                 else:
-                    waiting, queued = _resumed(writing, pending), []
+                    waiting, queued = resumed(writing, pending), []
             else:  # an awaitable that is not a coroutine: the stream's task awaits it
                 waiting, queued = writing, []
 
@@ -669,14 +674,12 @@ class OpenAIStream:
         if handed is EventType.ERROR and opening is not None:
             # Ended before its first token, nothing sent: answered with its status, not a stream.
             self.finished = True
-            error = failure(await self.broker.get(self.job.id) or self.job)
-            error.job_id = self.job.id
-            raise error
+            raise await failure_of(self.broker, self.job)
         return True
 
 
 @types.coroutine
-def _resumed(writing: Coroutine[Any, Any, None], pending: Any) -> Generator[Any, None, None]:
+def resumed(writing: Coroutine[Any, Any, None], pending: Any) -> Generator[Any, None, None]:
     """The rest of a coroutine run by hand (``send(None)``) up to its first wait, as an awaitable:
     the task waits for what it waited on (``pending``, the future it yielded), then runs it on."""
     try:

@@ -36,12 +36,13 @@ from sluice.api.relay import (
     EventStreamResponse,
     KeyCheck,
     KeyRevoked,
-    _resumed,
     bounded,
     cancel_quietly,
     engine_accepted,
     failure,
+    failure_of,
     key_check,
+    resumed,
     revocable,
     sse_event,
     wait_for_client,
@@ -368,9 +369,7 @@ class ResponseStream:
         if ended_by is EventType.ERROR:
             # Ended before its first token, nothing sent: answered with its status, not a stream.
             self.refused = True
-            error = failure(await self.broker.get(self.job.id) or self.job)
-            error.job_id = self.job.id
-            raise error
+            raise await failure_of(self.broker, self.job)
         return True
 
 
@@ -391,7 +390,7 @@ def _write_now(send: Send, messages: list[Message]) -> Awaitable[None] | None:
             pending = writing.send(None)
         except StopIteration:
             continue
-        return _then(_resumed(writing, pending), send, messages[i + 1 :])
+        return _then(resumed(writing, pending), send, messages[i + 1 :])
     return None
 
 
