@@ -31,7 +31,7 @@ from sluice.core.response_request import RECORD_KEY
 from sluice.core.responses import response_object
 from tests.api.test_openai_gaps import fake_gateway
 from tests.api.test_relay_direct import Unfollowed, token
-from tests.api.test_relay_stream_head import Client, Script, Slot
+from tests.api.test_relay_stream_head import Client, Script, Slot, cancelled, head_waits, held_back
 from tests.api.test_responses import ScriptedEngine
 from tests.broker.brokers import empty_redis
 from tests.helpers import FakeClock, wait_until
@@ -68,10 +68,7 @@ async def streamed(
             reads, job, {"x-sluice-job-id": job.id}, slot.stack, check, 60.0, background=background
         )
         writer = asyncio.create_task(stream(client.scope, client.receive, client.send))
-        # The stream is open, its head waiting for the engine, before the job is claimed: followed
-        # (the broker calls back), or a reader of the events waiting (engine_accepted's).
-        record = broker._records[job.id]
-        await wait_until(lambda: record.follower is not None or bool(record.readers))
+        await head_waits(broker, job.id)  # the stream is open, its head waiting, before the claim
         assert not client.messages and not stream.started and not writer.done()
         claimed = await broker.claim("w", [MODEL], timeout=1.0)
         assert claimed is not None
@@ -220,7 +217,7 @@ async def test_a_failure_before_the_first_token_raises_its_status_in_the_request
 async def test_a_client_that_leaves_before_the_first_token_cancels_the_response() -> None:
     async def leaves(broker: MemoryBroker, job: Job, client: Client) -> None:
         client.watch.leave()
-        await wait_until(lambda: _cancelled(broker, job.id), 2.0)
+        await wait_until(lambda: cancelled(broker, job.id), 2.0)
 
     for follow in (True, False):
         client, job, raised, slot = await streamed(leaves, follow=follow)
@@ -239,17 +236,6 @@ async def test_a_background_stream_whose_client_leaves_before_the_first_token_ru
 
 
 async def test_a_head_that_waits_for_the_connection_goes_first_and_the_events_after_it_in_order() -> None:
-    async def held_back(broker: MemoryBroker, job: Job, client: Client) -> None:
-        client.gate.clear()  # the connection's buffer is full: the head's send waits
-        for i in range(3):
-            await broker.publish(job.id, EventType.TOKEN, token(str(i)))
-        for _ in range(20):  # turns of the loop for the stream's task: none may send past the gate
-            await asyncio.sleep(0)
-        assert not client.messages
-        client.gate.set()
-        await broker.publish(job.id, EventType.TOKEN, token("3"))
-        await broker.finish(job.id, "w", JobState.SUCCEEDED, result={}, usage={})
-
     client, _, raised, _ = await streamed(held_back)
     assert raised is None and client.messages[0]["type"] == "http.response.start"
     events = parsed(wire(client))
@@ -272,11 +258,6 @@ async def test_a_stream_whose_engine_takes_its_time_starts_when_the_wait_runs_ou
     assert parsed(wire(client))[-1]["type"] == "response.completed"
 
 
-async def _cancelled(broker: Any, job_id: str) -> bool:
-    job = await broker.get(job_id)
-    return job is not None and job.state is JobState.CANCELLED
-
-
 # --- through the gateway -------------------------------------------------------------------------
 
 
@@ -296,7 +277,7 @@ async def test_a_client_that_leaves_before_the_first_token_cancels_its_response_
         with contextlib.suppress(asyncio.CancelledError):
             await sending
         # Long before the accept wait's end: the stream's head no longer holds the job until then.
-        await wait_until(lambda: _cancelled(g.broker, job.id), 60.0)
+        await wait_until(lambda: cancelled(g.broker, job.id), 60.0)
         assert not engine.gate.is_set()
 
 
