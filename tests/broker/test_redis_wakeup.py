@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from sluice.broker import redis_work
 from sluice.broker.base import Broker
 from sluice.broker.memory import MemoryBroker
 from sluice.broker.redis import RedisBroker
@@ -18,6 +19,20 @@ from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
 from tests.broker.brokers import make_broker
 from tests.helpers import FakeClock, make_job, wait_until
+
+#: Redis's BZPOPMIN in these tests (CLAIM_BLOCK_S, 10 s, patched): what a claim not woken waits out
+BLOCK_S = 120.0
+#: how long the waiting claim waits at most: past the block
+CLAIM_WAIT_S = 300.0
+#: how long a woken claim may take to return its job, well under the block, so that a loaded
+#: machine cannot make a woken claim look like one that waited out its block
+WOKEN_S = 30.0
+assert WOKEN_S < BLOCK_S < CLAIM_WAIT_S
+
+
+@pytest.fixture(autouse=True)
+def long_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_work, "CLAIM_BLOCK_S", BLOCK_S)
 
 
 @pytest.fixture
@@ -48,9 +63,8 @@ async def test_a_capped_tenants_end_in_one_model_wakes_the_claim_of_its_held_job
         await broker.admit(running, capped)
         assert (await broker.claim("wa", ["a"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
         await broker.admit(held, capped)
-        # A claim of model b alone: it looks, finds only the held job, and waits (up to 30 s, past
-        # Redis's 10 s block).
-        waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=30.0))
+        # A claim of model b alone: it looks, finds only the held job, and waits (past Redis's block).
+        waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=CLAIM_WAIT_S))
         try:
             await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
             assert not waiting.done()
@@ -62,7 +76,7 @@ async def test_a_capped_tenants_end_in_one_model_wakes_the_claim_of_its_held_job
                 clock.advance(6)  # past its lease, no heartbeat: its one attempt fails
                 await broker.maintain()
                 assert (await broker.get(running.id)).state is JobState.FAILED  # type: ignore[union-attr]
-            claimed = await asyncio.wait_for(waiting, 5.0)
+            claimed = await asyncio.wait_for(waiting, WOKEN_S)
             assert claimed is not None and claimed.id == held.id
         finally:
             waiting.cancel()
@@ -81,14 +95,14 @@ async def test_a_raised_cap_wakes_the_claim_of_a_held_job_in_another_model(
         await broker.admit(running, TenantLimits("capped", max_concurrent=1))
         assert (await broker.claim("wa", ["a"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
         await broker.admit(held, TenantLimits("capped", max_concurrent=1))
-        waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=30.0))
+        waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=CLAIM_WAIT_S))
         try:
             await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
             assert not waiting.done()
             await broker.admit(
                 make_job(clock, model="a", tenant="capped"), TenantLimits("capped", max_concurrent=2)
             )
-            claimed = await asyncio.wait_for(waiting, 5.0)
+            claimed = await asyncio.wait_for(waiting, WOKEN_S)
             assert claimed is not None and claimed.id == held.id
         finally:
             waiting.cancel()
