@@ -176,13 +176,14 @@ def streamed_job(i: int) -> Job:
     return job
 
 
-async def _never() -> dict[str, Any]:
+async def never_received() -> dict[str, Any]:
+    """A server's ``receive`` for a client that sends nothing more and never leaves."""
     await asyncio.Future()
     raise AssertionError  # never reached
 
 
-class _Transport:
-    """The client's connection: keeps what is written."""
+class ClientTransport:
+    """The client's connection, as the server's transport: keeps what is written."""
 
     def __init__(self) -> None:
         self.written = bytearray()
@@ -221,7 +222,7 @@ async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
     the server's own ``send`` (uvicorn's, over the gateway's coalescing transport) on a connection
     that keeps the bytes; the body the client reads is appended to ``sent``."""
     await broker.admit(job)
-    transport = _Transport()
+    transport = ClientTransport()
     scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
     cycle = RequestResponseCycle(
         scope,
@@ -238,7 +239,7 @@ async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
     )
     payloads: AsyncIterator[str | bytes] = openai_stream(broker, job, include_usage=True)
     send: Any = cycle.send
-    await EventStream(payloads, {"x-sluice-job-id": job.id}, ping_s=0)(scope, _never, send)
+    await EventStream(payloads, {"x-sluice-job-id": job.id}, ping_s=0)(scope, never_received, send)
     await asyncio.sleep(0)  # the transport's last write, at the end of the turn
     sent.append(dechunked(bytes(transport.written)))
 

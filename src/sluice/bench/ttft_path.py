@@ -55,6 +55,7 @@ from sluice.api.relay import CLIENT_GONE
 from sluice.api.responses import stream_response
 from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
+from sluice.bench.memory_wakeup import ClientTransport, never_received
 from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
 from sluice.broker.base import EventType
@@ -243,35 +244,19 @@ def streamed_job() -> Job:
 _LOG = logging.getLogger("sluice.bench.ttft_path")
 
 
-class Connection:
+class Connection(ClientTransport):
     """The client's connection, as the server's transport: marks the first write that carries the
     first token's frame (``first``: chat's ``data:``, a Responses stream's first text delta, which
     come after its opening events), with the stream's head when they go out together."""
 
     def __init__(self, marks: Marks, first: bytes = b"data:") -> None:
+        super().__init__()
         self.marks, self.first = marks, first
 
     def write(self, data: bytes) -> None:
         # After the token: not the last writes of the job before, flushed a turn after its stream
         if self.first in data and "token" in self.marks.at and "frame" not in self.marks.at:
             self.marks.mark("frame")
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-async def _never() -> dict[str, Any]:
-    await asyncio.Future()
-    raise AssertionError  # never reached
 
 
 async def answered(broker: MemoryBroker, job: Job, marks: Marks, route: str = "chat") -> None:
@@ -301,7 +286,7 @@ async def answered(broker: MemoryBroker, job: Job, marks: Marks, route: str = "c
     else:
         stream = stream_answer(broker, job, headers, False, None, None, None)
     send: Any = cycle.send
-    await stream(scope, _never, send)
+    await stream(scope, never_received, send)
 
 
 async def one(broker: MemoryBroker, marks: Marks, route: str = "chat") -> dict[str, tuple[int, int, int]]:
