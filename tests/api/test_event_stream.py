@@ -1,4 +1,4 @@
-"""The SSE writer (sluice.api.relay.EventStream): frames, keep-alive comments, the stream's one
+"""The SSE writer (sluice.api.sse.EventStream): frames, keep-alive comments, the stream's one
 deadline, and a client that leaves, over plain ASGI callables."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sluice.api.relay import SSE_HEADERS, EventStream, sse_event, sse_frame
+from sluice.api.sse import SSE_HEADERS, EventStream, sse_event, sse_frame
 
 
 class Client:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from sluice.api.relay import EventStream, openai_stream
+from sluice.api.relay import openai_stream
+from sluice.api.sse import EventStream
 from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker

@@ -19,7 +19,7 @@ import pytest
 
 from sluice.api import openai as openai_api
 from sluice.api.errors import APIError
-from sluice.api.relay import CLIENT_GONE
+from sluice.api.sse import CLIENT_GONE
 from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker

@@ -34,7 +34,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sluice.api.auth import KeyRing, bearer, hash_key
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, gateway
-from sluice.api.relay import EventStream, EventStreamResponse, sse_event
+from sluice.api.sse import EventStream, EventStreamResponse, sse_event
 from sluice.dashboard_feed import DashboardFeed, FleetCollector
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)

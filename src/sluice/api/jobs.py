@@ -15,17 +15,9 @@ from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, KEYED, errors, events
-from sluice.api.relay import (
-    EventStream,
-    EventStreamResponse,
-    KeyRevoked,
-    bounded,
-    key_check,
-    revocable,
-    sse_event,
-    while_connected,
-)
+from sluice.api.relay import KeyRevoked, bounded, key_check, revocable, while_connected
 from sluice.api.schemas import JobRequest, SubmitRequest
+from sluice.api.sse import EventStream, EventStreamResponse, sse_event
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.protocol import plain_json
 from sluice.views import job_view

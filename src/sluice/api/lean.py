@@ -30,10 +30,11 @@ from sluice.api.auth import KeyRing
 from sluice.api.errors import APIError, internal_error
 from sluice.api.gateway import Gateway
 from sluice.api.openai import complete
-from sluice.api.relay import CLIENT_GONE, JSON_TYPE, EventStream, WholeAnswer
+from sluice.api.relay import JSON_TYPE, WholeAnswer
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.request_id import JOB_HEADER, new_request_id
 from sluice.api.schemas import READABLE, ChatRequest, CompletionRequest, SchedulingOptions, plainly_readable
+from sluice.api.sse import CLIENT_GONE, EventStream
 from sluice.broker.base import BrokerUnavailable
 from sluice.core.admission import Refused
 from sluice.core.job import Endpoint

@@ -20,18 +20,10 @@ from sluice.api.auth import Caller, Who
 from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
-from sluice.api.relay import (
-    ACCEPT_WAIT_S,
-    EventStream,
-    EventStreamResponse,
-    KeyCheck,
-    answer,
-    key_check,
-    openai_stream,
-    wait_for_client,
-)
+from sluice.api.relay import ACCEPT_WAIT_S, KeyCheck, answer, key_check, openai_stream, wait_for_client
 from sluice.api.request_id import HEADER as REQUEST_ID
 from sluice.api.schemas import ChatRequest, CompletionRequest, SchedulingOptions
+from sluice.api.sse import EventStream, EventStreamResponse
 from sluice.broker.base import Broker
 from sluice.core.job import Endpoint, Job
 from sluice.core.model_info import ModelInfo

@@ -32,8 +32,6 @@ from sluice.api.errors import APIError
 from sluice.api.gateway import Gateway, client_retry, gateway, rate_headers
 from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
-    EventStream,
-    EventStreamResponse,
     KeyCheck,
     KeyRevoked,
     bounded,
@@ -42,12 +40,11 @@ from sluice.api.relay import (
     failure,
     failure_of,
     key_check,
-    resumed,
     revocable,
-    sse_event,
     wait_for_client,
 )
 from sluice.api.schemas import PositiveTimeout
+from sluice.api.sse import EventStream, EventStreamResponse, resumed, sse_event
 from sluice.broker.base import Broker, EventType
 from sluice.core.job import Endpoint, Job, JobState
 from sluice.core.request import RequestRejected
@@ -164,7 +161,7 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 class ResponseStream:
     """The response's events with ``sequence_number`` > ``after``, as SSE events (bytes) for
-    :class:`~sluice.api.relay.EventStream`, made from the job's event log from its start (so that
+    :class:`~sluice.api.sse.EventStream`, made from the job's event log from its start (so that
     a replay numbers them as the first stream did): one :class:`ResponseEvents` fed every event
     of the job in order, first by the broker's calls back (:meth:`relay_tokens`), then by the
     iterator, which reads on after the last event fed.
@@ -284,7 +281,7 @@ class ResponseStream:
         self, send: Send, start: Message | None = None, began: Callable[[], None] | None = None
     ) -> None:
         """The wait of the stream's head (``start``, not sent yet) for the engine to take the job,
-        for :class:`~sluice.api.relay.EventStream`: on a broker with ``follow``, the head and the
+        for :class:`~sluice.api.sse.EventStream`: on a broker with ``follow``, the head and the
         first token's events are handed to ``send`` in the broker's call, ``began`` called first;
         elsewhere :func:`~sluice.api.relay.engine_accepted` reads the events (the iterator reads
         them again from the start: their numbering). Returns with the head unsent where the job

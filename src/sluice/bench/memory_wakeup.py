@@ -9,7 +9,7 @@ With ``--whole``, the whole per-token path of a streamed chat request instead, e
 two sockets: the engine's SSE bytes as the simulator writes them (``--per-read`` chunks in each
 read, one turn of the loop between reads) read by the engine client (``OpenAIBackend.stream``),
 assembled and published by a real :class:`~sluice.dispatcher.Dispatcher`, relayed by the route's
-own ``openai_stream`` and :class:`~sluice.api.relay.EventStream` to the server's ``send``
+own ``openai_stream`` and :class:`~sluice.api.sse.EventStream` to the server's ``send``
 (uvicorn's, over the gateway's coalescing transport) on a connection that keeps the bytes.
 Reported per token: the CPU time, the Python calls (function and C-function calls, counted by a
 profile hook in a second pass; a count the machine's load does not move), and a digest of the
@@ -39,7 +39,8 @@ import uvloop
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from sluice.api.relay import EventStream, openai_stream
+from sluice.api.relay import openai_stream
+from sluice.api.sse import EventStream
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.broker_cycles import MODEL, make_job, settings
 from sluice.bench.overhead_profile import function_name

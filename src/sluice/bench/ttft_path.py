@@ -8,7 +8,7 @@ load-independent as the calls: a wake-up of another task, or a task of aiohttp's
 The embedded broker, a dispatcher and the engine client (as ``sluice serve`` runs them, on uvloop)
 in this process, the simulator (``article`` preset) in its own; streamed jobs one at a time, each
 answered from its admission on by the chat route's own stream (:func:`sluice.api.openai.
-stream_answer`, the :class:`~sluice.api.relay.EventStream` it returns) to uvicorn's own ``send``
+stream_answer`, the :class:`~sluice.api.sse.EventStream` it returns) to uvicorn's own ``send``
 over the gateway's coalescing transport (:class:`~sluice.roles.http_limits.OneWrite`), with the
 server's client watch in the scope, as the route answers a client. Three steps:
 
@@ -51,8 +51,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from sluice.api.openai import stream_answer
-from sluice.api.relay import CLIENT_GONE
 from sluice.api.responses import stream_response
+from sluice.api.sse import CLIENT_GONE
 from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
 from sluice.bench.memory_wakeup import ClientTransport, never_received

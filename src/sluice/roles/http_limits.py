@@ -15,7 +15,7 @@ that never finish a request. The protocol below is uvicorn's own with the bounds
 - an idle keep-alive connection is closed after ``keep_alive_s`` (uvicorn's own timer).
 
 Each request's scope also carries a :class:`ClientGone` (``extensions["sluice.client_gone"]``,
-:data:`sluice.api.relay.CLIENT_GONE`): the app registers a callback that runs when the client leaves,
+:data:`sluice.api.sse.CLIENT_GONE`): the app registers a callback that runs when the client leaves,
 which watches a waiting request with no task or read of its own (``sluice.api.relay``).
 
 A refused client is answered, then the connection half-closed and drained for ``LINGER_S`` so that
@@ -32,7 +32,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from sluice.api.relay import CLIENT_GONE
+from sluice.api.sse import CLIENT_GONE
 from sluice.protocol import error_body
 
 #: How long a refused connection is drained before it is closed (seconds).
@@ -73,7 +73,7 @@ def _response(status: int, reason: str, message: str, code: str) -> bytes:
 
 class ClientGone:
     """Calls back when the client of one request has left (its connection lost, or its body too
-    slow) before the answer was complete: :class:`sluice.api.relay.ClientWatch`.
+    slow) before the answer was complete: :class:`sluice.api.sse.ClientWatch`.
 
     Attributes:
         cycle: uvicorn's request/response cycle of the request.
