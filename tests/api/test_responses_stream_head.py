@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import time
 from typing import Any
 
 import httpx
@@ -42,14 +41,19 @@ from tests.servers import run_app, run_gateway
 REFUSED = JobError("max_tokens is past the window", "invalid_request_error", "engine_rejected", "max_tokens")
 
 
+#: the broker's clock in every run (after the job's created_at below)
+STOPPED_AT = 1_700_000_100.0
+
+
 async def streamed(
     script: Script, *, follow: bool = True, background: bool = False, alive: bool = False
 ) -> tuple[Client, Job, BaseException | None, Slot]:
     """What the client got of a response's stream, made as the route makes it, while ``script``
     runs its job; the job at the end, the error the stream raised (if any), the slot."""
-    # The broker's clock stands still: the two runs a comparison reads (called back or not) end at
-    # the same completed_at, not a second apart where a second's boundary falls between them.
-    broker = MemoryBroker(dataclasses.replace(settings(), clock=FakeClock(time.time())))
+    # The broker's clock stands still, at the same moment in every run: the two runs a comparison
+    # reads (called back or not) end at the same completed_at. A clock started at time.time() in
+    # each run put them a second apart whenever a second's boundary fell between the two.
+    broker = MemoryBroker(dataclasses.replace(settings(), clock=FakeClock(STOPPED_AT)))
     async with broker:
         job = make_job(0)
         job.stream_tokens = True
