@@ -46,3 +46,13 @@ async def make_broker(name: str, request: pytest.FixtureRequest, clock: FakeCloc
         return MemoryBroker(make_settings(clock))
     server: RedisServer = request.getfixturevalue("redis_server")
     return RedisBroker(await empty_redis(server), make_settings(clock), spread=name == "redis-spread")
+
+
+async def claims_waiting(broker: Broker) -> int:
+    """How many claims wait for work: the memory broker's waiting futures, Redis's blocked clients."""
+    if isinstance(broker, MemoryBroker):
+        return len(broker._claimers)
+    assert isinstance(broker, RedisBroker)
+    info = await broker._batch.call(("INFO", "clients"))
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("blocked_clients:"))

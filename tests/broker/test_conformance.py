@@ -17,7 +17,7 @@ from sluice.core.admission import RETRY_SHARE, Refused
 from sluice.core.job import Job, JobError, JobState
 from sluice.core.model_info import ModelInfo
 from sluice.core.ratelimit import TenantLimits
-from tests.broker.brokers import make_broker
+from tests.broker.brokers import claims_waiting, make_broker
 from tests.helpers import FakeClock, make_job, wait_until
 
 W = "worker-1"
@@ -806,16 +806,6 @@ async def test_max_concurrent(broker: Broker, clock: FakeClock) -> None:
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == a2.id  # type: ignore[union-attr]
 
 
-async def _claims_waiting(broker: Broker) -> int:
-    """How many claims wait for work: the memory broker's waiting futures, Redis's blocked clients."""
-    if isinstance(broker, MemoryBroker):
-        return len(broker._claimers)
-    assert isinstance(broker, RedisBroker)
-    info = await broker._batch.call(("INFO", "clients"))
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("blocked_clients:"))
-
-
 async def _a_claim_waits_behind_a_capped_tenant(
     broker: Broker, clock: FakeClock
 ) -> tuple[Job, Job, asyncio.Task[Job | None]]:
@@ -828,7 +818,7 @@ async def _a_claim_waits_behind_a_capped_tenant(
     assert (await broker.claim(W, ["m"], timeout=1.0)).id == running.id  # type: ignore[union-attr]
     await broker.admit(held, capped)
     waiting = asyncio.create_task(broker.claim(W, ["m"], timeout=30.0))
-    await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
+    await wait_until(lambda: claims_waiting(broker), timeout=10.0)
     assert not waiting.done()
     return running, held, waiting
 

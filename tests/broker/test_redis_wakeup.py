@@ -12,12 +12,9 @@ import asyncio
 import pytest
 
 from sluice.broker import redis_work
-from sluice.broker.base import Broker
-from sluice.broker.memory import MemoryBroker
-from sluice.broker.redis import RedisBroker
 from sluice.core.job import JobState
 from sluice.core.ratelimit import TenantLimits
-from tests.broker.brokers import make_broker
+from tests.broker.brokers import claims_waiting, make_broker
 from tests.helpers import FakeClock, make_job, wait_until
 
 #: Redis's BZPOPMIN in these tests (CLAIM_BLOCK_S, 10 s, patched): what a claim not woken waits out
@@ -40,16 +37,6 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-async def _claims_waiting(broker: Broker) -> int:
-    """How many claims wait for work: the memory broker's waiting futures, Redis's blocked clients."""
-    if isinstance(broker, MemoryBroker):
-        return len(broker._claimers)
-    assert isinstance(broker, RedisBroker)
-    info = await broker._batch.call(("INFO", "clients"))
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("blocked_clients:"))
-
-
 @pytest.mark.parametrize("end", ["finish", "cancel", "lost"])
 @pytest.mark.parametrize("name", ["memory", "redis"])
 async def test_a_capped_tenants_end_in_one_model_wakes_the_claim_of_its_held_job_in_another(
@@ -66,7 +53,7 @@ async def test_a_capped_tenants_end_in_one_model_wakes_the_claim_of_its_held_job
         # A claim of model b alone: it looks, finds only the held job, and waits (past Redis's block).
         waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=CLAIM_WAIT_S))
         try:
-            await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
+            await wait_until(lambda: claims_waiting(broker), timeout=10.0)
             assert not waiting.done()
             if end == "finish":
                 await broker.finish(running.id, "wa", JobState.SUCCEEDED, result={})
@@ -97,7 +84,7 @@ async def test_a_raised_cap_wakes_the_claim_of_a_held_job_in_another_model(
         await broker.admit(held, TenantLimits("capped", max_concurrent=1))
         waiting = asyncio.create_task(broker.claim("wb", ["b"], timeout=CLAIM_WAIT_S))
         try:
-            await wait_until(lambda: _claims_waiting(broker), timeout=10.0)
+            await wait_until(lambda: claims_waiting(broker), timeout=10.0)
             assert not waiting.done()
             await broker.admit(
                 make_job(clock, model="a", tenant="capped"), TenantLimits("capped", max_concurrent=2)

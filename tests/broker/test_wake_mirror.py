@@ -25,12 +25,10 @@ import pytest
 
 from sluice.broker import redis_work
 from sluice.broker.base import Broker
-from sluice.broker.memory import MemoryBroker
-from sluice.broker.redis import RedisBroker
 from sluice.core.admission import Refused
 from sluice.core.job import Job, JobState
 from sluice.core.ratelimit import TenantLimits
-from tests.broker.brokers import make_broker
+from tests.broker.brokers import claims_waiting, make_broker
 from tests.helpers import FakeClock, make_job, wait_until
 
 W = "worker-1"
@@ -46,18 +44,8 @@ assert WOKEN_S < BLOCK_S < CLAIM_WAIT_S
 WAITS = "waits"
 
 
-async def _claims_waiting(broker: Broker) -> int:
-    """How many claims wait for work: the memory broker's waiting futures, Redis's blocked clients."""
-    if isinstance(broker, MemoryBroker):
-        return len(broker._claimers)
-    assert isinstance(broker, RedisBroker)
-    info = await broker._batch.call(("INFO", "clients"))
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("blocked_clients:"))
-
-
 async def _a_claim_waits(broker: Broker) -> bool:
-    return await _claims_waiting(broker) > 0
+    return await claims_waiting(broker) > 0
 
 
 class Mirror:
