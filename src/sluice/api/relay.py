@@ -214,9 +214,12 @@ async def _accepted_followed(follow: Any, broker: Broker, job: Job, within_s: fl
     return skipped
 
 
-def _ran_out(accepted: asyncio.Future[EventType | None]) -> None:
-    if not accepted.done():
-        accepted.set_result(None)
+def _ran_out(waiting: asyncio.Future[Any]) -> None:
+    """A wait's timer: the future settled with None (the wait ran out) unless an event, or the
+    waiter's cancellation, settled it first. One for every such wait (the responses stream's
+    too), so that a test counts the timers left by looking for this one callback."""
+    if not waiting.done():
+        waiting.set_result(None)
 
 
 #: the events that end :func:`engine_accepted`'s wait: the first token, the end (the job's answer,

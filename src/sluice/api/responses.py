@@ -348,7 +348,7 @@ class ResponseStream:
         stop = follow(self.job.id, self.fed, follower)
         if stop is None:
             return False
-        timer = None if wake.done() else loop.call_later(within_s, _ran_out, wake)
+        timer = None if wake.done() else loop.call_later(within_s, relay._ran_out, wake)
         try:
             await wake
         except BaseException:
@@ -368,11 +368,6 @@ class ResponseStream:
             self.refused = True
             raise await failure_of(self.broker, self.job)
         return True
-
-
-def _ran_out(wake: asyncio.Future[None]) -> None:
-    if not wake.done():
-        wake.set_result(None)
 
 
 def _write_now(send: Send, messages: list[Message]) -> Awaitable[None] | None:
