@@ -33,6 +33,7 @@ from tests.api.test_relay_direct import Unfollowed, token
 from tests.api.test_relay_stream_head import Client, Script, Slot, cancelled, head_waits, held_back
 from tests.api.test_responses import ScriptedEngine
 from tests.broker.brokers import empty_redis
+from tests.broker.test_memory_wait import live_timers
 from tests.helpers import FakeClock, wait_until
 from tests.redis_server import RedisServer
 from tests.servers import run_app, run_gateway
@@ -219,7 +220,10 @@ async def test_a_failure_before_the_first_token_raises_its_status_in_the_request
 
 
 async def test_a_client_that_leaves_before_the_first_token_cancels_the_response() -> None:
+    armed: list[int] = []
+
     async def leaves(broker: MemoryBroker, job: Job, client: Client) -> None:
+        armed.append(live_timers(relay._ran_out))  # the followed head's wait, as chat's
         client.watch.leave()
         await wait_until(lambda: cancelled(broker, job.id), 2.0)
 
@@ -227,6 +231,8 @@ async def test_a_client_that_leaves_before_the_first_token_cancels_the_response(
         client, job, raised, slot = await streamed(leaves, follow=follow)
         assert raised is None and not client.messages, follow
         assert job.state is JobState.CANCELLED and slot.released, follow
+        assert live_timers(relay._ran_out) == 0, follow  # the wait's timer went with it
+    assert armed == [1, 0]  # no follow: engine_accepted reads the events, no timer
 
 
 async def test_a_background_stream_whose_client_leaves_before_the_first_token_runs_on() -> None:
