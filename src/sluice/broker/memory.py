@@ -159,6 +159,13 @@ class MemoryBroker(Broker):
             t = self._tenants[name] = _Tenant()
         return t
 
+    def _keep_held(self, name: str, t: _Tenant) -> None:
+        """``_held`` brought up to date for ``name``: the rule is ``_Tenant.held_back``'s alone."""
+        if t.held_back:
+            self._held.add(name)
+        else:
+            self._held.discard(name)
+
     def _key_limiter(self, name: str, t: _Tenant, limits: TenantLimits | None) -> TenantLimiter:
         """The buckets of the key ``limits`` come from, brought to its limits as they are now; their
         levels stay through any change (a new key's buckets start full). Without limits, none."""
@@ -174,10 +181,7 @@ class MemoryBroker(Broker):
             self._at_cap.remove(name)
             if t.queued:
                 self._wake_claimers()
-        if cap is not None and t.queued + t.running > cap:
-            self._held.add(name)
-        else:
-            self._held.discard(name)
+        self._keep_held(name, t)
         bucket = limits.bucket_id
         limiter = t.limiters.get(bucket)
         if limiter is None:
@@ -215,11 +219,8 @@ class MemoryBroker(Broker):
         elif state is JobState.QUEUED:
             t.queued += 1
             self._queued += 1
-        if cap is not None:  # _Tenant.held_back, kept (an uncapped tenant's move reads no more)
-            if t.queued + t.running > cap:
-                self._held.add(job.tenant)
-            else:
-                self._held.discard(job.tenant)
+        if cap is not None:  # an uncapped tenant's move reads no more
+            self._keep_held(job.tenant, t)
         job.state = state
         if t.idle:
             del self._tenants[job.tenant]
@@ -285,9 +286,8 @@ class MemoryBroker(Broker):
         limiter.take(job.cost, now)
         tenant.queued += 1
         self._queued += 1
-        cap = tenant.max_concurrent
-        if cap is not None and tenant.queued + tenant.running > cap:
-            self._held.add(job.tenant)
+        if tenant.max_concurrent is not None:
+            self._keep_held(job.tenant, tenant)
         job.state = JobState.QUEUED
         rec = self._records[job.id] = JobRecord(job, bucket=None if limits is None else limits.bucket_id)
         self._tenant_jobs.setdefault(job.tenant, {})[job.id] = job.created_at
