@@ -216,14 +216,11 @@ class WorkMixin(RedisCore):
 
     def _claim_order(self, plans: list[ClaimPlan]) -> list[ClaimPlan]:
         """The order a claim round over several shards tries them in: a different one first at each
-        round, so that no shard's models always win; a shard known to be down last, so that one
-        failing by a timeout (a master that hangs rather than refuses) holds up none of the others."""
+        round, so that no shard's models always win. (A shard known down is not tried at all while
+        another one is up: the round passes it over, :meth:`_skip_down`.)"""
         turn = self._claim_turn
         self._claim_turn += 1
-        order = [plans[(turn + i) % len(plans)] for i in range(len(plans))]
-        if self._shard_outages:
-            order.sort(key=lambda p: self._shard_down(p.shard))
-        return order
+        return [plans[(turn + i) % len(plans)] for i in range(len(plans))]
 
     async def _claim_on(self, plan: ClaimPlan, worker_id: str, woken: int) -> Job | None:
         """Run the claim script on one shard until it leases a job or finds none."""
