@@ -47,7 +47,7 @@ class UpkeepMixin(WorkMixin, RedisCore):
             # others are served meanwhile; only a round that reached no shard raises.
             answered: list[Shard] = []
             failed: BrokerUnavailable | None = None
-            skipped = self._skip_down(shards) if len(shards) > 1 else set()
+            skipped = self._skip_down(shards)  # none of the only shard: it is tried, and raises
             for shard in shards:
                 if shard in skipped:
                     continue  # known down (a hung master costs a timeout a call): probed meanwhile
