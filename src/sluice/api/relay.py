@@ -9,7 +9,7 @@ import json
 import logging
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -403,7 +403,38 @@ MID_ANSWER = {
 _PASSED_OVER = frozenset(EventType) - {EventType.TOKEN, EventType.RETRY, EventType.DONE, EventType.ERROR}
 
 
-class OpenAIStream:
+class Payloads(Generic[T]):
+    """A stream's payloads read once, by one generator (:meth:`_read`, made on first use), and its
+    end's work (:meth:`_end`, once) done however it ends: read through, closed, or never read.
+    :class:`OpenAIStream`'s and :class:`~sluice.api.responses.ResponseStream`'s."""
+
+    _payloads: AsyncIterator[T] | None = None
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        # The generator itself: ``async for`` then resumes no coroutine of this class per payload.
+        if self._payloads is None:
+            self._payloads = self._read()
+        return self._payloads
+
+    async def __anext__(self) -> T:
+        return await anext(self.__aiter__())
+
+    def _read(self) -> AsyncIterator[T]:
+        raise NotImplementedError
+
+    async def _end(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Close the payloads; the end's work is done whether they were read or not."""
+        try:
+            if self._payloads is not None:
+                await self._payloads.aclose()  # type: ignore[attr-defined]
+        finally:
+            await self._end()
+
+
+class OpenAIStream(Payloads[str]):
     """:func:`openai_stream`'s payloads: an async iterator of each event's ``data``, which
     :meth:`relay_tokens` may take the first tokens of straight to the client.
 
@@ -437,16 +468,6 @@ class OpenAIStream:
         self.sent_tokens = False
         self.finished = False
         self._closed = False
-        self._payloads: AsyncIterator[str] | None = None
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        # The generator itself: ``async for`` then resumes no coroutine of this class per payload.
-        if self._payloads is None:
-            self._payloads = self._read()
-        return self._payloads
-
-    async def __anext__(self) -> str:
-        return await anext(self.__aiter__())
 
     async def _read(self) -> AsyncIterator[str]:
         try:
@@ -495,14 +516,6 @@ class OpenAIStream:
             await cancel_quietly(self.broker, self.job.id)
         if self.held is not None:
             await self.held.aclose()
-
-    async def aclose(self) -> None:
-        """Close the payloads; the end's work is done whether they were read or not."""
-        try:
-            if self._payloads is not None:
-                await self._payloads.aclose()  # type: ignore[attr-defined]
-        finally:
-            await self._end()
 
     async def relay_tokens(
         self, send: Send, start: Message | None = None, began: Callable[[], None] | None = None

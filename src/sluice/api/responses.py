@@ -34,6 +34,7 @@ from sluice.api.openapi import ADMIT, ANSWER, KEYED, errors, events
 from sluice.api.relay import (
     KeyCheck,
     KeyRevoked,
+    Payloads,
     bounded,
     cancel_quietly,
     engine_accepted,
@@ -159,7 +160,7 @@ def _sse(event: dict[str, Any]) -> bytes:
     return sse_event(plain_json(event), event=event["type"], id=str(event["sequence_number"]))
 
 
-class ResponseStream:
+class ResponseStream(Payloads[bytes]):
     """The response's events with ``sequence_number`` > ``after``, as SSE events (bytes) for
     :class:`~sluice.api.sse.EventStream`, made from the job's event log from its start (so that
     a replay numbers them as the first stream did): one :class:`ResponseEvents` fed every event
@@ -206,15 +207,6 @@ class ResponseStream:
         #: the job ended before its first token: the route answers its failure, no cancel due
         self.refused = False
         self._closed = False
-        self._payloads: AsyncIterator[bytes] | None = None
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        if self._payloads is None:
-            self._payloads = self._read()
-        return self._payloads
-
-    async def __anext__(self) -> bytes:
-        return await anext(self.__aiter__())
 
     def _feed(self, type: EventType, data: dict[str, Any]) -> list[dict[str, Any]]:
         """The response's events that one of the job's events makes."""
@@ -268,14 +260,6 @@ class ResponseStream:
         finally:
             if self.held is not None:
                 await self.held.aclose()
-
-    async def aclose(self) -> None:
-        """Close the payloads; the end's work is done whether they were read or not."""
-        try:
-            if self._payloads is not None:
-                await self._payloads.aclose()  # type: ignore[attr-defined]
-        finally:
-            await self._end()
 
     async def relay_tokens(
         self, send: Send, start: Message | None = None, began: Callable[[], None] | None = None
