@@ -206,9 +206,7 @@ class FairQueue:
             else:
                 # Kept for its finish tag, ahead of the virtual time: forgotten later, off the
                 # claim's path (forget_drained, from the broker's upkeep).
-                if t.drained_key is None or t.finish < t.drained_key:
-                    t.drained_key = t.finish
-                    heapq.heappush(self._drained, (t.finish, name))
+                self._list_drained(name, t)
         self.jobs -= 1
         self.tokens -= entry.cost
         return entry
@@ -222,14 +220,19 @@ class FairQueue:
                 t.jobs.remove(entry)
                 if not t.jobs:
                     del self._backlogged[tenant]
-                    if t.drained_key is None or t.finish < t.drained_key:
-                        t.drained_key = t.finish
-                        heapq.heappush(self._drained, (t.finish, tenant))
+                    self._list_drained(tenant, t)
                 t.tokens -= entry.cost
                 self.jobs -= 1
                 self.tokens -= entry.cost
                 return entry
         return None
+
+    def _list_drained(self, name: str, t: _Tenant) -> None:
+        """An entry in ``_drained`` for ``t``, drained, unless it has one at its finish tag or earlier
+        (``_Tenant.drained_key``: one entry a tenant)."""
+        if t.drained_key is None or t.finish < t.drained_key:
+            t.drained_key = t.finish
+            heapq.heappush(self._drained, (t.finish, name))
 
     def forget_drained(self) -> int:
         """Forget the tenants with no jobs whose finish tag the virtual time has reached for good:
