@@ -30,7 +30,15 @@ from sluice.core.response_request import RECORD_KEY
 from sluice.core.responses import response_object
 from tests.api.test_openai_gaps import fake_gateway
 from tests.api.test_relay_direct import Unfollowed, token
-from tests.api.test_relay_stream_head import Client, Script, Slot, cancelled, head_waits, held_back
+from tests.api.test_relay_stream_head import (
+    Client,
+    Script,
+    Slot,
+    cancelled,
+    failed_after_a_token,
+    head_waits,
+    held_back,
+)
 from tests.api.test_responses import ScriptedEngine
 from tests.broker.brokers import empty_redis
 from tests.broker.test_memory_wait import live_timers
@@ -128,11 +136,6 @@ async def answered_without_tokens(broker: MemoryBroker, job: Job, client: Client
 
 async def refused_before_its_first_token(broker: MemoryBroker, job: Job, client: Client) -> None:
     await broker.finish(job.id, "w", JobState.FAILED, error=REFUSED)
-
-
-async def failed_after_a_token(broker: MemoryBroker, job: Job, client: Client) -> None:
-    await broker.publish(job.id, EventType.TOKEN, token("a"))
-    await broker.finish(job.id, "w", JobState.FAILED, error=JobError("engine down", "server_error", "x"))
 
 
 SCRIPTS = (answered, retried_then_answered, answered_without_tokens, failed_after_a_token)
