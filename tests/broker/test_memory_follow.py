@@ -11,7 +11,8 @@ from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Job, JobState
 
 
-async def _running(broker: MemoryBroker) -> Job:
+async def running_job(broker: MemoryBroker) -> Job:
+    """A job admitted and claimed: running, its events queued (1) and started (2)."""
     job = make_job(0)
     await broker.admit(job)
     claimed = await broker.claim("w", [MODEL], timeout=1.0)
@@ -34,7 +35,7 @@ class Seen:
 async def test_a_follower_gets_the_events_published_and_those_to_come_as_events_reads_them() -> None:
     broker = MemoryBroker(settings())
     async with broker:
-        job = await _running(broker)  # queued (1), started (2)
+        job = await running_job(broker)  # queued (1), started (2)
         await broker.publish(job.id, EventType.TOKEN, {"choices": ["a"]})
         seen = Seen()
         stop = broker.follow(job.id, 1, seen)
@@ -53,7 +54,7 @@ async def test_a_follower_gets_the_events_published_and_those_to_come_as_events_
 async def test_a_follower_is_called_no_more_once_it_says_so_or_stops() -> None:
     broker = MemoryBroker(settings())
     async with broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         first = Seen(keep=1)
         assert broker.follow(job.id, 2, first) is not None
         await broker.publish(job.id, EventType.TOKEN, {"n": 1})
@@ -73,7 +74,7 @@ async def test_a_follower_is_called_no_more_once_it_says_so_or_stops() -> None:
 async def test_a_follower_that_raises_is_dropped_and_the_publisher_goes_on() -> None:
     broker = MemoryBroker(settings())
     async with broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         calls = []
 
         def broken(event_id: int, type: EventType, data: Any) -> bool:

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from sluice.bench.broker_cycles import MODEL, make_job, settings
+from sluice.bench.broker_cycles import settings
 from sluice.broker import memory
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
-from sluice.core.job import Job, JobState
+from sluice.core.job import JobState
+from tests.broker.test_memory_follow import running_job
 from tests.helpers import wait_until
 
 
@@ -27,21 +28,13 @@ def token(content: str) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]}
 
 
-async def _running(broker: MemoryBroker) -> Job:
-    job = make_job(0)
-    await broker.admit(job)
-    claimed = await broker.claim("w", [MODEL], timeout=1.0)
-    assert claimed is not None
-    return claimed
-
-
 async def _read(broker: MemoryBroker, job_id: str, after: int = 0) -> list[tuple[int, EventType, Any]]:
     return [(e.id, e.type, e.data) async for e in broker.events(job_id, after, timeout=0)]
 
 
 async def test_token_events_are_kept_where_the_collector_does_not_walk_them() -> None:
     async with MemoryBroker(settings()) as broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         followed: list[Any] = []
         broker.follow(job.id, 2, lambda _id, _type, data: followed.append(data) or True)
         published = [token(str(i)) for i in range(5)]
@@ -60,7 +53,7 @@ async def test_token_events_are_kept_where_the_collector_does_not_walk_them() ->
 
 async def test_a_token_marshal_cannot_take_is_kept_as_published() -> None:
     async with MemoryBroker(settings()) as broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         odd = {"choices": [{"index": 0, "delta": {"content": _Kind.A}}]}  # a str subclass
         await broker.publish(job.id, EventType.TOKEN, odd)
         entry = broker._records[job.id].events[-1]
@@ -75,7 +68,7 @@ async def test_events_read_across_the_pack_are_those_published(
     # odd: a token marshal cannot take packs the whole stream as JSON, the tokens kept as bytes too
     monkeypatch.setattr(memory, "PACK_AFTER_S", 0.0)
     async with MemoryBroker(settings()) as broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         await broker.publish(job.id, EventType.TOKEN, token("a"))
         if odd:
             await broker.publish(
@@ -100,7 +93,7 @@ async def test_events_read_across_the_pack_are_those_published(
 async def test_a_token_a_reader_waits_for_is_kept_as_the_object_it_reads() -> None:
     # a stream read through events (its key checked as it goes) would otherwise decode every token
     async with MemoryBroker(settings()) as broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         events = broker.events(job.id, 2)
         waiting = asyncio.ensure_future(anext(events))
         await wait_until(lambda: bool(broker._records[job.id].readers))  # the reader waits
@@ -129,7 +122,7 @@ async def test_a_token_a_reader_waits_for_is_kept_as_the_object_it_reads() -> No
 )
 async def test_a_token_reads_back_as_published_whatever_its_shape(data: dict[str, Any]) -> None:
     async with MemoryBroker(settings()) as broker:
-        job = await _running(broker)
+        job = await running_job(broker)
         await broker.publish(job.id, EventType.TOKEN, data)
         assert isinstance(broker._records[job.id].events[-1], bytes)
         (read,) = [d for _, t, d in await _read(broker, job.id) if t is EventType.TOKEN]
