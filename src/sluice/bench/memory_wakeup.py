@@ -218,17 +218,14 @@ def dechunked(written: bytes) -> bytes:
         at = end + 2 + size + 2
 
 
-async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
-    """One streamed job admitted, run by the dispatcher, relayed as the chat route relays it, to
-    the server's own ``send`` (uvicorn's, over the gateway's coalescing transport) on a connection
-    that keeps the bytes; the body the client reads is appended to ``sent``."""
-    await broker.admit(job)
-    transport = ClientTransport()
-    scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
-    cycle = RequestResponseCycle(
+def response_cycle(scope: Any, transport: Any) -> RequestResponseCycle:
+    """uvicorn's request cycle for ``scope`` as its server makes one (no access log, no default
+    headers, keep-alive), writing to ``transport`` through the gateway's coalescing ``OneWrite``;
+    called in the running loop."""
+    return RequestResponseCycle(
         scope,
         OneWrite(transport, asyncio.get_running_loop()),  # type: ignore[arg-type]
-        FlowControl(transport),  # type: ignore[arg-type]
+        FlowControl(transport),
         _LOG,
         _LOG,
         False,
@@ -238,6 +235,16 @@ async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
         True,
         lambda: None,
     )
+
+
+async def relay_one(broker: MemoryBroker, job: Job, sent: list[bytes]) -> None:
+    """One streamed job admitted, run by the dispatcher, relayed as the chat route relays it, to
+    the server's own ``send`` (uvicorn's, over the gateway's coalescing transport) on a connection
+    that keeps the bytes; the body the client reads is appended to ``sent``."""
+    await broker.admit(job)
+    transport = ClientTransport()
+    scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
+    cycle = response_cycle(scope, transport)
     payloads: AsyncIterator[str | bytes] = openai_stream(broker, job, include_usage=True)
     send: Any = cycle.send
     await EventStream(payloads, {"x-sluice-job-id": job.id}, ping_s=0)(scope, never_received, send)

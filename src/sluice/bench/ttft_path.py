@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import statistics
 import sys
@@ -47,22 +46,20 @@ from typing import IO, Any
 import aiohttp.client_proto
 import aiohttp.client_reqrep
 import uvloop
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from sluice.api.openai import stream_answer
 from sluice.api.responses import stream_response
 from sluice.api.sse import CLIENT_GONE
 from sluice.backends.http import EngineHTTP
 from sluice.backends.openai import OpenAIBackend
-from sluice.bench.memory_wakeup import ClientTransport, never_received
+from sluice.bench.memory_wakeup import ClientTransport, never_received, response_cycle
 from sluice.bench.overhead_profile import function_name
 from sluice.bench.spawn import spawn_sim, stop
 from sluice.broker.base import EventType
 from sluice.broker.memory import MemoryBroker
 from sluice.core.job import Endpoint, Job, JobState, new_job_id
 from sluice.dispatcher import Dispatcher
-from sluice.roles.http_limits import ClientGone, OneWrite
+from sluice.roles.http_limits import ClientGone
 
 MODEL = "sim"
 STEPS = (
@@ -241,9 +238,6 @@ def streamed_job() -> Job:
     )
 
 
-_LOG = logging.getLogger("sluice.bench.ttft_path")
-
-
 class Connection(ClientTransport):
     """The client's connection, as the server's transport: marks the first write that carries the
     first token's frame (``first``: chat's ``data:``, a Responses stream's first text delta, which
@@ -266,19 +260,7 @@ async def answered(broker: MemoryBroker, job: Job, marks: Marks, route: str = "c
     loop = asyncio.get_running_loop()
     connection = Connection(marks, b"output_text.delta" if route == "responses" else b"data:")
     scope: Any = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/chat/completions"}
-    cycle = RequestResponseCycle(
-        scope,
-        OneWrite(connection, loop),  # type: ignore[arg-type]
-        FlowControl(connection),  # type: ignore[arg-type]
-        _LOG,
-        _LOG,
-        False,
-        [],
-        asyncio.Event(),
-        False,
-        True,
-        lambda: None,
-    )
+    cycle = response_cycle(scope, connection)
     scope["extensions"] = {CLIENT_GONE: ClientGone(cycle, loop)}
     headers = {"x-sluice-job-id": job.id, "x-request-id": job.id}
     if route == "responses":
