@@ -310,16 +310,38 @@ async def test_a_cap_raised_by_a_refused_admission_wakes_the_claim_on_both(mirro
 async def test_the_end_of_a_capped_tenants_job_wakes_a_claim_on_its_held_jobs_other_model(
     mirror: Mirror,
 ) -> None:
-    """The cap is the tenant's over every model: its job running on model a holds back its job on
-    model b, and that job's claim (on b) is woken when the job on a ends. (Not on a spread queue:
-    there a and b are on shards of their own, and the cap counts per shard, docs/redis.md.)"""
+    """The cap is the tenant's over every model: its job running on one model holds back its job
+    on the other, and that job's claim (on its own model alone) is woken when the running job ends
+    (finished, cancelled, its lease lost on its last attempt: settle) or when an admission on the
+    other model raises the cap. (Not on a spread queue: there a and b are on shards of their own,
+    and the cap counts per shard, docs/redis.md.)"""
     m = mirror
     if "redis-spread" in m.brokers:
         pytest.skip("a spread queue's caps count per shard: b's job is not held back there")
     await m.admit("r", "c", CAP1, model="a")
     await m.claim("r")
-    await m.admit("h", "c", CAP1, model="b")
+    await m.admit("h1", "c", CAP1, model="b")
     await m.wait(["b"])
     await m.each(finish, "r")
-    await m.then("finish r on a", "h")
-    assert_mirrored(m, [("finish r on a", "h")])
+    await m.then("finish r on a", "h1")
+    await m.admit("h2", "c", CAP1, model="a")
+    await m.wait(["a"])
+    await m.each(cancel, "h1")
+    await m.then("cancel h1 on b", "h2")
+    await m.admit("h3", "c", CAP1, model="b")
+    await m.wait(["b"])
+    await m.lapse(6.0)  # h2's lease (5 s) lapses on its one attempt: it fails
+    await m.then("h2's lease lost on a", "h3")
+    await m.admit("h4", "c", CAP1, model="b")
+    await m.wait(["b"])
+    await m.admit("j", "c", TenantLimits("c", max_concurrent=2), model="a")
+    await m.then("admit j on a, cap raised to 2", "h4")
+    assert_mirrored(
+        m,
+        [
+            ("finish r on a", "h1"),
+            ("cancel h1 on b", "h2"),
+            ("h2's lease lost on a", "h3"),
+            ("admit j on a, cap raised to 2", "h4"),
+        ],
+    )
