@@ -37,9 +37,12 @@ async def test_waiters_that_gave_up_leave_the_others_waiting_for_the_end() -> No
     cancelled.cancel()
     await asyncio.sleep(0)
     assert not any(w.done() for w in waiters)
+    # Each waiter's bound is a timer of its own; the cancelled one took its timer with it.
+    assert live_timers(memory._gave_up) == 3
     await broker.finish(job.id, W, JobState.SUCCEEDED, result={})
     done = await asyncio.wait_for(asyncio.gather(*waiters), 5)
     assert [d.state for d in done if d is not None] == [JobState.SUCCEEDED] * 3
+    assert live_timers(memory._gave_up) == 0  # the end's waiters leave no timer armed
     assert cancelled.cancelled() and broker._records[job.id].enders is None
     ended = await broker.wait(job.id, 10)  # ended already: at once
     assert ended is not None and ended.state is JobState.SUCCEEDED

@@ -349,11 +349,16 @@ class MemoryBroker(Broker):
         if rec is None:
             return None
         if not rec.job.terminal:
+            # The bound as a timer that settles the end's future, not asyncio.timeout's
+            # cancellation of this task (its context manager, asyncio.current_task in Python, the
+            # task's cancel count, the CancelledError turned into a TimeoutError): every short
+            # request waits so once.
+            ended = rec.end()
+            timer = asyncio.get_running_loop().call_later(timeout, _gave_up, ended)
             try:
-                async with asyncio.timeout(timeout):
-                    await rec.end()
-            except TimeoutError:
-                pass
+                await ended
+            finally:
+                timer.cancel()
         return rec.job
 
     async def events(self, job_id: str, after: int = 0, timeout: float | None = None) -> AsyncIterator[Event]:
@@ -807,3 +812,10 @@ def _ran_out(waiting: asyncio.Future[bool]) -> None:
 
 def _unfollowed() -> None:
     """The stop of a follow that has ended already."""
+
+
+def _gave_up(ended: asyncio.Future[None]) -> None:
+    """:meth:`MemoryBroker.wait`'s timer: its wait ends (the job as it stands) unless the job's
+    end, or the waiter's cancellation, settled the future first."""
+    if not ended.done():
+        ended.set_result(None)
