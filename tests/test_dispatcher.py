@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sluice import dispatcher as dispatcher_module
 from sluice.backends.base import Backend, BackendError
 from sluice.broker.base import BrokerSettings, BrokerUnavailable
 from sluice.broker.memory import MemoryBroker
@@ -231,6 +232,51 @@ async def test_a_waiting_job_expires_at_its_deadline_and_can_be_cancelled() -> N
         done = await broker.wait(after.id, 10)
         assert done is not None and done.state is JobState.SUCCEEDED
         assert backend.started == [blocker.id, after.id]  # neither waiting job reached the engine
+    finally:
+        await dispatcher.stop()
+        await broker.close()
+
+
+def armed_deadlines() -> int:
+    """The running loop's timers still armed to end a running attempt at its deadline."""
+    loop: Any = asyncio.get_running_loop()
+    return sum(
+        not h.cancelled() and getattr(h, "_callback", None) is dispatcher_module._expire
+        for h in loop._scheduled
+    )
+
+
+async def test_a_running_job_expires_at_its_deadline_and_a_cancelled_one_leaves_no_deadline_armed() -> None:
+    backend = GatedBackend("a", tokens=None, models=["m"])
+    broker = MemoryBroker(BrokerSettings())
+    await broker.start()
+    dispatcher = Dispatcher(broker, [backend])
+    await dispatcher.start()
+    try:
+        late = make_job(timeout=0.3)
+        await broker.admit(late)
+        await wait_until(lambda: backend.started == [late.id])
+        assert armed_deadlines() == 1
+        expired = await broker.wait(late.id, 5)
+        assert expired is not None and expired.state is JobState.EXPIRED
+        assert expired.error is not None and expired.error.code == "deadline_exceeded"
+        await wait_until(lambda: late.id not in dispatcher.running)
+
+        cancelled = make_job(timeout=60)
+        await broker.admit(cancelled)
+        await wait_until(lambda: cancelled.id in backend.started)
+        await broker.cancel(cancelled.id)
+        await wait_until(lambda: cancelled.id not in dispatcher.running, timeout=5)
+        assert await _state(broker, cancelled) is JobState.CANCELLED
+        assert armed_deadlines() == 0  # the cancelled attempt took its deadline's timer with it
+
+        backend.gate.set()
+        done = make_job(timeout=60)
+        await broker.admit(done)
+        finished = await broker.wait(done.id, 10)
+        assert finished is not None and finished.state is JobState.SUCCEEDED
+        await wait_until(lambda: done.id not in dispatcher.running)
+        assert armed_deadlines() == 0
     finally:
         await dispatcher.stop()
         await broker.close()

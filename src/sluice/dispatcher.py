@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -357,8 +356,13 @@ class Dispatcher:
             self._tasks = [successor if t is task else t for t in self._tasks]
             task.set_name(f"job-{job.id}")
             self.running[job.id] = task
-            task.add_done_callback(functools.partial(self._forget, job.id))
-            await self._run(job)
+            # Forgotten as the run ends, in this task (it has run from the start: no cancellation
+            # can skip its code), rather than by a done callback (a partial, the callback and
+            # a turn of the loop for it, a job): nothing awaits between the two ends.
+            try:
+                await self._run(job, task)
+            finally:
+                self._forget(job.id, task)
             return
 
     def _adopt(self, job: Job) -> bool:
@@ -379,7 +383,6 @@ class Dispatcher:
         return True
 
     def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
-        # Here, not in the task: a task cancelled before its first step runs none of its own code.
         # Only this task's entries: the job may have been claimed again since (its lease lost).
         if self.running.get(job_id) is task:
             del self.running[job_id]
@@ -423,7 +426,9 @@ class Dispatcher:
 
     # --- one job ------------------------------------------------------------------------------
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, task: asyncio.Task[None]) -> None:
+        """Run ``job`` to its end in ``task``, the current one (its deadline cancels it)."""
+        loop = asyncio.get_running_loop()
         attempts = job.attempts
         unreached_since: float | None = None  # since when tries found no engine to connect to
         tried: set[str] = set()
@@ -435,13 +440,33 @@ class Dispatcher:
                 engine, backend = held.engine, held.engine.backend
                 try:
                     remaining = job.deadline - self.clock()
-                    async with asyncio.timeout(max(remaining, 0)):
+                    # asyncio.timeout's bound, without its steps (its context manager's two
+                    # coroutines, asyncio.current_task in Python, its states): the deadline's
+                    # timer cancels this task, and that cancellation, ours alone, is the
+                    # TimeoutError, as asyncio.timeout turns it into one.
+                    expired: list[bool] = []
+                    cancelling = task.cancelling()
+                    timer = loop.call_later(max(remaining, 0), _expire, task, expired)
+                    try:
                         # attempt.generate awaited here, not through a method of its own:
                         # every engine read resumes each coroutine frame between the task and
                         # the read, once per streamed token
                         assembler, limit_moved = await attempt.generate(self.broker, job, held)
-                        if limit_moved:
-                            self._capacity.set()
+                    except asyncio.CancelledError:
+                        # The deadline's, unless someone else cancelled the task too.
+                        if expired and task.uncancel() <= cancelling:
+                            raise TimeoutError from None
+                        raise
+                    except BaseException:
+                        if expired:  # the deadline's cancellation taken back: the error goes on
+                            task.uncancel()
+                        raise
+                    finally:
+                        timer.cancel()
+                    if expired:  # the attempt ended with its answer all the same
+                        task.uncancel()
+                    if limit_moved:
+                        self._capacity.set()
                 except BackendError as exc:
                     attempt.note_failure(engine, exc)
                     tried.add(engine.name)
@@ -716,3 +741,10 @@ def log_outcome(job: Job) -> None:
             }
         },
     )
+
+
+def _expire(task: asyncio.Task[None], expired: list[bool]) -> None:
+    """A job's deadline, come while its attempt runs: the attempt's task is cancelled (the
+    dispatcher's run turns that cancellation into the job's expiry)."""
+    expired.append(True)
+    task.cancel()
